@@ -1,0 +1,24 @@
+"""phalanx: data-parallel training for PyTorch.
+
+    import phalanx as px
+    px.init()
+    model, optimizer = px.prepare(model, optimizer, strategy="ddp")
+
+The public names are those of the user contract; everything else lives in private modules.
+"""
+
+from .runtime import barrier, device, init, is_main, local_rank, rank, shutdown, world_size
+from .prepare import clip_grad_norm_, no_sync, prepare, unwrap
+from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
+                   map_batches)
+from .planner import plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
+    "prepare", "no_sync", "clip_grad_norm_", "unwrap",
+    "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
+    "global_mean",
+    "plan",
+]

@@ -1,0 +1,7 @@
+"""`python -m phalanx ...` is the same as the `phalanx` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

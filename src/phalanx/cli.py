@@ -1,0 +1,54 @@
+"""The `phalanx` command: one sub-command a module.
+
+Each sub-command's module provides `add_arguments(parser)` and `main(args) -> int`; this file
+only wires them together, so a reader finds each command's flags beside its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "run": ("phalanx.launch", "start N workers per node through PyTorch's elastic agent"),
+    "plan": ("phalanx.planner.cli", "memory and time planner: will it fit, how fast, which strategy"),
+    "demo": ("phalanx.demo", "train a small model on embedded data (the README's first command)"),
+}
+
+
+class CommandError(Exception):
+    """A user error in a command's input: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx",
+        description="phalanx: data-parallel training for PyTorch (DDP and ZeRO-1/2/3).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._module.main(args) or 0)
+    except CommandError as exc:
+        print(f"phalanx {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

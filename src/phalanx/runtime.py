@@ -1,0 +1,228 @@
+"""The process world: who am I, how many are we, which device is mine.
+
+`init()` reads the environment that a launcher leaves behind and joins the process group:
+
+- `phalanx run` and `torchrun` set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
+- SLURM's `srun` sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_NODELIST (the
+  first host of the node list is the master);
+- with none of them the world is one process, and no process group is created at all, so the
+  same script runs unchanged under plain `python script.py`.
+
+This module is the only place that keeps process-wide state (the default group and the
+device). Everything else receives its process group explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
+    "default_group", "is_distributed", "LaunchEnv", "read_launch_env",
+]
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+    source: str  # "torchrun", "slurm" or "none"
+
+
+@dataclass
+class _State:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    initialized: bool = False
+    owns_group: bool = False  # True when init() created the group (so shutdown destroys it)
+
+
+_state = _State()
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[03-05,07],cpu1' -> 'gpu03'."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _int_env(env, name):
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def read_launch_env(env=None) -> LaunchEnv:
+    """Read rank and world from torchrun/`phalanx run` variables, else SLURM's, else a world of one."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        port = env.get("MASTER_PORT")
+        return LaunchEnv(
+            rank=_int_env(env, "RANK"),
+            world_size=_int_env(env, "WORLD_SIZE"),
+            local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job = env.get("SLURM_JOB_ID", "0")
+        port = env.get("MASTER_PORT") or str(20000 + int(job) % 20000 if job.isdigit() else 29500)
+        addr = env.get("MASTER_ADDR")
+        if addr is None and env.get("SLURM_NODELIST"):
+            addr = _first_slurm_host(env["SLURM_NODELIST"])
+        return LaunchEnv(
+            rank=_int_env(env, "SLURM_PROCID"),
+            world_size=_int_env(env, "SLURM_NTASKS"),
+            local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            master_addr=addr or "127.0.0.1",
+            master_port=int(port),
+            source="slurm",
+        )
+    return LaunchEnv(0, 1, 0, None, None, "none")
+
+
+def _pick_device(local_rank: int, backend: str | None) -> torch.device:
+    if backend != "gloo" and torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init(backend: str | None = None, timeout: float = 600.0) -> None:
+    """Join the job's process group (idempotent). With no launcher, a world of one.
+
+    `backend=None` picks NCCL when CUDA is available and gloo otherwise. `timeout` (seconds)
+    bounds every collective, so a rank that died turns into an error, not a hang.
+    If a process group already exists (a test harness or the user made one), it is adopted.
+    """
+    if _state.initialized:
+        return
+    if dist.is_available() and dist.is_initialized():
+        backend_in_use = dist.get_backend()
+        env = read_launch_env()
+        _state.rank = dist.get_rank()
+        _state.world_size = dist.get_world_size()
+        _state.local_rank = env.local_rank if env.source != "none" else 0
+        _state.device = _pick_device(_state.local_rank, backend_in_use)
+        _state.initialized = True
+        _state.owns_group = False
+        return
+    env = read_launch_env()
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        raise ValueError(f"invalid launch environment: rank {env.rank} of world size {env.world_size}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    _state.rank, _state.world_size, _state.local_rank = env.rank, env.world_size, env.local_rank
+    _state.device = _pick_device(env.local_rank, backend)
+    if env.world_size > 1:
+        if env.source == "slurm":
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        kwargs = {}
+        if backend == "nccl":
+            kwargs["device_id"] = _state.device
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+            **kwargs,
+        )
+        _state.owns_group = True
+    _state.initialized = True
+
+
+def _ensure():
+    if not _state.initialized:
+        init()
+
+
+def rank() -> int:
+    """This process's rank in the job (0 when not distributed)."""
+    _ensure()
+    return _state.rank
+
+
+def world_size() -> int:
+    """Number of processes in the job (1 when not distributed)."""
+    _ensure()
+    return _state.world_size
+
+
+def local_rank() -> int:
+    """This process's index on its own machine."""
+    _ensure()
+    return _state.local_rank
+
+
+def device() -> torch.device:
+    """`cuda:LOCAL_RANK` on a GPU machine, `cpu` otherwise."""
+    _ensure()
+    return _state.device
+
+
+def is_main() -> bool:
+    """True on rank 0: the process that should print, save exports and write reports."""
+    return rank() == 0
+
+
+def is_distributed() -> bool:
+    """True when there is more than one process and a process group to talk over."""
+    _ensure()
+    return _state.world_size > 1 and dist.is_initialized()
+
+
+def default_group():
+    """The job's process group (the WORLD group), or None in a world of one."""
+    return dist.group.WORLD if is_distributed() else None
+
+
+def barrier() -> None:
+    """Wait until every rank gets here. A no-op in a world of one."""
+    if is_distributed():
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[_state.device.index])
+        else:
+            dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group. Safe to call twice and in a world of one.
+
+    Ranks first meet at a barrier, so no rank tears its connections down while another still
+    talks to it; that ordering is what keeps gloo from aborting a peer at exit.
+    """
+    if not _state.initialized:
+        return
+    try:
+        if _state.owns_group and dist.is_initialized():
+            try:
+                barrier()
+            finally:
+                dist.destroy_process_group()
+    finally:
+        _state.__init__()

@@ -1,0 +1,53 @@
+"""The runtime reads launcher environments and runs as a world of one without any."""
+
+import subprocess
+import sys
+
+import pytest
+
+from phalanx.runtime import _first_slurm_host, read_launch_env
+
+
+def test_torchrun_environment():
+    env = read_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == \
+        (3, 8, 1, "10.0.0.1", 1234)
+    assert env.source == "torchrun"
+
+
+def test_slurm_environment_takes_the_first_node_as_master():
+    env = read_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                           "SLURM_NODELIST": "gpu[07-09,12],cpu1", "SLURM_JOB_ID": "4242"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 8, 1, "gpu07")
+    assert env.source == "slurm"
+    assert 20000 <= env.master_port < 40000
+
+
+@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[1-3]", "a1"),
+                                             ("x[003,5]", "x003"), ("h1,h2", "h1")])
+def test_slurm_node_lists(nodelist, first):
+    assert _first_slurm_host(nodelist) == first
+
+
+def test_no_launcher_is_a_world_of_one():
+    assert read_launch_env({}).world_size == 1
+
+
+def test_bad_rank_variable_names_it():
+    with pytest.raises(ValueError, match="RANK"):
+        read_launch_env({"RANK": "zero", "WORLD_SIZE": "2"})
+
+
+def test_plain_python_script_runs_as_one_process(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import phalanx as px\npx.init()\n"
+        "print('rank', px.rank(), 'of', px.world_size(), px.device(), px.is_main())\n"
+        "px.barrier(); px.shutdown(); px.shutdown()\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 of 1 cpu True" in out.stdout
