@@ -1,0 +1,109 @@
+"""Gradient buckets: flat buffers that hold many parameters' gradients.
+
+A bucket owns one flat tensor; each of its parameters' `.grad` is a view into it, so autograd
+accumulates straight into the buffer and a whole bucket is communicated with one collective,
+without copying gradients in or out. Buckets are filled in the order gradients become ready in
+backward, so the first bucket can be on the wire while autograd still computes the rest.
+
+The layout of a bucket's buffer:
+
+    [ param 0 | param 1 | ... | padding to a multiple of `pad_to` | used flags (optional) ]
+
+Padding lets a sharded strategy cut the buffer into `world_size` equal shards. The optional
+flags (one element per parameter: 1 where this rank produced a gradient) ride along in the same
+all-reduce, so after it every rank knows which parameters got no gradient on any rank, at no
+extra collective and no graph traversal. See [Note: gradients that never arrived] in reducer.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["GradBucket", "assign_buckets"]
+
+
+class GradBucket:
+    """The gradients of a fixed, ordered list of parameters, in one flat buffer."""
+
+    def __init__(self, index: int, params, pad_to: int = 1, with_flags: bool = False,
+                 dtype: torch.dtype | None = None):
+        self.index = index
+        self.params = list(params)
+        self.dtype = dtype or self.params[0].dtype
+        self.device = self.params[0].device
+        self.offsets = []
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+        self.padded_numel = math.ceil(offset / pad_to) * pad_to
+        self.with_flags = with_flags
+        self.total_numel = self.padded_numel + (len(self.params) if with_flags else 0)
+        self.buffer: torch.Tensor | None = None
+        self._views: list[torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.total_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self) -> None:
+        """Create the buffer (zeroed: padding and flags must start at zero)."""
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.total_numel, dtype=self.dtype, device=self.device)
+            self._views = [self.buffer[o:o + p.numel()].view_as(p)
+                           for o, p in zip(self.offsets, self.params)]
+
+    def free(self) -> None:
+        """Drop the buffer (ZeRO-2 keeps only the reduced shard between steps)."""
+        self.buffer = None
+        self._views = None
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter i's gradient, as a view into the buffer."""
+        return self._views[i]
+
+    def grads(self) -> torch.Tensor:
+        """The gradient part of the buffer, padding included, flags excluded."""
+        return self.buffer[:self.padded_numel]
+
+    def flags(self) -> torch.Tensor:
+        return self.buffer[self.padded_numel:]
+
+    def __repr__(self):
+        return (f"GradBucket({self.index}, {len(self.params)} params, {self.numel} elements, "
+                f"{self.dtype})")
+
+
+def assign_buckets(params, cap_bytes: int, first_cap_bytes: int, key=None):
+    """Split `params` (in the order their gradients are expected) into lists for buckets.
+
+    Parameters only share a bucket when `key(p)` agrees (dtype, device, optimizer group...).
+    The first bucket is small, so the first collective starts early in backward; the others
+    are capped at `cap_bytes`. A parameter larger than the cap gets a bucket of its own.
+    """
+    key = key or (lambda p: (p.dtype, p.device))
+    open_buckets: dict = {}
+    done: list[tuple[int, list]] = []  # (position of first param, params)
+    caps_used = 0
+    for position, p in enumerate(params):
+        k = key(p)
+        entry = open_buckets.get(k)
+        size = p.numel() * p.element_size()
+        if entry is not None:
+            start, members, nbytes, cap = entry
+            if nbytes + size > cap:
+                done.append((start, members))
+                entry = None
+        if entry is None:
+            cap = first_cap_bytes if caps_used == 0 else cap_bytes
+            caps_used += 1
+            entry = (position, [], 0, cap)
+        start, members, nbytes, cap = entry
+        members.append(p)
+        open_buckets[k] = (start, members, nbytes + size, cap)
+    done.extend((start, members) for start, members, _, _ in open_buckets.values())
+    done.sort(key=lambda item: item[0])
+    return [members for _, members in done]

@@ -1,0 +1,75 @@
+"""Dynamic loss scaling for fp16, without touching the user's loss.
+
+fp16 gradients underflow unless the loss is multiplied by a large factor before backward. The
+user's loop stays `loss.backward()`: instead of scaling the loss, the prepared model's outputs
+pass through `scale_gradients`, which is the identity forward and multiplies the gradient by
+the scale on its way back in. Every gradient inside the model is then scaled exactly as if the
+loss had been. The reduced fp32 gradients are unscaled once, when they are copied into the
+optimizer's fp32 master shards.
+
+The scale follows the usual schedule: halve it and skip the step when any rank saw an inf or
+NaN (one MAX all-reduce, so every rank skips the same steps), double it after `growth_interval`
+good steps in a row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import collectives as C
+
+__all__ = ["DynamicLossScaler", "scale_gradients"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_gradients(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return _ScaleGrad.apply(x, scale)
+
+
+class DynamicLossScaler:
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def found_inf(self, grads, group, device) -> bool:
+        """True when any rank's gradients hold an inf or NaN (agreed on by all ranks)."""
+        local = any(not torch.isfinite(g).all() for g in grads if g is not None)
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        if group is not None:
+            C.all_reduce_max(flag, group)
+        return bool(flag.item())
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale *= self.growth_factor
+                self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -1,0 +1,143 @@
+"""Overlapping gradient reduction with backward: hooks, launch order, end of backward.
+
+`GradReducer` is the mechanism that every strategy shares. It registers a post-accumulate-grad
+hook on each trainable parameter. When a parameter's gradient is complete, the hook moves it
+into its bucket (a view, so later micro-steps accumulate in place); when every gradient of a
+bucket is there, the bucket is handed to the strategy's `launch` (an asynchronous all-reduce or
+reduce-scatter) while autograd goes on with the rest of the graph. At the end of backward (a
+callback queued on the autograd engine) any bucket not yet launched is launched, every
+collective still in flight is waited for, and the strategy's `finish` turns each reduced bucket
+into what the optimizer reads. After `loss.backward()` returns, gradients are final.
+
+[Note: one launch order on every rank]
+Collectives on one process group must be issued in the same order by every rank. Gradients
+do not become ready in the same order everywhere (an unused branch on one rank, different
+control flow), so a bucket is launched only when it is complete AND every bucket before it has
+been launched; stragglers are launched, in bucket order, at the end of backward.
+
+[Note: gradients that never arrived]
+A parameter that got no gradient on this rank (unused this iteration, or its branch not taken)
+has no hook call. When its bucket is launched its slot is zeroed, so it counts as zero in the
+mean, exactly as in one process over the whole batch. Whether it got a gradient on ANY rank is
+learned from the flags that ride in the bucket (see buckets.py); a parameter that got none
+anywhere keeps `.grad = None`, as it would in a single process, so the optimizer skips it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch.autograd import Variable
+
+from .buckets import GradBucket
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    """Moves gradients into buckets as they become ready and reduces each bucket when complete.
+
+    `launch(bucket)` starts the bucket's collective and returns its work handle (or None);
+    `finish(bucket)` runs after the handle completed. `on_first_order(params)` is called once,
+    after the first backward, with the parameters in the order their gradients became ready.
+    """
+
+    def __init__(self, buckets: list[GradBucket], launch: Callable, finish: Callable,
+                 on_first_order: Callable | None = None):
+        self._launch_fn = launch
+        self._finish_fn = finish
+        self._on_first_order = on_first_order
+        self.sync = True
+        self._handles = []
+        self.set_buckets(buckets)
+        for bucket in buckets:
+            for p in bucket.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._ready_order: list | None = [] if on_first_order else None
+
+    def set_buckets(self, buckets: list[GradBucket]) -> None:
+        self.buckets = buckets
+        self._where = {p: (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._reset_iteration()
+
+    def _reset_iteration(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._seen: set[int] = set()
+        self._next = 0
+        self._in_flight: list[tuple[GradBucket, object]] = []
+        self._callback_queued = False
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients in the buckets without communicating."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket, i = self._where[param]
+        self._adopt_grad(bucket, i)
+        if not self.sync:
+            return
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        if id(param) in self._seen:  # a second backward through the same graph (reentrant)
+            return
+        self._seen.add(id(param))
+        if self._ready_order is not None:
+            self._ready_order.append(param)
+        self._ready[bucket.index] += 1
+        while (self._next < len(self.buckets)
+               and self._ready[self._next] == len(self.buckets[self._next].params)):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    @staticmethod
+    def _adopt_grad(bucket: GradBucket, i: int) -> None:
+        """Make parameter i's `.grad` the bucket's view, copying a freshly made gradient in."""
+        bucket.allocate()
+        param, view = bucket.params[i], bucket.view(i)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.allocate()
+        flags = []
+        for i, p in enumerate(bucket.params):
+            if p.grad is None:  # See [Note: gradients that never arrived]
+                bucket.view(i).zero_()
+                flags.append(0.0)
+            else:
+                self._adopt_grad(bucket, i)
+                flags.append(1.0)
+        if bucket.with_flags:
+            bucket.flags().copy_(torch.tensor(flags, dtype=bucket.dtype))
+        self._in_flight.append((bucket, self._launch_fn(bucket)))
+
+    def _end_of_backward(self) -> None:
+        # See [Note: one launch order on every rank]
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        for bucket, work in self._in_flight:
+            if work is not None:
+                work.wait()
+            self._finish_fn(bucket)
+        order = self._ready_order
+        self._reset_iteration()
+        if order is not None:
+            self._ready_order = None
+            self._on_first_order(order)

@@ -1,0 +1,274 @@
+"""Sharded data parallelism: ZeRO stages 1 and 2, and mixed-precision replication.
+
+One mechanism, several policies (ZeRO: Rajbhandari et al., 2020, arXiv:1910.02054).
+
+The model's trainable parameters are laid out in flat *units* (one per gradient bucket): each
+parameter becomes a view into its unit's flat parameter buffer, in the compute dtype. A unit's
+buffer is padded to a multiple of the world size and cut into equal shards; rank r owns shard r.
+The user's optimizer keeps its class, hyper-parameters and param groups, but its params become
+the fp32 *master* tensors of the shards this rank owns, so its state (Adam's moments...) exists
+for 1/N of the model only. This is exact for optimizers whose update is element-wise, which is
+why other optimizers are refused rather than silently stepped differently.
+
+Per step:
+  backward   gradients land in flat buckets (reducer.py) and each bucket is averaged over ranks
+             while backward goes on; the owned slice becomes the master's fp32 `.grad`.
+  step       the optimizer updates the masters; each unit's owned slice is written back into
+             the flat parameter buffer (cast to the compute dtype) and all-gathered.
+
+What the policies change is only what stays resident:
+
+  policy  optimizer state  gradients between steps        masters
+  ddp     full             full (bucket buffers kept)     full fp32 copy (mixed precision only)
+  zero1   1/N              full (bucket buffers kept)     1/N
+  zero2   1/N              1/N (bucket buffers freed)     1/N
+
+With fp32 compute the master is the owned slice of the flat parameter buffer itself (no copy),
+and for ddp/zero1 its gradient is the owned slice of the bucket (no copy either).
+
+Parameters of the model keep `.grad = None` after backward: the reduced gradients live in the
+masters. Use `px.clip_grad_norm_` (not torch's) to clip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from .buckets import GradBucket, assign_buckets
+from .loss_scaling import DynamicLossScaler
+from .reducer import GradReducer
+
+__all__ = ["ShardPolicy", "POLICIES", "Sharded", "ELEMENTWISE_OPTIMIZERS"]
+
+_FIRST_BUCKET_MB = 1.0
+
+# Optimizers whose update of each element depends only on that element's own gradient, state
+# and the group's hyper-parameters: stepping on flat shards gives bit-for-bit the same update.
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name) for name in
+    ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
+     "RMSprop", "Rprop") if hasattr(torch.optim, name))
+
+
+@dataclass(frozen=True)
+class ShardPolicy:
+    name: str
+    shard_optimizer: bool  # ZeRO-1: each rank keeps masters and optimizer state for its shard
+    shard_grads: bool      # ZeRO-2: each rank keeps only its shard's reduced gradients
+
+
+POLICIES = {
+    "ddp": ShardPolicy("ddp", shard_optimizer=False, shard_grads=False),
+    "zero1": ShardPolicy("zero1", shard_optimizer=True, shard_grads=False),
+    "zero2": ShardPolicy("zero2", shard_optimizer=True, shard_grads=True),
+}
+
+
+class _Unit:
+    """One flat run of parameters: their compute-dtype buffer, gradient bucket and master shard."""
+
+    def __init__(self, index, params, group_index, world, rank, sharded, compute_dtype):
+        self.params = params
+        self.group_index = group_index
+        self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
+                                 dtype=compute_dtype)
+        n = self.bucket.padded_numel
+        device = params[0].device
+        self.flat = torch.zeros(n, dtype=compute_dtype, device=device)
+        for p, offset in zip(params, self.bucket.offsets):
+            self.flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+        shard = n // world if sharded else n
+        self.lo, self.hi = (rank * shard, (rank + 1) * shard) if sharded else (0, n)
+        owned = self.flat[self.lo:self.hi]
+        self.master_is_view = compute_dtype == torch.float32
+        master = owned if self.master_is_view else owned.detach().float().clone()
+        self.master = torch.nn.Parameter(master)
+        self.master_grad: torch.Tensor | None = None  # persistent fp32 shard gradient, if needed
+
+
+class Sharded:
+    """Flat-parameter engine behind zero1, zero2 and mixed-precision ddp."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, group,
+                 policy: ShardPolicy, compute_dtype: torch.dtype = torch.float32,
+                 comm_dtype: torch.dtype | None = None, bucket_mb: float = 25.0,
+                 loss_scaler: DynamicLossScaler | None = None):
+        if optimizer is None:
+            raise ValueError(f"strategy/precision {policy.name!r} with low precision or sharding "
+                             "needs the optimizer: px.prepare(model, optimizer, ...)")
+        _check_elementwise(optimizer)
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.policy = policy
+        self.sharded = policy.shard_optimizer and self.world > 1
+        self.compute_dtype = compute_dtype
+        self.comm_dtype = comm_dtype if comm_dtype != compute_dtype else None
+        self.loss_scaler = loss_scaler
+        self.optimizer = optimizer
+        self.reduce_scatter = self.sharded and not C.backend_prefers_all_reduce(group)
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        group_of = _optimizer_groups(optimizer, params)
+        cap = int(bucket_mb * 2**20)
+        first_cap = min(cap, int(_FIRST_BUCKET_MB * 2**20))
+        ordered = list(reversed(params))  # backward produces gradients in about this order
+        itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        # Sizes in the compute dtype decide the buckets; optimizer groups never share a unit.
+        runs = assign_buckets(ordered, int(cap * 4 / itemsize) if itemsize < 4 else cap,
+                              int(first_cap * 4 / itemsize) if itemsize < 4 else first_cap,
+                              key=lambda p: (group_of[p], p.device))
+        self.units = [_Unit(i, run, group_of[run[0]], self.world, self.rank, self.sharded,
+                            compute_dtype) for i, run in enumerate(runs)]
+        self._comm: dict[int, torch.Tensor] = {}
+        self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish)
+
+        for g, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [u.master for u in self.units if u.group_index == g]
+        self._masters = {id(u.master) for u in self.units}
+        self._user_step = optimizer.step
+        optimizer.step = self.step  # instance attribute: the optimizer keeps its class
+
+    # -- backward ------------------------------------------------------------------------
+    def _launch(self, bucket: GradBucket):
+        if self.group is None:
+            return None
+        unit = self.units[bucket.index]
+        buf = bucket.grads()
+        if self.comm_dtype is not None:
+            buf = buf.to(self.comm_dtype)
+        if self.reduce_scatter:
+            out = torch.empty(unit.hi - unit.lo, dtype=buf.dtype, device=buf.device)
+            self._comm[bucket.index] = out
+            return C.reduce_scatter_mean(out, buf, self.group)
+        self._comm[bucket.index] = buf
+        return C.all_reduce_mean(buf, self.group)
+
+    def _finish(self, bucket: GradBucket) -> None:
+        unit = self.units[bucket.index]
+        reduced = self._comm.pop(bucket.index, None)
+        if reduced is None:
+            reduced = bucket.grads()
+        owned = reduced if self.reduce_scatter else reduced[unit.lo:unit.hi]
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # The master's gradient can be the owned slice of the bucket itself when the bucket is
+        # kept, already fp32, reduced in place and needs no unscaling.
+        if (not self.policy.shard_grads and not self.reduce_scatter and self.comm_dtype is None
+                and owned.dtype == torch.float32 and scale == 1.0):
+            unit.master.grad = owned
+        else:
+            if unit.master_grad is None:
+                unit.master_grad = torch.empty(unit.hi - unit.lo, dtype=torch.float32,
+                                               device=owned.device)
+            unit.master_grad.copy_(owned)
+            if scale != 1.0:
+                unit.master_grad.mul_(1.0 / scale)
+            unit.master.grad = unit.master_grad
+        for p in unit.params:
+            p.grad = None
+        if self.policy.shard_grads:
+            bucket.free()
+
+    # -- step ----------------------------------------------------------------------------
+    def _check_param_groups(self) -> None:
+        for param_group in self.optimizer.param_groups:
+            for p in param_group["params"]:
+                if id(p) not in self._masters:
+                    raise RuntimeError(
+                        "the optimizer holds a parameter that was added after px.prepare; "
+                        "add every parameter to the optimizer before calling px.prepare")
+
+    def step(self, closure=None):
+        self._check_param_groups()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.loss_scaler is not None:
+            found = self.loss_scaler.found_inf([u.master.grad for u in self.units], self.group,
+                                               self.units[0].flat.device)
+            self.loss_scaler.update(found)
+            if found:
+                return loss
+        self._user_step()
+        self._publish()
+        return loss
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Write the updated masters into the compute-dtype parameters on every rank."""
+        works = []
+        for unit in self.units:
+            if not unit.master_is_view:
+                unit.flat[unit.lo:unit.hi].copy_(unit.master)
+            if self.sharded:
+                works.append(C.all_gather_into(unit.flat, unit.flat[unit.lo:unit.hi], self.group,
+                                               async_op=True))
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def params_changed(self) -> None:
+        """Refresh the fp32 masters after the model's parameters were loaded or edited."""
+        for unit in self.units:
+            if not unit.master_is_view:
+                unit.master.copy_(unit.flat[unit.lo:unit.hi])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip with the global norm over all shards, computed once and shared by all ranks."""
+        grads = [u.master.grad for u in self.units if u.master.grad is not None]
+        device = self.units[0].flat.device
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
+            total = local.reshape(1).float()
+            if self.sharded:
+                C.all_reduce_max(total, self.group)
+        else:
+            local = sum((g.float().pow(norm_type).sum() for g in grads),
+                        torch.zeros((), device=device))
+            total = local.reshape(1)
+            if self.sharded:
+                C.all_reduce_sum(total, self.group)
+            total = total.pow(1.0 / norm_type)
+        total = total.reshape(())
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+
+def _check_elementwise(optimizer) -> None:
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(
+            f"{type(optimizer).__name__} is not an optimizer whose update is element-wise, so "
+            f"sharding or mixed precision would change its update; use one of {names}, or "
+            "strategy='ddp' with precision='fp32'")
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError("the optimizer has already stepped; call px.prepare before the first "
+                         "optimizer.step() (load optimizer state after px.prepare)")
+
+
+def _optimizer_groups(optimizer, params) -> dict:
+    """Map each trainable model parameter to its optimizer param group, checking both sides."""
+    model_params = {id(p) for p in params}
+    group_of = {}
+    for g, param_group in enumerate(optimizer.param_groups):
+        for p in param_group["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not a trainable parameter of the "
+                    "model; build the optimizer over model.parameters() of the model you prepare")
+            group_of[p] = g
+    missing = [p for p in params if p not in group_of]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} trainable parameter(s) of the model are not in the optimizer; add "
+            "them, or set requires_grad=False on the ones you do not train")
+    return group_of

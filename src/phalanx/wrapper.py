@@ -1,0 +1,91 @@
+"""The module `px.prepare` returns: the user's model plus what happens around each forward.
+
+Around the user's forward it keeps buffers equal across ranks (rank 0's, broadcast before each
+training forward, unless `broadcast_buffers=False`), casts floating inputs to the compute dtype
+and floating outputs back to fp32 under mixed precision, and under fp16 routes outputs through
+the loss scaler's gradient multiplier. Everything else (hooks, buckets, the optimizer) belongs
+to the strategy object it holds as `_engine`.
+
+Its `state_dict()` is the user's module's, without a `module.` prefix, so checkpoints move
+freely between prepared and plain models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .consistency import broadcast_tensors
+from .loss_scaling import scale_gradients
+
+__all__ = ["PreparedModule", "map_tensors"]
+
+
+def map_tensors(fn, obj):
+    """Apply `fn` to every tensor in a nest of tuples, lists, dicts and dataclass-like outputs."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    if isinstance(obj, dict):
+        mapped = {k: map_tensors(fn, v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return mapped
+        try:
+            return type(obj)(**mapped)  # output classes built from their fields
+        except TypeError:
+            out = type(obj)()
+            out.update(mapped)
+            return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+class PreparedModule(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, engine, group, *, broadcast_buffers: bool = True,
+                 compute_dtype: torch.dtype = torch.float32, loss_scaler=None):
+        super().__init__()
+        self.module = module
+        self._engine = engine
+        self._group = group
+        self._broadcast_buffers = broadcast_buffers and group is not None
+        self._compute_dtype = compute_dtype
+        self._loss_scaler = loss_scaler
+        self._buffers_to_sync = [b for b in module.buffers()] if self._broadcast_buffers else []
+
+    def forward(self, *args, **kwargs):
+        if self.training and self._buffers_to_sync:
+            broadcast_tensors(self._buffers_to_sync, self._group)
+        low = self._compute_dtype != torch.float32
+        if low:
+            cast_in = lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t  # noqa: E731
+            args, kwargs = map_tensors(cast_in, args), map_tensors(cast_in, kwargs)
+        out = self.module(*args, **kwargs)
+        if low:
+            out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
+        if self._loss_scaler is not None and torch.is_grad_enabled():
+            scale = self._loss_scaler.scale
+            out = map_tensors(
+                lambda t: scale_gradients(t, scale) if t.requires_grad else t, out)
+        return out
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        refresh = getattr(self._engine, "params_changed", None)
+        if refresh is not None:
+            refresh()
+        return result
