@@ -1,0 +1,64 @@
+"""`px.gather_for_metrics`: evaluation outputs of the whole dataset, each sample exactly once.
+
+    loader = px.data_loader(eval_set, batch_size=64, shuffle=False)
+    predictions = []
+    for x, y in loader:
+        predictions.append(px.gather_for_metrics(model(x).argmax(-1), loader))
+    predictions = torch.cat(predictions)   # len(eval_set) rows, in dataset order, on every rank
+
+Exactness comes from the loader, not from trimming here: `px.data_loader` never repeats a
+sample to even out the last batch, and gives every rank the same number of batches (a rank
+with nothing left gets an empty batch, see `phalanx.data.loader`). So concatenating every
+rank's outputs of each batch, in rank order, is already the dataset once; with
+`shuffle=False` it is also in dataset order. The loader argument is checked to be such a
+loader: a plain DataLoader over PyTorch's DistributedSampler pads by repeating samples, which
+would be counted twice.
+"""
+
+from __future__ import annotations
+
+import collections.abc as abc
+
+import torch
+
+from .. import runtime
+from .gather import gather
+from .loader import DistributedLoader
+
+__all__ = ["gather_for_metrics"]
+
+
+def gather_for_metrics(value, loader):
+    """This batch's outputs from every rank, concatenated in rank order (a collective).
+
+    `value` is a tensor whose first dimension is the batch (0-d tensors are stacked, one per
+    rank), a list of per-sample objects (lists are concatenated), or a tuple / dict / named
+    tuple of those, gathered field by field.
+    """
+    if not isinstance(loader, DistributedLoader):
+        raise TypeError(
+            f"px.gather_for_metrics needs the loader made by px.data_loader(...), got "
+            f"{type(loader).__name__}: other loaders may repeat samples to even out ranks, "
+            f"which would count them twice; build the evaluation loader with px.data_loader")
+    if loader.drop_last_step:
+        raise ValueError(
+            "px.gather_for_metrics over a loader with drop_last=True would miss the last "
+            "samples of the dataset: build the evaluation loader with drop_last=False")
+    return _gather_cat(value, runtime.default_group())
+
+
+def _gather_cat(value, group):
+    if isinstance(value, torch.Tensor):
+        parts = gather(value, group)
+        return torch.stack(parts) if value.dim() == 0 else torch.cat(parts)
+    if isinstance(value, abc.Mapping):
+        return type(value)({k: _gather_cat(v, group) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_gather_cat(v, group) for v in value))
+    if isinstance(value, tuple):
+        return tuple(_gather_cat(v, group) for v in value)
+    if isinstance(value, list):
+        return [item for part in gather(value, group) for item in part]
+    raise TypeError(
+        f"px.gather_for_metrics gathers tensors, lists, and tuples or dicts of them; got "
+        f"{type(value).__name__} (for any other object use px.gather)")

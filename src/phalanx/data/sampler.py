@@ -1,0 +1,258 @@
+"""The sampler: one global order per epoch, cut into global batches, each split across ranks.
+
+[Note: one global order]
+Each epoch has a single permutation of the dataset that depends on the seed and the epoch only,
+never on the world size. The order is cut into global batches of `world_size * batch_size`
+samples, and each global batch is split across ranks in rank order: rank r takes the r-th
+contiguous slice. Two things follow by construction:
+
+- with the same global batch, global step k holds the same samples at any world size, so
+  1 rank with batch 12 and 3 ranks with batch 4 train on the same stream;
+- how far an epoch has got is one number, the count of samples of the global order already
+  consumed. A state saved at one world size therefore resumes at any other with exactly the
+  samples not yet seen (from there on, the new global batch cuts the rest of the order).
+
+[Note: the tail of an epoch]
+With `drop_last=False` the last global batch may hold fewer samples `m` than `world_size *
+batch_size`. It is split as evenly as possible, in rank order (rank r gets `m // world_size`
+samples, plus one when `r < m % world_size`); no sample is repeated to fill it. Every rank
+still has the same number of batches per epoch, so no rank waits in a collective for a rank
+that has finished. When `m < world_size` some ranks' share of the last step is empty:
+`px.data_loader` then hands those ranks an empty batch (zero rows, the structure of an ordinary
+batch), which contributes nothing to a sum and nothing to `px.global_mean`. With
+`drop_last=True` the incomplete last global batch is left out on every rank.
+
+A plain `torch.utils.data.DataLoader(dataset, batch_size=B, sampler=sampler)` also works: the
+sampler then yields this rank's indices one by one and, with the default `batch_size=1`, rank r
+gets the samples r, r + W, r + 2W, ... of the global order, so each loader step still covers
+the same W * B samples of the order at any world size. Such a loader cannot produce empty
+batches, so with `drop_last=False` and a dataset length that does not divide evenly, ranks can
+end an epoch one batch apart; use `px.data_loader` (or `drop_last=True`) when every rank must
+take the same number of steps.
+
+[Note: counting consumed samples]
+The state records samples that reached the training loop, not indices handed to the loader:
+with `num_workers > 0` the loader fetches indices several batches ahead. `px.data_loader`
+reports each batch as it is yielded (`_batch_consumed`) and the end of a full pass
+(`_pass_finished`). Iterated on its own, the sampler counts the indices it yields, which is
+exact for a loader without workers and runs ahead by the prefetch with them.
+
+A complete pass advances the epoch by itself, so forgetting `set_epoch` does not replay the
+same order every epoch; calling `set_epoch(e)` before each epoch, as with PyTorch's sampler,
+gives the same result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Sampler
+
+from .. import runtime
+
+__all__ = ["DistributedSampler", "split_evenly", "check_batch_size"]
+
+_MASK64 = (1 << 64) - 1
+_STATE_VERSION = 1
+
+
+def check_batch_size(batch_size, name: str = "batch_size") -> int:
+    """Return `batch_size` if it is a positive int, else raise an error that says so."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{name} must be a positive integer (samples per rank), got "
+                         f"{batch_size!r}; pass e.g. {name}=8")
+    return batch_size
+
+
+def split_evenly(size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The [lo, hi) slice of `size` items that `rank` takes when they are shared in rank order.
+
+    Shares differ by at most one, earlier ranks taking the extra ones; a full global batch of
+    `world_size * b` items gives every rank exactly `b` consecutive items.
+    """
+    q, rem = divmod(size, world_size)
+    lo = rank * q + min(rank, rem)
+    return lo, lo + q + (1 if rank < rem else 0)
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """Mix seed and epoch into one 63-bit generator seed (splitmix64 finaliser).
+
+    A plain `seed + epoch` would make (seed 0, epoch 1) and (seed 1, epoch 0) the same order.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + epoch + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+class DistributedSampler(Sampler[int]):
+    """This rank's part of one world-size-independent order per epoch (see the module notes).
+
+        sampler = px.DistributedSampler(dataset, shuffle=True, seed=0, drop_last=False)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
+        # or, with equal step counts on every rank guaranteed: px.data_loader(dataset, 32)
+
+    `batch_size` (keyword, default 1) is the per-rank batch that splits each global batch; the
+    loader made by `px.data_loader` sets it. `rank` and `world_size` default to the job's.
+    """
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
+                 batch_size: int = 1, rank: int | None = None, world_size: int | None = None):
+        try:
+            self.dataset_length = len(dataset)
+        except TypeError:
+            raise TypeError(
+                f"DistributedSampler needs a dataset with a length (map-style), got "
+                f"{type(dataset).__name__}; for an IterableDataset use px.data_loader, which "
+                f"splits the stream across ranks itself") from None
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.batch_size = check_batch_size(batch_size)
+        self.world_size = runtime.world_size() if world_size is None else int(world_size)
+        self.rank = runtime.rank() if rank is None else int(rank)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self._start = 0          # position in the global order where the next pass begins
+        self._pass_start = 0     # ... where the pass in progress began
+        self._steps_done = 0     # global steps of the pass in progress that reached the loop
+        self._in_pass = False
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.world_size * self.batch_size
+
+    # -- the order -------------------------------------------------------------------------
+    def global_order(self, epoch: int | None = None) -> torch.Tensor:
+        """The epoch's order of dataset indices, the same on every rank and at any world size."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return torch.arange(self.dataset_length)
+        g = torch.Generator()
+        g.manual_seed(_epoch_seed(self.seed, epoch))
+        return torch.randperm(self.dataset_length, generator=g)
+
+    def _end(self, start: int) -> int:
+        """Where a pass that begins at `start` stops (drop_last leaves out an incomplete step)."""
+        n = self.dataset_length
+        if self.drop_last:
+            return start + (n - start) // self.global_batch_size * self.global_batch_size
+        return n
+
+    def num_steps(self) -> int:
+        """Global steps (batches per rank) in the next pass; the same on every rank."""
+        remaining = self._end(self._start) - self._start
+        return -(-remaining // self.global_batch_size)
+
+    def __len__(self) -> int:
+        """Indices this rank yields in the next pass."""
+        remaining = self._end(self._start) - self._start
+        full, tail = divmod(remaining, self.global_batch_size)
+        lo, hi = split_evenly(tail, self.world_size, self.rank)
+        return full * self.batch_size + hi - lo
+
+    def _pass(self):
+        """One pass from the current position: this rank's list of indices per global step.
+
+        Starting the generator marks the beginning of a pass; the caller reports progress.
+        """
+        start = self._start
+        order = self.global_order()
+        end = self._end(start)
+        self._pass_start, self._steps_done, self._in_pass = start, 0, True
+        for pos in range(start, end, self.global_batch_size):
+            size = min(self.global_batch_size, end - pos)
+            lo, hi = split_evenly(size, self.world_size, self.rank)
+            yield order[pos + lo:pos + hi].tolist()
+
+    def __iter__(self):
+        for batch in self._pass():
+            self._steps_done += 1  # See [Note: counting consumed samples]
+            yield from batch
+        self._pass_finished()
+
+    def batches(self):
+        """A batch sampler over this sampler: yields this rank's list of indices per step."""
+        return _BatchView(self)
+
+    # -- progress, reported by the loader ---------------------------------------------------
+    def _batch_consumed(self) -> None:
+        self._steps_done += 1
+
+    def _pass_finished(self) -> None:
+        self.epoch += 1
+        self._start = self._pass_start = self._steps_done = 0
+        self._in_pass = False
+
+    def position(self) -> int:
+        """Samples of the current epoch's global order consumed so far (by all ranks)."""
+        if not self._in_pass:
+            return self._start
+        return min(self._pass_start + self._steps_done * self.global_batch_size,
+                   self._end(self._pass_start))
+
+    # -- epochs and state -------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next pass follows.
+
+        Setting the epoch the sampler is already in keeps its position, so the usual
+        `set_epoch(epoch)` at the top of the epoch loop does not undo a resume.
+        """
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch, self._start, self._in_pass = epoch, 0, False
+
+    def state_dict(self) -> dict:
+        """Epoch and samples consumed: enough to resume at the next sample at any world size.
+
+        Needs no communication, so it may be called on one rank only.
+        """
+        return {"version": _STATE_VERSION, "epoch": self.epoch, "consumed": self.position(),
+                "dataset_length": self.dataset_length, "seed": self.seed,
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume where `state` was taken: the next pass starts at the next unseen sample."""
+        missing = {"epoch", "consumed", "dataset_length", "seed", "shuffle"} - set(state)
+        if missing:
+            raise ValueError(f"not a DistributedSampler state: missing {sorted(missing)}")
+        if state["dataset_length"] != self.dataset_length:
+            raise ValueError(
+                f"sampler state was saved for a dataset of {state['dataset_length']} samples, "
+                f"but this sampler's dataset has {self.dataset_length}: load it into a sampler "
+                f"over the same dataset (or start this dataset's sampler from scratch)")
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"sampler state was saved with seed={state['seed']}, but this sampler has "
+                f"seed={self.seed}: the orders differ, so build the sampler with "
+                f"seed={state['seed']} to resume")
+        if bool(state["shuffle"]) != self.shuffle:
+            raise ValueError(
+                f"sampler state was saved with shuffle={state['shuffle']}, but this sampler has "
+                f"shuffle={self.shuffle}: build it with shuffle={state['shuffle']} to resume")
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= self.dataset_length:
+            raise ValueError(f"sampler state has consumed={consumed}, outside the dataset's "
+                             f"{self.dataset_length} samples")
+        self.epoch, self._start = int(state["epoch"]), consumed
+        self._pass_start, self._steps_done, self._in_pass = consumed, 0, False
+
+
+class _BatchView(Sampler[list]):
+    """The sampler seen as a batch sampler: the loader's `batch_sampler`.
+
+    It does not count progress itself: the loader does, as batches reach the training loop.
+    """
+
+    def __init__(self, sampler: DistributedSampler):
+        self.sampler = sampler
+
+    def __iter__(self):
+        return self.sampler._pass()
+
+    def __len__(self) -> int:
+        return self.sampler.num_steps()

@@ -1,0 +1,145 @@
+"""Evaluation and inference on real processes: gather_for_metrics returns the whole dataset
+once, map_batches returns every result in order, and bad input fails on every rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+import phalanx as px
+from phalanx.testing import run_ranks
+
+LENGTHS = (1, 7, 10, 64)
+
+
+class Samples(Dataset):
+    """Sample i: a feature row, a label and a name, so outputs can be checked per sample."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([float(i), 2.0 * i]), "label": i % 3, "name": f"s{i}"}
+
+
+def _model(x):
+    return x @ torch.tensor([[1.0, 0.5], [0.25, -1.0]])
+
+
+def _ranks_evaluate(world):
+    out = {}
+    for n in LENGTHS:
+        for b in (1, 3):
+            for shuffle in (False, True):
+                loader = px.data_loader(Samples(n), b, shuffle=shuffle)
+                outputs, labels, names, steps = [], [], [], 0
+                for batch in loader:
+                    steps += 1
+                    assert batch["x"].shape[1:] == (2,)  # empty batches keep their shape
+                    pair = px.gather_for_metrics((_model(batch["x"]), batch["label"]), loader)
+                    outputs.append(pair[0])
+                    labels.append(pair[1])
+                    names.extend(px.gather_for_metrics(batch["name"], loader))
+                out[n, b, shuffle] = (torch.cat(outputs), torch.cat(labels), names, steps)
+    # px.gather: ragged tensors, 0-d tensors, bools and objects, in rank order
+    r = px.rank()
+    out["gather"] = (px.gather(torch.arange(r * 2.0).reshape(r, 2)), px.gather(torch.tensor(r)),
+                     px.gather(torch.tensor([r % 2 == 0])), px.gather({"rank": r}))
+    # map_batches: every length, results in order on every rank, or on rank 0 only
+    out["map"] = {n: px.map_batches(lambda items: [i * i for i in items], list(range(n)), 3)
+                  for n in (0,) + LENGTHS}
+    out["map_main"] = px.map_batches(lambda items: [str(i) for i in items], range(5), 2,
+                                     main_only=True)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gather_for_metrics_and_map_batches(world):
+    results = run_ranks(_ranks_evaluate, world, args=(world,), timeout=120)
+    for n in LENGTHS:
+        data = Samples(n)
+        x = torch.stack([data[i]["x"] for i in range(n)])
+        reference = _model(x)  # one process over the whole dataset
+        for b in (1, 3):
+            for shuffle in (False, True):
+                steps = {r[n, b, shuffle][3] for r in results}
+                assert steps == {-(-n // (b * world))}
+                for r in results:  # the same answer on every rank
+                    outputs, labels, names, _ = r[n, b, shuffle]
+                    assert outputs.shape == (n, 2) and len(labels) == n and len(names) == n
+                    ids = outputs[:, 0].div(1.5).round().long()  # x_i = (i, 2i) -> out_i[0] = 1.5 i
+                    if not shuffle:
+                        assert ids.tolist() == list(range(n))
+                    assert sorted(ids.tolist()) == list(range(n))  # each sample exactly once
+                    torch.testing.assert_close(outputs, reference[ids])
+                    assert labels.tolist() == [i % 3 for i in ids.tolist()]
+                    assert names == [f"s{i}" for i in ids.tolist()]
+
+    for rank, r in enumerate(results):
+        ragged, scalars, flags, objects = r["gather"]
+        assert [t.tolist() for t in ragged] == [
+            torch.arange(q * 2.0).reshape(q, 2).tolist() for q in range(world)]
+        assert [t.item() for t in scalars] == list(range(world))
+        assert [t.tolist() for t in flags] == [[q % 2 == 0] for q in range(world)]
+        assert objects == [{"rank": q} for q in range(world)]
+        assert r["map"] == {n: [i * i for i in range(n)] for n in (0,) + LENGTHS}
+        assert r["map_main"] == ([str(i) for i in range(5)] if rank == 0 else None)
+
+
+def _expect_error(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test looks at the message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _ranks_bad_input():
+    ds = Samples(10)
+    errors = {}
+    errors["batch 0"] = _expect_error(px.data_loader, ds, 0)
+    errors["sampler batch 0"] = _expect_error(px.DistributedSampler, ds, batch_size=0)
+    errors["map batch 0"] = _expect_error(px.map_batches, lambda b: b, [1, 2], 0)
+    state = px.data_loader(ds, 2).sampler.state_dict()
+    errors["other length"] = _expect_error(px.data_loader(Samples(11), 2).sampler.load_state_dict,
+                                           state)
+    errors["other seed"] = _expect_error(px.data_loader(ds, 2, seed=1).sampler.load_state_dict,
+                                         state)
+    plain = DataLoader(ds, batch_size=2)
+    errors["foreign loader"] = _expect_error(px.gather_for_metrics, torch.zeros(2), plain)
+    errors["dropping loader"] = _expect_error(
+        px.gather_for_metrics, torch.zeros(2), px.data_loader(ds, 2, drop_last=True))
+    # a failure inside fn on one rank reaches every rank instead of hanging the others
+    def fails_on_last_rank(items):
+        if px.rank() == px.world_size() - 1:
+            raise KeyError("broken item")
+        return items
+    errors["fn fails"] = _expect_error(px.map_batches, fails_on_last_rank, list(range(9)), 2)
+    errors["ragged dims"] = _expect_error(px.gather, torch.zeros(1, px.rank() + 1))
+    # the ranks are still in step: a collective after all of that completes
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return errors, t.item()
+
+
+def test_bad_input_is_a_clear_error_on_every_rank():
+    results = run_ranks(_ranks_bad_input, 3, timeout=60)
+    expected = {
+        "batch 0": "batch_size must be a positive integer",
+        "sampler batch 0": "batch_size must be a positive integer",
+        "map batch 0": "batch_size must be a positive integer",
+        "other length": "dataset of 10 samples, but this sampler's dataset has 11",
+        "other seed": "saved with seed=0, but this sampler has seed=1",
+        "foreign loader": "needs the loader made by px.data_loader",
+        "dropping loader": "drop_last=False",
+        "fn fails": "failed on rank(s) [2]",
+        "ragged dims": "differ beyond the first dimension",
+    }
+    for errors, total in results:
+        assert total == 3.0
+        for key, text in expected.items():
+            assert errors[key] is not None and text in errors[key], (key, errors[key])
+    assert "KeyError: 'broken item'" in results[0][0]["fn fails"]
