@@ -44,6 +44,8 @@ gives the same result.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch.utils.data import Sampler
 
@@ -105,8 +107,9 @@ class DistributedSampler(Sampler[int]):
                 f"DistributedSampler needs a dataset with a length (map-style), got "
                 f"{type(dataset).__name__}; for an IterableDataset use px.data_loader, which "
                 f"splits the stream across ranks itself") from None
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        seed = int(seed)
         self.batch_size = check_batch_size(batch_size)
         self.world_size = runtime.world_size() if world_size is None else int(world_size)
         self.rank = runtime.rank() if rank is None else int(rank)
