@@ -254,6 +254,32 @@ def test_every_input_rank_and_option_of_batchnorm():
                 _assert_close(state[name], value, 1e-12, f"{what} {name}")
 
 
+def _two_groups():
+    pair, single = dist.new_group([0, 1]), dist.new_group([2])
+    group = pair if px.rank() < 2 else single
+    layer = convert_sync_batchnorm(_new_layer(nn.BatchNorm2d, {}, (3, 2, 2)), group=group)
+    x, w = _layer_batch((3, 2, 2), 0)
+    x = x[px.rank() * 2:px.rank() * 2 + 2].requires_grad_()
+    y = layer(x)
+    (y * w[px.rank() * 2:px.rank() * 2 + 2]).sum().backward()
+    return y.detach(), x.grad, layer.running_var
+
+
+def test_an_explicit_group_synchronizes_only_its_ranks():
+    """Ranks 0 and 1 share a group; rank 2 is a group of one and normalises alone."""
+    results = run_ranks(_two_groups, 3, timeout=60)
+    x, w = _layer_batch((3, 2, 2), 0)
+    for ranks in ([0, 1], [2]):
+        ref = _new_layer(nn.BatchNorm2d, {}, (3, 2, 2))
+        xs = x[ranks[0] * 2:ranks[-1] * 2 + 2].clone().requires_grad_()
+        y = ref(xs)
+        (y * w[ranks[0] * 2:ranks[-1] * 2 + 2]).sum().backward()
+        _assert_close(torch.cat([results[r][0] for r in ranks]), y, 1e-12, f"{ranks} output")
+        _assert_close(torch.cat([results[r][1] for r in ranks]), xs.grad, 1e-12, f"{ranks} dx")
+        for r in ranks:
+            _assert_close(results[r][2], ref.running_var, 1e-12, f"{ranks} running_var")
+
+
 def _offset_and_low_precision():
     out = {}
     g = torch.Generator().manual_seed(7)
