@@ -1,5 +1,13 @@
-"""`phalanx plan`: memory and time planner."""
+"""The memory and time planner: `px.plan(...)` and `phalanx plan`.
 
+Will a model train data-parallel on these devices, with which strategy, and how fast? The
+answer is arithmetic over a description of the model (a parameter count, a Hugging Face style
+config, or a module built on the meta device): ZeRO's model-state layout (memory.py), the
+activation formula of Korthikanti et al. or a traced forward (transformer.py, trace.py), ring
+communication volumes and a compute/overlap model (comm.py). No process group, no GPU.
+"""
 
-def plan(*_a, **_k):
-    raise NotImplementedError("phalanx.planner is not written yet")
+from .api import plan
+from .report import PlanResult, StrategyPlan
+
+__all__ = ["plan", "PlanResult", "StrategyPlan"]

@@ -1,0 +1,256 @@
+"""`px.plan(...)`: will it fit, how fast will it run, which strategy to use.
+
+    import phalanx as px
+    result = px.plan(params=8e9, gpus=8, gpu_memory="80GB", precision="fp32")
+    print(result)                      # the table `phalanx plan` prints
+    result["zero3"].total_bytes        # per-device bytes
+    result.to_dict()                   # the JSON of `phalanx plan --json`
+
+Pure arithmetic over a model description (model_desc.py): no process group, no GPU, and a
+module is only ever built on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .comm import collectives, step_time
+from .hardware import LINKS, gpu_spec
+from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
+                     optimizer_state_elements)
+from .model_desc import ModelDesc, describe, input_from_shape
+from .report import PlanResult, StrategyPlan
+from .sizes import GB, format_bytes, parse_bandwidth, parse_bytes
+from .trace import trace_module
+from .transformer import nominal_shape
+
+__all__ = ["plan"]
+
+_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16,
+           "fp16-mixed": torch.float16}
+_COMM_DTYPES = {None: None, "none": None, "bf16": 2, "fp16": 2, "fp32": 4,
+                torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+
+
+def _choice(value, choices, what):
+    key = str(value).strip().lower()
+    if key not in choices:
+        raise ValueError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+    return key
+
+
+def _positive_int(value, what):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
+         gpu: str = "h100", gpu_memory=None, peak_tflops: float | None = None, mfu: float = 0.4,
+         strategy: str = "all", precision: str = "bf16-mixed", optimizer: str = "adamw",
+         batch: int = 1, seq: int | None = None, grad_accum: int = 1,
+         activation_checkpointing: bool = False, intra_node_bw="nvlink4",
+         inter_node_bw="ib-400g", bucket_mb: float = 25.0, comm_dtype=None,
+         attention: str = "eager", backend: str = "nccl", input_shape=None,
+         input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB") -> PlanResult:
+    """Plan data-parallel training of a model; see the module docstring.
+
+    The model is one of: `params` (a count such as 8e9 or "7.5B"), `config` (a Hugging Face style
+    config dict or config.json path), or `model` (an nn.Module, a factory callable, a
+    "PATH:FUNCTION" string, or any of the former). `gpus` is per node; the data-parallel world
+    is gpus x nodes. `batch` is the micro-batch per device, `seq` its sequence length.
+    Raises ValueError with a one-line message for bad input.
+    """
+    desc = describe(model, params=params, config=config,
+                    make_input=input_from_shape(input_shape, input_dtype) if input_shape else None)
+    gpus, nodes = _positive_int(gpus, "gpus"), _positive_int(nodes, "nodes")
+    batch, grad_accum = _positive_int(batch, "batch"), _positive_int(grad_accum, "grad_accum")
+    world = gpus * nodes
+    precision_key = _choice(precision, PRECISIONS, "precision")
+    prec = PRECISIONS[precision_key]
+    optimizer = _choice(optimizer, OPTIMIZERS, "optimizer")
+    strategy = _choice(strategy, STRATEGIES + ("fsdp", "all"), "strategy")
+    shown = STRATEGIES if strategy == "all" else ("zero3" if strategy == "fsdp" else strategy,)
+    attention = _choice(attention, ("eager", "flash"), "attention")
+    backend = _choice(backend, ("nccl", "gloo"), "backend")
+    units = {"gb": "GB", "gib": "GiB"}[_choice(units, ("gb", "gib"), "units")]
+    if comm_dtype not in _COMM_DTYPES:
+        raise ValueError(f"unknown comm_dtype {comm_dtype!r}: choose bf16, fp16 or none")
+    comm_bytes = _COMM_DTYPES[comm_dtype.lower() if isinstance(comm_dtype, str) else comm_dtype]
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+
+    spec = gpu_spec(gpu)
+    memory = parse_bytes(gpu_memory, "GPU memory") if gpu_memory is not None else spec.memory_bytes
+    peak = float(peak_tflops) if peak_tflops is not None else spec.peak_tflops(precision_key)
+    intra = parse_bandwidth(intra_node_bw, LINKS, "intra-node bandwidth")
+    inter = parse_bandwidth(inter_node_bw, LINKS, "inter-node bandwidth")
+    bandwidth = intra if nodes == 1 else min(intra, inter)
+    notes = list(desc.notes)
+    if seq is None:
+        seq = 2048
+        if desc.transformer is not None and 0 < desc.transformer.learned_positions < seq:
+            seq = desc.transformer.learned_positions
+    seq = _positive_int(seq, "seq")
+    if desc.transformer is not None and 0 < desc.transformer.learned_positions < seq:
+        raise ValueError(f"seq {seq} exceeds the model's {desc.transformer.learned_positions} "
+                         f"learned positions")
+
+    activations, flops = _activations_and_flops(desc, prec, batch, seq, grad_accum,
+                                                activation_checkpointing, attention, notes)
+    compute_s = flops / (peak * 1e12 * mfu)
+    nominal = nominal_shape(desc.trainable_params) if desc.trainable_shapes is None else None
+    state_elements = optimizer_state_elements(optimizer, desc.trainable_params,
+                                              desc.trainable_shapes, nominal)
+    reduce_scatter = backend == "nccl"
+    largest_unit = max(desc.unit_params, default=0)
+    grad_comm = (comm_bytes or prec.grad) * desc.trainable_params
+    tokens = world * batch * seq * grad_accum
+
+    plans = {}
+    for name in STRATEGIES:
+        states = model_states(name, prec, desc.params, desc.trainable_params, state_elements,
+                              world)
+        buffers = buffer_bytes(name, prec, desc.trainable_params, world, reduce_scatter,
+                               comm_bytes, largest_unit)
+        gathered = prec.weight * (desc.params if name == "zero3" else desc.trainable_params)
+        colls = collectives(name, grad_comm, gathered, world, reduce_scatter)
+        t = step_time(colls, world, compute_s, grad_accum, bandwidth, activation_checkpointing,
+                      units=len(desc.unit_params))
+        total = states.total + activations + sum(buffers.values())
+        plans[name] = StrategyPlan(
+            strategy=name, params_bytes=states.params, grads_bytes=states.grads,
+            optimizer_bytes=states.optimizer, activations_bytes=activations,
+            buffers_bytes=sum(buffers.values()), buffers_detail=buffers, total_bytes=total,
+            fits=total <= memory, fits_with_headroom=total <= (1 - headroom) * memory,
+            comm_bytes_per_step=t.comm_bytes, comm_payload_bytes=t.payload_by_op,
+            comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=t.step_s,
+            step_time_no_overlap_s=t.step_no_overlap_s,
+            scaling_efficiency=t.scaling_efficiency,
+            tokens_per_s=tokens / t.step_s if t.step_s > 0 else float("inf"))
+
+    recommended, reason = _recommend(plans, memory, headroom, units, world, desc, prec,
+                                     state_elements, activations, activation_checkpointing)
+    notes += _standard_notes(prec, optimizer, spec, precision_key, desc, peak_tflops)
+    setting = {
+        "gpus_per_node": gpus, "nodes": nodes, "world_size": world, "gpu": spec.name,
+        "gpu_memory_bytes": memory, "peak_tflops": peak, "mfu": mfu,
+        "precision": precision_key, "optimizer": optimizer, "batch": batch, "seq": seq,
+        "grad_accum": grad_accum, "activation_checkpointing": bool(activation_checkpointing),
+        "attention": attention, "intra_node_GBps": intra, "inter_node_GBps": inter,
+        "bandwidth_GBps": bandwidth, "backend": backend, "bucket_mb": bucket_mb,
+        "comm_dtype": None if comm_bytes is None else str(comm_dtype).replace("torch.", ""),
+        "headroom": headroom, "flops_per_step": flops,
+        "optimizer_state_bytes_per_param": (prec.master * desc.trainable_params
+                                            + prec.state * state_elements)
+        / max(desc.trainable_params, 1),
+    }
+    return PlanResult(model=desc.summary(), setting=setting,
+                      strategies={n: plans[n] for n in shown}, recommended=recommended,
+                      reason=reason, notes=notes, units=units)
+
+
+def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpointing,
+                           attention, notes):
+    """Activation bytes of one micro-batch and training FLOPs of one step on one device."""
+    recompute = 4 / 3 if checkpointing else 1.0
+    if desc.transformer is not None:
+        acts = desc.transformer.activation_bytes(batch, seq, prec.activation, checkpointing,
+                                                 attention)
+        flops = desc.transformer.flops_per_token(seq) * batch * seq * grad_accum * recompute
+        return acts, flops
+    fallback = 6.0 * desc.trainable_params * batch * seq * grad_accum * recompute
+    if desc.module is None or desc.make_input is None:
+        if desc.source == "count":
+            notes.append("compute is 6 x parameters x tokens (Kaplan et al. 2020), attention "
+                         "FLOPs excluded")
+        return 0, fallback
+    try:
+        with torch.device("meta"):
+            inputs = desc.make_input(batch, seq)
+        traced = trace_module(desc.module, inputs, _DTYPES[prec.name])
+    except Exception as exc:  # noqa: BLE001 - a forward that fails on meta: say so, go on
+        first = (str(exc).strip().splitlines() or [""])[0]
+        notes.append(f"activations not traced (the forward failed on the meta device: "
+                     f"{type(exc).__name__}: {first[:200]}); compute is 6 x parameters x tokens")
+        return 0, fallback
+    if checkpointing and not traced.blocks:
+        notes.append("no repeated blocks (nn.ModuleList) found: activation checkpointing is "
+                     "not modelled")
+    acts = traced.checkpointed_bytes if checkpointing else traced.activation_bytes
+    return acts, 3.0 * traced.forward_flops * grad_accum * recompute
+
+
+def _recommend(plans, memory, headroom, units, world, desc, prec, state_elements,
+               activations, checkpointing):
+    # The cheapest strategy is the lowest stage: each stage up shards more and communicates as
+    # much or more (zero3 1.5x), so the first one that fits is the one to use.
+    fitting = [n for n, p in plans.items() if p.fits_with_headroom]
+    limit = (1 - headroom) * memory
+    if fitting:
+        best = fitting[0]
+        p = plans[best]
+        order = list(plans)
+        too_big = [n for n in order[:order.index(best)] if not plans[n].fits_with_headroom]
+        reason = ""
+        if too_big:
+            reason = (", ".join(f"{n} needs {format_bytes(plans[n].total_bytes, units)}"
+                                for n in too_big)
+                      + f", more than {1 - headroom:.0%} of {format_bytes(memory, units)}; ")
+        reason += (f"{best} needs {format_bytes(p.total_bytes, units)} per device "
+                   f"({p.total_bytes / memory:.0%} of memory): the lowest ZeRO stage that fits "
+                   f"with {headroom:.0%} headroom, so the least communication")
+        return best, reason
+    z3 = plans["zero3"]
+    reason = (f"no strategy fits in {format_bytes(limit, units)} ({1 - headroom:.0%} of "
+              f"{format_bytes(memory, units)}); the smallest is zero3 at "
+              f"{format_bytes(z3.total_bytes, units)}")
+    need = _gpus_for_zero3(desc, prec, state_elements, activations, z3, world, limit)
+    if need is not None:
+        reason += f"; zero3 would fit on {need} devices"
+    elif activations > limit / 2:
+        reason += "; activations alone are too large"
+    if activations > limit / 4:
+        reason += ("; turn on activation checkpointing or lower the micro-batch"
+                   if not checkpointing else "; lower the micro-batch or sequence length")
+    return None, reason
+
+
+def _gpus_for_zero3(desc, prec, state_elements, activations, z3, world, limit):
+    """The smallest world size at which zero3 fits, keeping this setting's other costs."""
+    fixed = (activations + z3.buffers_detail.get("gathered_params", 0)
+             + z3.buffers_detail.get("grad_buckets", 0))
+    sharded = (prec.weight * desc.params + prec.grad * desc.trainable_params
+               + prec.master * desc.trainable_params + prec.state * state_elements)
+    if prec.mixed:  # the fp32 master gradient replaces the low-precision gradient shard
+        sharded += (4 - prec.grad) * desc.trainable_params
+    if fixed >= limit:
+        return None
+    n = max(world + 1, math.ceil(sharded / (limit - fixed)))
+    return n if n < 10**6 else None
+
+
+def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):
+    notes = [f"precision {prec.name}: {prec.description}",
+             "total = model states + activations + buffers, all counted at once (an upper "
+             "bound: activations are freed as gradients are made); GB = 1e9 bytes, GiB = 2^30",
+             "communication and step times use nominal link rates and a bandwidth-only ring "
+             "model: expect real collectives to reach 70-90% of them"]
+    if optimizer == "adafactor":
+        notes.append("adafactor: factored second moments (row + column per matrix), no "
+                     "momentum; an approximation" + (" from a stand-in transformer shape, since "
+                                                      "a bare count has no shapes"
+                                                      if desc.trainable_shapes is None else ""))
+    if precision_key == "fp32" and peak_given is None:
+        notes.append(f"fp32 compute at {spec.tflops_fp32:g} TFLOP/s (no TF32); with TF32 "
+                     f"matmuls enabled give --peak-tflops")
+    if precision_key in ("bf16", "bf16-mixed") and not spec.has_bf16:
+        notes.append(f"{spec.name} has no bf16 tensor cores: use fp16-mixed")
+    if precision_key == "bf16":
+        notes.append("precision bf16 (no fp32 master) is not a px.prepare precision: phalanx "
+                     "always keeps fp32 masters (bf16-mixed)")
+    return notes

@@ -1,0 +1,103 @@
+"""Will it fit, how fast, which strategy: memory and time of data-parallel training, per device.
+
+Describe the model once, by count, config or factory, and the setting:
+
+    phalanx plan --params 8e9 --gpus 8 --gpu-memory 80GB --precision fp32
+    phalanx plan --config config.json --gpus 8 --nodes 4 --batch 4 --seq 4096 --activation-checkpointing
+    phalanx plan --model models.py:build --gpus 2 --gpu a100 --strategy zero2 --json
+
+Memory is per device: parameters, gradients and optimizer state by ZeRO's layout (Rajbhandari
+et al. 2020), activations from the transformer formula of Korthikanti et al. 2022 (configs) or a
+traced forward on the meta device (factories), and the engine's buffers. Time is a ring-model
+communication volume at the given link bandwidths against compute at a stated fraction of the
+GPU's peak. GB = 1e9 bytes, GiB = 2^30 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .hardware import GPUS, LINKS
+from .memory import OPTIMIZERS, PRECISIONS
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model (give exactly one)")
+    model.add_argument("--params", help="parameter count: 8e9, 7.5B, 125M")
+    model.add_argument("--model", metavar="PATH:FUNCTION",
+                       help="a function that builds the nn.Module (models.py:build or "
+                            "package.module:build); it is built on the meta device")
+    model.add_argument("--config", metavar="CONFIG_JSON",
+                       help="a Hugging Face style config.json (hidden size, layers, heads, "
+                            "vocabulary, intermediate size)")
+    model.add_argument("--input-shape", metavar="SHAPE",
+                       help="with --model: per-sample input shape, e.g. 3x224x224 or seq")
+    model.add_argument("--input-dtype", default="float32", choices=("float32", "long"))
+
+    hw = p.add_argument_group("devices")
+    hw.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    hw.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    hw.add_argument("--gpu", default="h100", help=f"preset: {', '.join(GPUS)} (default h100)")
+    hw.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 80GiB (default: preset)")
+    hw.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s (default: preset)")
+    hw.add_argument("--mfu", type=float, default=0.4,
+                    help="fraction of peak compute reached (default 0.4)")
+    hw.add_argument("--intra-node-bw", default="nvlink4",
+                    help=f"GB/s or preset: {', '.join(LINKS)} (default nvlink4)")
+    hw.add_argument("--inter-node-bw", default="ib-400g", help="GB/s or preset (default ib-400g)")
+
+    run = p.add_argument_group("training")
+    run.add_argument("--strategy", default="all", help="ddp, zero1, zero2, zero3 or all")
+    run.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
+    run.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
+    run.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
+    run.add_argument("--seq", type=int, help="sequence length (default 2048, or the config's "
+                                             "learned positions if fewer)")
+    run.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    run.add_argument("--activation-checkpointing", action="store_true")
+    run.add_argument("--attention", default="eager", choices=("eager", "flash"),
+                     help="attention kernel for the activation formula (default eager)")
+    run.add_argument("--bucket-mb", type=float, default=25.0)
+    run.add_argument("--comm-dtype", choices=("none", "bf16", "fp16"), default="none")
+    run.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out.add_argument("--units", default="GB", choices=("GB", "GiB"))
+    out.add_argument("--headroom", type=float, default=0.1,
+                     help="memory kept free when recommending (default 0.1)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..cli import CommandError
+    from .api import plan
+    from .model_desc import from_factory, input_from_shape
+
+    given = [name for name in ("params", "model", "config") if getattr(args, name)]
+    if len(given) != 1:
+        raise CommandError("describe the model exactly once: --params COUNT, --config "
+                           "CONFIG_JSON or --model PATH:FUNCTION"
+                           + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
+    try:
+        model = None
+        if args.model:
+            make_input = (input_from_shape(args.input_shape, args.input_dtype)
+                          if args.input_shape else None)
+            model = from_factory(args.model, make_input=make_input)
+        elif args.input_shape:
+            raise ValueError("--input-shape goes with --model")
+        result = plan(
+            model=model, params=args.params, config=args.config, gpus=args.gpus,
+            nodes=args.nodes, gpu=args.gpu, gpu_memory=args.gpu_memory,
+            peak_tflops=args.peak_tflops, mfu=args.mfu, strategy=args.strategy,
+            precision=args.precision, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
+            grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
+            intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
+            bucket_mb=args.bucket_mb, comm_dtype=args.comm_dtype, attention=args.attention,
+            backend=args.backend, headroom=args.headroom, units=args.units)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    print(result.to_json() if args.json else result)
+    return 0

@@ -1,0 +1,125 @@
+"""The plan as data (`to_dict`, the JSON of `phalanx plan --json`) and as a table (`str`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .sizes import GB, GiB, format_count, format_seconds
+
+__all__ = ["StrategyPlan", "PlanResult"]
+
+
+@dataclass
+class StrategyPlan:
+    """One strategy's memory per device and time per step. Bytes are exact integers."""
+
+    strategy: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    buffers_bytes: int
+    buffers_detail: dict
+    total_bytes: int
+    fits: bool                   # total <= GPU memory
+    fits_with_headroom: bool     # total <= (1 - headroom) x GPU memory
+    comm_bytes_per_step: float   # bytes each rank sends per optimizer step, ring algorithms
+    comm_payload_bytes: dict     # op -> bytes handed to collectives per step (comm_counter's view)
+    comm_time_s: float
+    compute_time_s: float
+    step_time_s: float           # communication overlapped with compute
+    step_time_no_overlap_s: float
+    scaling_efficiency: float    # compute time / step time
+    tokens_per_s: float          # all ranks together
+
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+@dataclass
+class PlanResult:
+    """What `px.plan(...)` returns. `str(result)` is the table `phalanx plan` prints."""
+
+    model: dict
+    setting: dict
+    strategies: dict[str, StrategyPlan]
+    recommended: str | None
+    reason: str
+    notes: list[str] = field(default_factory=list)
+    units: str = "GB"
+
+    def __getitem__(self, strategy: str) -> StrategyPlan:
+        return self.strategies[strategy]
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "setting": self.setting,
+            "units": {"bytes": "all *_bytes values are bytes", "GB": GB, "GiB": GiB},
+            "strategies": {name: asdict(s) for name, s in self.strategies.items()},
+            "recommended": self.recommended,
+            "reason": self.reason,
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        return format_table(self)
+
+
+def _mem(n: float, unit: str) -> str:
+    return f"{n / (GB if unit == 'GB' else GiB):.2f}"
+
+
+def format_table(r: PlanResult) -> str:
+    s, m, u = r.setting, r.model, r.units
+    names = list(r.strategies)
+    scale_name = "1e9" if u == "GB" else "2^30"
+    what = (f"{format_count(m['params'])} parameters (a count: no shapes)" if m["source"] == "count"
+            else f"{m['name']} ({format_count(m['params'])} parameters, from a {m['source']})")
+    lines = [
+        f"phalanx plan: {what}",
+        f"  {s['world_size']} x {s['gpu']} ({_mem(s['gpu_memory_bytes'], u)} {u}) on "
+        f"{s['nodes']} node(s); {s['precision']}, {s['optimizer']}; micro-batch {s['batch']} x "
+        f"{s['seq']} tokens, grad-accum {s['grad_accum']}, activation checkpointing "
+        f"{'on' if s['activation_checkpointing'] else 'off'}",
+        "",
+    ]
+    width = 34
+    col = 11
+
+    def row(label, values):
+        lines.append(f"  {label:<{width}}" + "".join(f"{v:>{col}}" for v in values))
+
+    row(f"memory per device ({u} = {scale_name} B)", names)
+    for label, key in (("parameters", "params_bytes"), ("gradients", "grads_bytes"),
+                       ("optimizer state", "optimizer_bytes"),
+                       ("activations", "activations_bytes"),
+                       ("buffers (comm, fp32 grad)", "buffers_bytes"),
+                       ("total", "total_bytes")):
+        row(label, [_mem(getattr(p, key), u) for p in r.strategies.values()])
+    row(f"fits in {_mem(s['gpu_memory_bytes'], u)} {u}",
+        ["yes" if p.fits_with_headroom else ("tight" if p.fits else "NO")
+         for p in r.strategies.values()])
+    lines.append("")
+    bw = s["bandwidth_GBps"]
+    row(f"time per step (ring at {bw:g} GB/s)", names)
+    row(f"communication per device ({u})", [_mem(p.comm_bytes_per_step, u)
+                                            for p in r.strategies.values()])
+    row("communication time", [format_seconds(p.comm_time_s) for p in r.strategies.values()])
+    row(f"compute ({s['mfu']:.0%} of {s['peak_tflops']:g} TFLOP/s)",
+        [format_seconds(p.compute_time_s) for p in r.strategies.values()])
+    row("step time, overlapped", [format_seconds(p.step_time_s) for p in r.strategies.values()])
+    row("step time, no overlap", [format_seconds(p.step_time_no_overlap_s)
+                                  for p in r.strategies.values()])
+    row("scaling efficiency", [f"{p.scaling_efficiency:.0%}" for p in r.strategies.values()])
+    lines.append("")
+    lines.append(f"recommended: {r.recommended or 'none'}: {r.reason}")
+    if r.notes:
+        lines.append("notes:")
+        lines.extend(f"  - {n}" for n in r.notes)
+    return "\n".join(lines)
