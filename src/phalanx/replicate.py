@@ -60,9 +60,8 @@ class Replicated:
             bucket.buffer.copy_(comm)
         # See [Note: gradients that never arrived] in reducer.py.
         used_anywhere = (bucket.flags() > 0).tolist()
-        for p, used in zip(bucket.params, used_anywhere):
-            if not used:
-                p.grad = None
+        for i, (p, used) in enumerate(zip(bucket.params, used_anywhere)):
+            p.grad = bucket.view(i) if used else None
 
     def _rebuild(self, ready_order) -> None:
         """Re-lay the buckets in rank 0's order of gradient readiness (once, after step 1)."""
