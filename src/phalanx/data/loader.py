@@ -60,7 +60,7 @@ class DistributedLoader(DataLoader):
     def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, **loader_kwargs):
         check_batch_size(batch_size)
-        for name in _OWN_ARGUMENTS + ("shuffle", "batch_size", "drop_last"):
+        for name in _OWN_ARGUMENTS:
             if name in loader_kwargs:
                 raise TypeError(f"px.data_loader makes its own {name}; do not pass {name}=")
         collate_fn = loader_kwargs.pop("collate_fn", None) or default_collate
