@@ -32,9 +32,11 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        # No conv bias before BatchNorm: its gradient is exactly zero (BN removes the mean), and
+        # Adam would turn the round-off in that zero into full-size steps.
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(8)
         self.head = nn.Linear(8, 4)
 
