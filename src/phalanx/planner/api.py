@@ -133,8 +133,14 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
             scaling_efficiency=t.scaling_efficiency,
             tokens_per_s=tokens / t.step_s if t.step_s > 0 else float("inf"))
 
-    recommended, reason = _recommend(plans, memory, headroom, units, world, desc, prec,
-                                     state_elements, activations, activation_checkpointing)
+    def zero3_total(n):
+        states = model_states("zero3", prec, desc.params, desc.trainable_params, state_elements, n)
+        buffers = buffer_bytes("zero3", prec, desc.trainable_params, n, reduce_scatter,
+                               comm_bytes, largest_unit)
+        return states.total + activations + sum(buffers.values())
+
+    recommended, reason = _recommend(plans, memory, headroom, units, world, zero3_total,
+                                     activations, activation_checkpointing)
     notes += _standard_notes(prec, optimizer, spec, precision_key, desc, peak_tflops)
     setting = {
         "gpus_per_node": gpus, "nodes": nodes, "world_size": world, "gpu": spec.name,
@@ -185,8 +191,7 @@ def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkp
     return acts, 3.0 * traced.forward_flops * grad_accum * recompute
 
 
-def _recommend(plans, memory, headroom, units, world, desc, prec, state_elements,
-               activations, checkpointing):
+def _recommend(plans, memory, headroom, units, world, zero3_total, activations, checkpointing):
     # The cheapest strategy is the lowest stage: each stage up shards more and communicates as
     # much or more (zero3 1.5x), so the first one that fits is the one to use.
     fitting = [n for n, p in plans.items() if p.fits_with_headroom]
@@ -209,7 +214,7 @@ def _recommend(plans, memory, headroom, units, world, desc, prec, state_elements
     reason = (f"no strategy fits in {format_bytes(limit, units)} ({1 - headroom:.0%} of "
               f"{format_bytes(memory, units)}); the smallest is zero3 at "
               f"{format_bytes(z3.total_bytes, units)}")
-    need = _gpus_for_zero3(desc, prec, state_elements, activations, z3, world, limit)
+    need = _gpus_for_zero3(zero3_total, world, limit)
     if need is not None:
         reason += f"; zero3 would fit on {need} devices"
     elif activations > limit / 2:
@@ -220,18 +225,19 @@ def _recommend(plans, memory, headroom, units, world, desc, prec, state_elements
     return None, reason
 
 
-def _gpus_for_zero3(desc, prec, state_elements, activations, z3, world, limit):
-    """The smallest world size at which zero3 fits, keeping this setting's other costs."""
-    fixed = (activations + z3.buffers_detail.get("gathered_params", 0)
-             + z3.buffers_detail.get("grad_buckets", 0))
-    sharded = (prec.weight * desc.params + prec.grad * desc.trainable_params
-               + prec.master * desc.trainable_params + prec.state * state_elements)
-    if prec.mixed:  # the fp32 master gradient replaces the low-precision gradient shard
-        sharded += (4 - prec.grad) * desc.trainable_params
-    if fixed >= limit:
-        return None
-    n = max(world + 1, math.ceil(sharded / (limit - fixed)))
-    return n if n < 10**6 else None
+def _gpus_for_zero3(zero3_total, world, limit):
+    """The smallest world size above `world` at which zero3 fits in `limit`, or None.
+    `zero3_total(n)` is zero3's bytes per device at world size n, non-increasing in n."""
+    hi = world + 1
+    while zero3_total(hi) > limit:
+        if hi > 10**6:
+            return None
+        hi *= 2
+    lo = max(world, hi // 2)  # zero3_total(lo) > limit, or lo == world
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if zero3_total(mid) <= limit else (mid, hi)
+    return hi
 
 
 def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):

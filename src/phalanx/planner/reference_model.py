@@ -22,8 +22,9 @@ __all__ = ["ReferenceTransformer", "Block"]
 
 
 class Attention(nn.Module):
-    def __init__(self, s: TransformerShape, dropout: float):
+    def __init__(self, s: TransformerShape, dropout: float, attention: str = "eager"):
         super().__init__()
+        self.attention = attention
         self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.hidden // s.heads
         self.q = nn.Linear(s.hidden, s.hidden, bias=s.bias)
         self.k = nn.Linear(s.hidden, s.kv_hidden, bias=s.bias)
@@ -36,6 +37,11 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.attention == "sdpa":  # a fused kernel (flash attention where available)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
+                enable_gqa=self.kv_heads != self.heads)
+            return self.out(y.transpose(1, 2).reshape(b, t, h))
         if self.kv_heads != self.heads:  # grouped-query attention: share each k/v head
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -49,10 +55,11 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, s: TransformerShape, attn_dropout: float, hidden_dropout: float):
+    def __init__(self, s: TransformerShape, attn_dropout: float, hidden_dropout: float,
+                 attention: str = "eager"):
         super().__init__()
         self.norm1 = nn.LayerNorm(s.hidden, bias=s.bias)
-        self.attn = Attention(s, attn_dropout)
+        self.attn = Attention(s, attn_dropout, attention)
         self.norm2 = nn.LayerNorm(s.hidden, bias=s.bias)
         self.gated = s.gated_mlp
         self.up = nn.Linear(s.hidden, s.intermediate, bias=s.bias)
@@ -72,16 +79,19 @@ class Block(nn.Module):
 
 
 class ReferenceTransformer(nn.Module):
-    """`model(ids) -> logits`; `model.loss(ids, targets)` is the mean cross-entropy."""
+    """`model(ids) -> logits`; `model.loss(ids, targets)` is the mean cross-entropy.
 
-    def __init__(self, s: TransformerShape, dropout: float = 0.1):
+    `attention="eager"` writes attention out (softmax over an s x s matrix); "sdpa" uses
+    `F.scaled_dot_product_attention`, whose kernels keep no s x s matrix."""
+
+    def __init__(self, s: TransformerShape, dropout: float = 0.1, attention: str = "eager"):
         super().__init__()
         self.shape = s
         attn_p = dropout if s.attn_dropout else 0.0
         hidden_p = dropout if s.hidden_dropout else 0.0
         self.embed = nn.Embedding(s.vocab, s.hidden)
         self.positions = nn.Embedding(s.learned_positions, s.hidden) if s.learned_positions else None
-        self.blocks = nn.ModuleList(Block(s, attn_p, hidden_p) for _ in range(s.layers))
+        self.blocks = nn.ModuleList(Block(s, attn_p, hidden_p, attention) for _ in range(s.layers))
         self.norm = nn.LayerNorm(s.hidden, bias=s.bias)
         self.head = nn.Linear(s.hidden, s.vocab, bias=False)
         if s.tied_embeddings:

@@ -72,10 +72,10 @@ def _tensors(x):
 def trace_module(module: nn.Module, inputs: tuple, dtype: torch.dtype) -> TraceResult:
     """Run `module(*inputs)` on the meta device in `dtype`; count saved bytes and FLOPs."""
     state = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
+    for name, p in module.named_parameters():  # tied weights once; functional_call ties the rest
         state[name] = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
                                   device="meta", requires_grad=p.requires_grad)
-    for name, b in module.named_buffers(remove_duplicate=False):
+    for name, b in module.named_buffers():
         state[name] = _to_meta(b, dtype)
     excluded = {t.untyped_storage()._cdata for t in state.values()}
     inputs = _to_meta(tuple(inputs), dtype)

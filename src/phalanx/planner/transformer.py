@@ -16,9 +16,10 @@ width h_kv, MLP width I and sequence length s, the tensors saved are:
 (Eager attention repeats grouped k/v heads to every head before the matmul, so q/k/v is 3h.)
 With I = 4h, dropout on, 1-byte masks and e = 2 this is exactly s*b*h*(34 + 5*a*s/h) bytes per layer,
 the formula of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models" (arXiv:2205.05198), Sec. 4.1. With `attention="flash"` the a*s terms are replaced by the
-attention output h and a fp32 log-sum-exp per head (FlashAttention keeps no s x s matrix), and
-q/k/v are h + 2h_kv (the kernel takes grouped k/v as they are).
+Models" (arXiv:2205.05198), Sec. 4.1. With `attention="flash"` the a*s terms become one fp32
+log-sum-exp per head (FlashAttention, Dao 2023, keeps no s x s matrix), and q/k/v are h + 2h_kv
+(the kernel takes grouped k/v as they are). The kernel's output is the output projection's
+input: kernels return it in (batch, seq, heads, dim) layout, so merging heads is a view.
 Outside the layers: token ids, final norm input h, LM-head input h and the fp32 log-softmax of
 the loss, 4*V bytes per token. With full activation checkpointing each layer keeps only its
 input (e*h per token) and one layer at a time is recomputed in full during backward.
@@ -122,7 +123,7 @@ class TransformerShape:
         per_token += 2 * 8                                 # fp32 norm statistics
         if attention == "flash":
             per_token += elem * (h + 2 * self.kv_hidden)   # q, k, v as the kernel takes them
-            per_token += elem * h + 4 * a                  # kernel output, log-sum-exp
+            per_token += 4 * a                             # fp32 log-sum-exp per head
         else:
             per_token += elem * 3 * h                      # q, k, v (k/v repeated to every head)
             per_token += elem * a * seq                    # softmax output
@@ -154,11 +155,13 @@ class TransformerShape:
 
     # ---- compute ----------------------------------------------------------------------------
     def flops_per_token(self, seq: int) -> float:
-        """Training FLOPs per token (forward + backward, no recomputation): 6 x the parameters
-        used in matrix multiplies (layers and LM head; embedding lookups are free) plus the
+        """Training FLOPs per token (forward + backward, no recomputation): 6 x the weights
+        of matrix multiplies (layers' matrices and the LM head; lookups, norms and biases are
+        not matmuls) plus the
         attention scores and weighted sum, 12 * layers * seq * hidden (Chowdhery et al. 2022,
         PaLM, App. B)."""
-        matmul_params = self.layers * self.layer_params() + self.vocab * self.hidden
+        layer_matrices = sum(math.prod(s) for s in self.layer_param_shapes() if len(s) == 2)
+        matmul_params = self.layers * layer_matrices + self.vocab * self.hidden
         return 6.0 * matmul_params + 12.0 * self.layers * seq * self.hidden
 
 

@@ -1,0 +1,178 @@
+"""`phalanx plan` and `px.plan`: the JSON keys, the table, models from factories, and one-line
+errors for bad input."""
+
+import json
+import textwrap
+
+import pytest
+
+import phalanx as px
+from phalanx.cli import main as phalanx_main
+
+STRATEGY_KEYS = {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                 "buffers_bytes", "total_bytes", "fits", "comm_bytes_per_step", "step_time_s",
+                 "scaling_efficiency"}
+
+GPT2_SMALL = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+              "n_positions": 1024, "vocab_size": 50257, "attn_pdrop": 0.1, "resid_pdrop": 0.1,
+              "embd_pdrop": 0.1}
+
+
+def run(capsys, *argv):
+    code = phalanx_main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_every_key_for_every_strategy(capsys):
+    code, out, _ = run(capsys, "--params", "8e9", "--gpus", "8", "--gpu-memory", "80GB",
+                       "--precision", "fp32", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert set(data["strategies"]) == {"ddp", "zero1", "zero2", "zero3"}
+    for name, entry in data["strategies"].items():
+        assert STRATEGY_KEYS <= set(entry), name
+        assert entry["total_bytes"] == (entry["params_bytes"] + entry["grads_bytes"]
+                                        + entry["optimizer_bytes"] + entry["activations_bytes"]
+                                        + entry["buffers_bytes"])
+    assert "recommended" in data and data["recommended"] in data["strategies"]
+    assert data["strategies"]["ddp"]["params_bytes"] == 32e9
+    assert data["strategies"]["ddp"]["fits"] is False
+
+
+def test_json_equals_the_python_result(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2_SMALL))
+    code, out, _ = run(capsys, "--config", str(path), "--gpus", "4", "--batch", "8", "--json")
+    assert code == 0
+    result = px.plan(config=str(path), gpus=4, batch=8)
+    assert json.loads(out) == json.loads(result.to_json())
+
+
+def test_single_strategy_and_table(capsys):
+    code, out, _ = run(capsys, "--params", "7.5B", "--gpus", "64", "--strategy", "zero2",
+                       "--units", "GiB")
+    assert code == 0
+    assert "zero2" in out and "zero3" not in out.split("recommended")[0]
+    for row in ("parameters", "gradients", "optimizer state", "activations", "buffers", "total",
+                "communication per device", "step time, overlapped", "step time, no overlap",
+                "scaling efficiency", "recommended:"):
+        assert row in out
+    assert "GiB = 2^30" in out
+
+
+def test_comm_volume_is_2x_gradients_over_a_ring_and_3x_for_zero3():
+    n, psi = 8, 1_000_000_000
+    r = px.plan(params=psi, gpus=n, precision="bf16-mixed")
+    grad_bytes = 2 * psi
+    ring = (n - 1) / n
+    for name in ("ddp", "zero1", "zero2"):
+        assert r[name].comm_bytes_per_step == pytest.approx(2 * ring * grad_bytes)
+    assert r["zero3"].comm_bytes_per_step == pytest.approx(3 * ring * grad_bytes)
+    assert px.plan(params=psi, gpus=1)["ddp"].comm_bytes_per_step == 0
+
+
+def test_more_bandwidth_never_slows_a_step_and_nodes_use_the_slower_link():
+    fast = px.plan(params=1e9, gpus=8, intra_node_bw="nvlink4")
+    slow = px.plan(params=1e9, gpus=8, intra_node_bw="pcie4")
+    for name in fast.strategies:
+        assert fast[name].comm_time_s < slow[name].comm_time_s
+        assert fast[name].step_time_s <= slow[name].step_time_s
+        assert fast[name].scaling_efficiency >= slow[name].scaling_efficiency
+    two_nodes = px.plan(params=1e9, gpus=4, nodes=2, intra_node_bw="nvlink4",
+                        inter_node_bw="eth-25g")
+    assert two_nodes.setting["bandwidth_GBps"] == 3.125
+    assert two_nodes.setting["world_size"] == 8
+
+
+def test_factory_is_built_on_meta_device(tmp_path, capsys):
+    # ~1.07e9 parameters: far more than a test may allocate, free on the meta device.
+    (tmp_path / "big.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(1000, 8192)
+                self.blocks = nn.ModuleList(nn.Linear(8192, 8192) for _ in range(16))
+
+            def forward(self, ids):
+                x = self.embed(ids)
+                for b in self.blocks:
+                    x = torch.relu(b(x))
+                return x
+
+        def build():
+            return Net()
+    """))
+    code, out, _ = run(capsys, "--model", f"{tmp_path / 'big.py'}:build", "--gpus", "8",
+                       "--seq", "128", "--json")
+    assert code == 0
+    data = json.loads(out)
+    expected = 1000 * 8192 + 16 * (8192 * 8192 + 8192)
+    assert data["model"]["params"] == expected
+    acts = data["strategies"]["ddp"]["activations_bytes"]
+    # bf16, 128 tokens: the embedding output and each ReLU's output (which is also the next
+    # Linear's input: one storage), the int64 ids, and the fp32 loss-sized tensor
+    assert acts == (16 + 1) * 128 * 8192 * 2 + 128 * 8 + 128 * 8192 * 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "8x"], "cannot read parameter count '8x'"),
+    (["--params", "8e9", "--gpu-memory", "80"], "has no unit"),
+    (["--params", "8e9", "--gpu-memory", "80XB"], "unknown unit"),
+    (["--params", "8e9", "--intra-node-bw", "nvlink9"], "unknown intra-node bandwidth 'nvlink9'"),
+    (["--params", "8e9", "--gpu", "h900"], "unknown GPU preset 'h900'"),
+    (["--params", "8e9", "--strategy", "zero4"], "unknown strategy 'zero4'"),
+    (["--params", "8e9", "--precision", "fp8"], "unknown precision 'fp8'"),
+    (["--params", "8e9", "--optimizer", "lion"], "unknown optimizer 'lion'"),
+    (["--params", "8e9", "--gpus", "0"], "gpus must be a positive integer"),
+    ([], "describe the model exactly once"),
+    (["--params", "1e9", "--model", "x.py:f"], "describe the model exactly once"),
+    (["--model", "no_colon"], "must be PATH:FUNCTION"),
+    (["--model", "/nonexistent/m.py:build"], "does not exist"),
+    (["--config", "/nonexistent/config.json"], "does not exist"),
+])
+def test_bad_input_is_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert message in err
+
+
+def test_config_missing_a_field_and_a_failing_factory_are_one_line(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10}))
+    code, _, err = run(capsys, "--config", str(cfg))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "missing the layers size" in err and "num_hidden_layers" in err
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "vocab_size": 10}))
+    code, _, err = run(capsys, "--config", str(cfg))
+    assert code == 2 and "no intermediate (MLP) size" in err
+    cfg.write_text("{not json")
+    code, _, err = run(capsys, "--config", str(cfg))
+    assert code == 2 and "not valid JSON" in err
+
+    (tmp_path / "bad.py").write_text("def build():\n    raise RuntimeError('no GPU here\\nmore')\n"
+                                     "def three():\n    return 3\n")
+    code, _, err = run(capsys, "--model", f"{tmp_path / 'bad.py'}:build")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "model factory" in err and "RuntimeError: no GPU here" in err
+    code, _, err = run(capsys, "--model", f"{tmp_path / 'bad.py'}:three")
+    assert code == 2 and "returned int, not a torch.nn.Module" in err
+    code, _, err = run(capsys, "--model", f"{tmp_path / 'bad.py'}:missing")
+    assert code == 2 and "has no function 'missing'" in err
+
+
+def test_recommendation_is_the_lowest_stage_that_fits_with_headroom():
+    r = px.plan(params=7.5e9, gpus=64, precision="bf16-mixed", gpu_memory="80GB")
+    assert r.recommended == "zero1"
+    assert "ddp needs" in r.reason
+    none = px.plan(params=1e12, gpus=8, gpu_memory="80GB")
+    assert none.recommended is None and "would fit on" in none.reason
+    needed = int(none.reason.split("would fit on ")[1].split()[0])
+    assert px.plan(params=1e12, gpus=needed, gpu_memory="80GB")["zero3"].fits_with_headroom
+    assert not px.plan(params=1e12, gpus=needed - 1, gpu_memory="80GB")["zero3"].fits_with_headroom

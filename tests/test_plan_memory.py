@@ -1,0 +1,157 @@
+"""Model-state memory: the published figures, each strategy's formula, and what torch and the
+engine really allocate for optimizer state."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx as px
+from phalanx.planner.memory import PRECISIONS, model_states, optimizer_state_elements
+from phalanx.testing import run_ranks
+
+
+def test_zero_paper_figures_for_7_5b_on_64_gpus():
+    # ZeRO (arXiv:1910.02054), Figure 1: 7.5B parameters, N = 64, mixed-precision Adam (K = 12).
+    r = px.plan(params=7.5e9, gpus=64, precision="bf16-mixed", optimizer="adam")
+    published = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+    for name, gb in published.items():
+        assert round(r[name].model_states_bytes / 1e9, 1) == gb
+    # and exactly: (2 + 2 + 12) Psi, 4 Psi + 12 Psi / N, 2 Psi + 14 Psi / N, 16 Psi / N
+    psi, n = 7.5e9, 64
+    exact = {"ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n,
+             "zero3": 16 * psi / n}
+    for name, value in exact.items():
+        assert r[name].model_states_bytes == value
+
+
+def test_8b_fp32_adamw_is_32_plus_32_plus_64_gb_and_does_not_fit_replicated():
+    r = px.plan(params="8B", gpus=8, precision="fp32", optimizer="adamw", gpu_memory="80GB")
+    ddp = r["ddp"]
+    assert (ddp.params_bytes, ddp.grads_bytes, ddp.optimizer_bytes) == (32e9, 32e9, 64e9)
+    assert not ddp.fits
+    assert r.recommended != "ddp"
+
+
+def test_1b_in_pure_bf16_is_8_gb():
+    r = px.plan(params=1e9, gpus=1, precision="bf16", optimizer="adamw")
+    assert r["ddp"].model_states_bytes == 8e9
+    assert (r["ddp"].params_bytes, r["ddp"].grads_bytes, r["ddp"].optimizer_bytes) == (2e9, 2e9, 4e9)
+
+
+# The closed forms of the issue, written out independently of the code's (w, g, K) structure.
+FORMULAS = {
+    ("fp32", "adamw"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 8 * p + 8 * p / n,
+                        "zero2": lambda p, n: 4 * p + 12 * p / n, "zero3": lambda p, n: 16 * p / n},
+    ("bf16-mixed", "adamw"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 4 * p + 12 * p / n,
+                              "zero2": lambda p, n: 2 * p + 14 * p / n,
+                              "zero3": lambda p, n: 16 * p / n},
+    ("fp16-mixed", "adam"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 4 * p + 12 * p / n,
+                             "zero2": lambda p, n: 2 * p + 14 * p / n,
+                             "zero3": lambda p, n: 16 * p / n},
+    ("bf16", "adamw"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 4 * p + 4 * p / n,
+                        "zero2": lambda p, n: 2 * p + 6 * p / n, "zero3": lambda p, n: 8 * p / n},
+    ("fp32", "sgd"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 8 * p,
+                      "zero2": lambda p, n: 4 * p + 4 * p / n, "zero3": lambda p, n: 8 * p / n},
+    ("fp32", "sgd-momentum"): {"ddp": lambda p, n: 12 * p, "zero1": lambda p, n: 8 * p + 4 * p / n,
+                               "zero2": lambda p, n: 4 * p + 8 * p / n,
+                               "zero3": lambda p, n: 12 * p / n},
+    ("bf16-mixed", "sgd"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 4 * p + 4 * p / n,
+                            "zero2": lambda p, n: 2 * p + 6 * p / n, "zero3": lambda p, n: 8 * p / n},
+}
+
+
+@pytest.mark.parametrize("precision,optimizer", list(FORMULAS))
+@pytest.mark.parametrize("world", [1, 4, 64])
+def test_each_strategy_matches_its_closed_form(precision, optimizer, world):
+    psi = 3_200_000_000  # divisible by every world size here, so no rounding
+    r = px.plan(params=psi, gpus=world, precision=precision, optimizer=optimizer)
+    for name, formula in FORMULAS[(precision, optimizer)].items():
+        assert r[name].model_states_bytes == formula(psi, world), name
+
+
+def test_frozen_parameters_have_no_gradients_or_optimizer_state():
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))
+    model[0].requires_grad_(False)
+    r = px.plan(model, gpus=1, precision="fp32", input_shape="100")
+    trainable = 100 * 10 + 10
+    total = trainable + 100 * 100 + 100
+    assert r["ddp"].params_bytes == 4 * total
+    assert r["ddp"].grads_bytes == 4 * trainable
+    assert r["ddp"].optimizer_bytes == 8 * trainable
+
+
+class _Shapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(30, 20)                 # matrix + vector
+        self.conv = nn.Conv2d(3, 5, 4)             # 4-D weight: factored over the last two dims
+        self.emb = nn.Embedding(50, 7)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def _state_elements(opt):
+    """Elements of per-parameter state tensors, leaving out scalar step counters."""
+    return sum(t.numel() for s in opt.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+
+
+@pytest.mark.parametrize("name,make", [
+    ("adamw", lambda ps: torch.optim.AdamW(ps)),
+    ("adam", lambda ps: torch.optim.Adam(ps)),
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    ("adafactor", lambda ps: torch.optim.Adafactor(ps)),
+])
+def test_optimizer_state_matches_what_torch_allocates(name, make):
+    model = _Shapes()
+    opt = make(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    trainable = sum(p.numel() for p in model.parameters())
+    assert optimizer_state_elements(name, trainable, shapes) == _state_elements(opt)
+
+
+def _engine_state_bytes(strategy, precision):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Linear(64, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    # Under mixed precision the optimizer's parameters are separate fp32 masters.
+    masters = sum(p.numel() * 4 for g in opt.param_groups for p in g["params"]) \
+        if precision != "fp32" else 0
+    weights = sum(p.numel() * p.element_size() for p in px.unwrap(model).parameters())
+    return state + masters, weights
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_optimizer_and_weight_bytes_per_rank_match_the_engine(precision):
+    world = 2
+    strategies = ["ddp", "zero1", "zero2"] if precision == "bf16" else ["zero1", "zero2"]
+    measured = run_ranks(lambda: [_engine_state_bytes(s, precision) for s in strategies], world,
+                         timeout=90)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Linear(64, 3))
+    plan_precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[precision]
+    r = px.plan(model, gpus=world, precision=plan_precision, optimizer="adamw", input_shape="64",
+                backend="gloo")
+    for rank_result in measured:
+        for strategy, (optimizer_bytes, weight_bytes) in zip(strategies, rank_result):
+            # shards are padded to a multiple of the world size: a few elements per unit
+            assert optimizer_bytes == pytest.approx(r[strategy].optimizer_bytes, rel=1e-3)
+            assert weight_bytes == r[strategy].params_bytes
+
+
+def test_model_states_function_shards_with_ceiling():
+    prec = PRECISIONS["fp32"]
+    s = model_states("zero3", prec, params=10, trainable=10, state_elements=20, world=3)
+    assert (s.params, s.grads, s.optimizer) == (math.ceil(40 / 3), math.ceil(40 / 3),
+                                                math.ceil(80 / 3))
