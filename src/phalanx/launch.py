@@ -46,6 +46,11 @@ import tempfile
 import time
 import traceback
 
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
 __all__ = ["add_arguments", "main"]
 
 # Lines of a failed rank's traceback repeated in the final message (the whole traceback is
@@ -53,6 +58,7 @@ __all__ = ["add_arguments", "main"]
 TRACEBACK_LINES = 12
 # The run id names the rendezvous on the master's store, so every node must use the same one.
 RUN_ID = "phalanx"
+RENDEZVOUS = "phalanx-static"  # the name `_StaticRendezvous` is registered under
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,16 +96,18 @@ def main(args: argparse.Namespace) -> int:
 
     _check_arguments(args)
     port = args.master_port
-    if port is None:
-        port = _free_port(args.master_addr) if args.nnodes == 1 else 29500
+    if port is None:  # one node: port 0 lets the store pick a free port itself
+        port = 0 if args.nnodes == 1 else 29500
 
-    # Imported here so that a worker, which runs this file for its entry point, does not load
-    # the agent.
+    # Imported here: a worker runs this file for its entry point and needs none of the agent.
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    rendezvous_handler_registry.register(RENDEZVOUS, _create_rendezvous)
 
     _configure_agent_logging(args.verbose)
     if args.nproc_per_node > 1:
@@ -117,9 +125,8 @@ def main(args: argparse.Namespace) -> int:
         max_nodes=args.nnodes,
         nproc_per_node=args.nproc_per_node,
         run_id=RUN_ID,
-        # Static rendezvous: node 0 serves a TCP store at master addr:port and every node
-        # knows its own rank, which is what a fixed-size job needs (no etcd, no elasticity).
-        rdzv_backend="static",
+        # See [Note: static rendezvous, a fresh store per attempt].
+        rdzv_backend=RENDEZVOUS,
         rdzv_endpoint=f"{args.master_addr}:{port}",
         rdzv_configs={"rank": args.node_rank, "timeout": args.join_timeout},
         max_restarts=args.max_restarts,
@@ -127,7 +134,6 @@ def main(args: argparse.Namespace) -> int:
         # with the rank in front; the files also keep the end of a failed rank's stderr.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
         log_line_prefix_template="[rank${rank}]: ",
-        local_addr=args.master_addr if args.nnodes == 1 else None,
     )
     worker_args = ["-u", "-m", __spec__.name if __spec__ else "phalanx.launch"]
     worker_args += (["-m"] if args.module else []) + [args.script] + list(args.script_args)
@@ -190,17 +196,6 @@ def _module_exists(name: str) -> bool:
         sys.path.remove(os.getcwd())
 
 
-def _free_port(addr: str) -> int:
-    """A port nobody listens on now. The agent binds it a moment later; the race is harmless
-    in practice and beats a fixed default that makes two jobs on one machine collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((addr, 0))
-        except OSError:
-            sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_for_master(addr: str, port: int, timeout: float) -> bool:
     """Whether node 0's rendezvous accepts connections within `timeout` seconds.
 
@@ -245,6 +240,52 @@ def _rendezvous_error(args, port: int, exc: Exception) -> str:
                 "same --master-addr and --master-port, or raise --join-timeout")
     return (f"the rendezvous at {where} failed ({first_line}); start node 0 with the same "
             "--master-addr and --master-port, or raise --join-timeout")
+
+
+# ---------------------------------------------------------------------------------------------
+# The rendezvous
+
+
+class _StaticRendezvous(StaticTCPRendezvous):
+    """[Note: static rendezvous, a fresh store per attempt]
+
+    The job has a fixed shape, so the rendezvous is torch's static one: node 0's agent serves a
+    TCP store at master addr:port, every node knows its rank (--node-rank), and nothing beyond
+    torch is needed (no etcd, no elastic membership).
+
+    One change: torch's static rendezvous lends that store to the workers and keeps it across
+    restarts, so after a restart the process-group keys of the failed attempt are still there
+    and a worker connects to a dead peer's address (torch 2.13, with `torchrun
+    --max-restarts` as well; see pytorch/pytorch#135712). Here the global rank 0 worker
+    serves a new store on a free port at every attempt, the address being shared through the
+    agents' store under a per-attempt key: what torch's dynamic rendezvous does with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._attempt = 0
+
+    def get_backend(self) -> str:
+        return RENDEZVOUS
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = super().next_rendezvous()
+        attempt_store = PrefixStore(f"phalanx/attempt_{self._attempt}", info.store)
+        self._attempt += 1
+        workers_store = RendezvousStoreInfo.build(info.rank, attempt_store,
+                                                  local_addr=self.master_addr)
+        return RendezvousInfo(info.store, info.rank, info.world_size, workers_store)
+
+
+def _create_rendezvous(params) -> _StaticRendezvous:
+    addr, port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
+    return _StaticRendezvous(addr, port, params.config["rank"], params.max_nodes,
+                             params.run_id, int(params.config["timeout"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +391,7 @@ def _worker_main(argv: list[str]) -> int:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             headline = f"sys.exit({exc.code!r})" if isinstance(exc.code, int) else str(exc.code)
-            _record_failure(exc, headline)
+            _record_failure(exc.with_traceback(_user_frames(exc.__traceback__)), headline)
         raise
     except BaseException as exc:
         exc = exc.with_traceback(_user_frames(exc.__traceback__))
