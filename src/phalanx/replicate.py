@@ -46,18 +46,24 @@ class Replicated:
     def buckets(self) -> list[GradBucket]:
         return self.reducer.buckets
 
+    def _compressed(self, bucket: GradBucket) -> bool:
+        return self.comm_dtype is not None and self.comm_dtype != bucket.dtype
+
     def _launch(self, bucket: GradBucket):
-        if self.comm_dtype is not None and self.comm_dtype != bucket.dtype:
-            # Compress what travels; the mean lands back in the fp32 gradients in _finish.
-            comm = bucket.buffer.to(self.comm_dtype)
-            self._comm_buffers[bucket.index] = comm
+        if self._compressed(bucket):
+            # Compress what travels; the mean lands back in the fp32 gradients in _finish. The
+            # low-precision buffer is kept between steps: a fresh one each step costs page faults.
+            comm = self._comm_buffers.get(bucket.index)
+            if comm is None or comm.numel() != bucket.total_numel:
+                comm = torch.empty(bucket.total_numel, dtype=self.comm_dtype, device=bucket.device)
+                self._comm_buffers[bucket.index] = comm
+            comm.copy_(bucket.buffer)
             return C.all_reduce_mean(comm, self.group)
         return C.all_reduce_mean(bucket.buffer, self.group)
 
     def _finish(self, bucket: GradBucket) -> None:
-        comm = self._comm_buffers.pop(bucket.index, None)
-        if comm is not None:
-            bucket.buffer.copy_(comm)
+        if self._compressed(bucket):
+            bucket.buffer.copy_(self._comm_buffers[bucket.index])
         # See [Note: gradients that never arrived] in reducer.py.
         used_anywhere = (bucket.flags() > 0).tolist()
         for i, (p, used) in enumerate(zip(bucket.params, used_anywhere)):

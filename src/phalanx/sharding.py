@@ -89,6 +89,7 @@ class _Unit:
         master = owned if self.master_is_view else owned.detach().float().clone()
         self.master = torch.nn.Parameter(master)
         self.master_grad: torch.Tensor | None = None  # persistent fp32 shard gradient, if needed
+        self.comm_buffer: torch.Tensor | None = None  # persistent low-precision copy, if needed
 
 
 class Sharded:
@@ -141,7 +142,12 @@ class Sharded:
         unit = self.units[bucket.index]
         buf = bucket.grads()
         if self.comm_dtype is not None:
-            buf = buf.to(self.comm_dtype)
+            # Kept between steps: a fresh low-precision copy each step costs page faults.
+            if unit.comm_buffer is None:
+                unit.comm_buffer = torch.empty(buf.numel(), dtype=self.comm_dtype,
+                                               device=buf.device)
+            buf = unit.comm_buffer
+            buf.copy_(bucket.grads())
         if self.reduce_scatter:
             out = torch.empty(unit.hi - unit.lo, dtype=buf.dtype, device=buf.device)
             self._comm[bucket.index] = out
