@@ -40,15 +40,20 @@ class GradReducer:
     """Moves gradients into buckets as they become ready and reduces each bucket when complete.
 
     `launch(bucket)` starts the bucket's collective and returns its work handle (or None);
-    `finish(bucket)` runs after the handle completed. `on_first_order(params)` is called once,
-    after the first backward, with the parameters in the order their gradients became ready.
+    `finish(bucket)` runs after the handle completed: during backward for buckets whose
+    collective is already done, at the end of backward for the rest. `max_in_flight` bounds the
+    buckets reduced but not yet finished (ZeRO-2 frees a bucket in `finish`, so this bounds its
+    peak gradient memory); None lets backward run on without ever waiting.
+    `on_first_order(params)` is called once, after the first backward, with the parameters in
+    the order their gradients became ready.
     """
 
     def __init__(self, buckets: list[GradBucket], launch: Callable, finish: Callable,
-                 on_first_order: Callable | None = None):
+                 on_first_order: Callable | None = None, max_in_flight: int | None = None):
         self._launch_fn = launch
         self._finish_fn = finish
         self._on_first_order = on_first_order
+        self._max_in_flight = max_in_flight
         self.sync = True
         self._handles = []
         self.set_buckets(buckets)
@@ -102,6 +107,19 @@ class GradReducer:
                and self._ready[self._next] == len(self.buckets[self._next].params)):
             self._launch(self.buckets[self._next])
             self._next += 1
+        self._finish_completed()
+
+    def _finish_completed(self) -> None:
+        """Finish, oldest first, the buckets whose collective is done (or over the bound)."""
+        while self._in_flight:
+            bucket, work = self._in_flight[0]
+            over = self._max_in_flight is not None and len(self._in_flight) > self._max_in_flight
+            if not (work is None or over or work.is_completed()):
+                break
+            self._in_flight.pop(0)
+            if work is not None:
+                work.wait()
+            self._finish_fn(bucket)
 
     @staticmethod
     def _adopt_grad(bucket: GradBucket, i: int) -> None:

@@ -127,7 +127,10 @@ class Sharded:
         self.units = [_Unit(i, run, group_of[run[0]], self.world, self.rank, self.sharded,
                             compute_dtype) for i, run in enumerate(runs)]
         self._comm: dict[int, torch.Tensor] = {}
-        self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish)
+        # ZeRO-2 keeps at most two full buckets reduced-but-unfinished, so the full gradients
+        # resident at any time during backward are a few buckets, not the whole model.
+        self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
+                                   max_in_flight=2 if policy.shard_grads else None)
 
         for g, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [u.master for u in self.units if u.group_index == g]
