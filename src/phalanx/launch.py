@@ -22,8 +22,9 @@ node waits at most --join-timeout seconds for the others.
 
 When a worker fails, the workers on its node are stopped and the command exits with status 1
 after one message naming the first rank that failed, its exit code or signal, and the end of
-its traceback. A mistake in the command itself (no such script, -n 0, no master) is one line
-and exit status 2.
+its traceback; with --max-restarts K the node's workers are first restarted up to K times.
+A mistake in the command itself (no such script, -n 0, no master) is one line and exit
+status 2. The elastic agent's own log lines are hidden unless --verbose.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
         log_line_prefix_template="[rank${rank}]: ",
     )
-    worker_args = ["-u", "-m", __spec__.name if __spec__ else "phalanx.launch"]
+    worker_args = ["-u", "-m", "phalanx.launch"]  # see `_worker_main`
     worker_args += (["-m"] if args.module else []) + [args.script] + list(args.script_args)
     try:
         elastic_launch(config, sys.executable)(*worker_args)
@@ -381,8 +382,10 @@ def _worker_main(argv: list[str]) -> int:
     is_module = argv[:1] == ["-m"]
     target, script_args = (argv[1], argv[2:]) if is_module else (argv[0], argv[1:])
     sys.argv = [target, *script_args]
-    if not is_module:
-        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py` does
+    if not is_module and not getattr(sys.flags, "safe_path", False):
+        # `python -m` put the cwd first on the path; `python script.py` puts the script's
+        # directory there instead.
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
     try:
         if is_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -396,10 +399,8 @@ def _worker_main(argv: list[str]) -> int:
     except BaseException as exc:
         exc = exc.with_traceback(_user_frames(exc.__traceback__))
         _record_failure(exc, f"{type(exc).__name__}: {exc}")
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        _print_exception(exc)
-        return 1
+        _print_exception(exc)  # for Ctrl-C too: where each rank was is worth seeing
+        return 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     return 0
 
 
