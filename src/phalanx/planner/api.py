@@ -18,8 +18,9 @@ import torch
 
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
+from .layout import unit_sizes
 from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
-                     optimizer_state_elements)
+                     optimizer_state_elements, step_working_bytes)
 from .model_desc import ModelDesc, describe, input_from_shape
 from .report import PlanResult, StrategyPlan
 from .sizes import GB, format_bytes, parse_bandwidth, parse_bytes
@@ -107,7 +108,10 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     state_elements = optimizer_state_elements(optimizer, desc.trainable_params,
                                               desc.trainable_shapes, nominal)
     reduce_scatter = backend == "nccl"
-    largest_unit = max(desc.unit_params, default=0)
+    units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight, bucket_mb)
+    largest_unit = max(units_)
+    largest_param = (max((math.prod(s) for s in desc.trainable_shapes), default=0)
+                     if desc.trainable_shapes is not None else largest_unit)
     grad_comm = (comm_bytes or prec.grad) * desc.trainable_params
     tokens = world * batch * seq * grad_accum
 
@@ -120,12 +124,15 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         gathered = prec.weight * (desc.params if name == "zero3" else desc.trainable_params)
         colls = collectives(name, grad_comm, gathered, world, reduce_scatter)
         t = step_time(colls, world, compute_s, grad_accum, bandwidth, activation_checkpointing,
-                      units=len(desc.unit_params))
-        total = states.total + activations + sum(buffers.values())
+                      units=len(units_))
+        step_bytes = step_working_bytes(optimizer, name, prec, world, desc.trainable_params,
+                                        largest_param, largest_unit, foreach=backend == "nccl")
+        total = states.total + sum(buffers.values()) + max(activations, step_bytes)
         plans[name] = StrategyPlan(
             strategy=name, params_bytes=states.params, grads_bytes=states.grads,
             optimizer_bytes=states.optimizer, activations_bytes=activations,
-            buffers_bytes=sum(buffers.values()), buffers_detail=buffers, total_bytes=total,
+            buffers_bytes=sum(buffers.values()), buffers_detail=buffers,
+            step_working_bytes=step_bytes, total_bytes=total,
             fits=total <= memory, fits_with_headroom=total <= (1 - headroom) * memory,
             comm_bytes_per_step=t.comm_bytes, comm_payload_bytes=t.payload_by_op,
             comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=t.step_s,
@@ -137,7 +144,9 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         states = model_states("zero3", prec, desc.params, desc.trainable_params, state_elements, n)
         buffers = buffer_bytes("zero3", prec, desc.trainable_params, n, reduce_scatter,
                                comm_bytes, largest_unit)
-        return states.total + activations + sum(buffers.values())
+        step_bytes = step_working_bytes(optimizer, "zero3", prec, n, desc.trainable_params,
+                                        largest_param, largest_unit, foreach=backend == "nccl")
+        return states.total + sum(buffers.values()) + max(activations, step_bytes)
 
     recommended, reason = _recommend(plans, memory, headroom, units, world, zero3_total,
                                      activations, activation_checkpointing)
@@ -162,11 +171,13 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
 
 def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpointing,
                            attention, notes):
-    """Activation bytes of one micro-batch and training FLOPs of one step on one device."""
+    """Activation bytes of one micro-batch (saved tensors plus the loss's gradients at the start
+    of backward, when memory peaks) and training FLOPs of one step on one device."""
     recompute = 4 / 3 if checkpointing else 1.0
     if desc.transformer is not None:
         acts = desc.transformer.activation_bytes(batch, seq, prec.activation, checkpointing,
                                                  attention)
+        acts += desc.transformer.loss_transient_bytes(batch, seq)
         flops = desc.transformer.flops_per_token(seq) * batch * seq * grad_accum * recompute
         return acts, flops
     fallback = 6.0 * desc.trainable_params * batch * seq * grad_accum * recompute
@@ -188,6 +199,7 @@ def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkp
         notes.append("no repeated blocks (nn.ModuleList) found: activation checkpointing is "
                      "not modelled")
     acts = traced.checkpointed_bytes if checkpointing else traced.activation_bytes
+    acts += traced.loss_transient_bytes
     return acts, 3.0 * traced.forward_flops * grad_accum * recompute
 
 
@@ -242,8 +254,9 @@ def _gpus_for_zero3(zero3_total, world, limit):
 
 def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):
     notes = [f"precision {prec.name}: {prec.description}",
-             "total = model states + activations + buffers, all counted at once (an upper "
-             "bound: activations are freed as gradients are made); GB = 1e9 bytes, GiB = 2^30",
+             "total = model states + buffers + the larger of activations (backward) and the "
+             "optimizer step's temporaries; activations are counted whole at the start of "
+             "backward, with the loss's gradients; GB = 1e9 bytes, GiB = 2^30",
              "communication and step times use nominal link rates and a bandwidth-only ring "
              "model: expect real collectives to reach 70-90% of them"]
     if optimizer == "adafactor":

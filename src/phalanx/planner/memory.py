@@ -27,6 +27,14 @@ those model states at its peak, modelled from its code:
   bucket in that dtype; with reduce-scatter, the received shards.
 - zero3: two gather units of full parameters (the one in use and the one prefetched). The
   zero3 engine is not written yet; this is the layout it is meant to have.
+
+[Note: Optimizer step working memory]
+Adam's update makes temporaries (the square root of the second moment, then its quotient).
+PyTorch's foreach implementation, the default on GPU, makes them for all of a param group's
+tensors at once: one state-sized tensor over everything this rank steps. Its single-tensor
+implementation, the default on CPU, makes two of the largest tensor stepped (for phalanx's
+sharded engine a unit's master shard, see layout.py). The step comes after backward has freed
+the activations, so the peak is model states + buffers + the larger of activations and this.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "STRATEGIES", "optimizer_state_elements",
-           "ModelStates", "model_states", "buffer_bytes"]
+           "ModelStates", "model_states", "buffer_bytes", "step_working_bytes"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -152,3 +160,18 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
     if strategy == "zero3":
         out["gathered_params"] = 2 * precision.weight * largest_unit
     return out
+
+
+def step_working_bytes(optimizer: str, strategy: str, precision: Precision, world: int,
+                       trainable: int, largest_param: int, largest_unit: int,
+                       foreach: bool) -> int:
+    """Temporaries of one optimizer step (see [Note: Optimizer step working memory])."""
+    if optimizer not in ("adam", "adamw", "adafactor") or trainable == 0:
+        return 0
+    n = 1 if strategy == "ddp" else world
+    if strategy == "ddp" and not precision.mixed:   # the model's own parameters are stepped
+        largest, total = largest_param, trainable
+    else:                                            # flat master shards, one per unit
+        largest, total = _shard(largest_unit, n), _shard(trainable, n)
+    state = 4 if precision.mixed else precision.state
+    return state * total if foreach else 2 * state * largest

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -26,8 +25,7 @@ import torch
 from torch import nn
 
 from .sizes import format_count, parse_count
-from .trace import find_blocks
-from .transformer import TransformerShape, nominal_shape, shape_from_config
+from .transformer import TransformerShape, shape_from_config
 
 __all__ = ["ModelDesc", "describe", "from_count", "from_config", "from_module", "from_factory"]
 
@@ -38,8 +36,7 @@ class ModelDesc:
     source: str                      # "count", "config" or "module"
     params: int                      # unique parameters (tied weights once)
     trainable_params: int            # those with requires_grad: they get gradients and state
-    trainable_shapes: list[tuple[int, ...]] | None  # None for a bare count
-    unit_params: list[int]           # parameters per ZeRO-3 gather unit
+    trainable_shapes: list[tuple[int, ...]] | None  # module order; None for a bare count
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     make_input: Callable[[int, int], tuple] | None = None
@@ -47,25 +44,16 @@ class ModelDesc:
 
     def summary(self) -> dict[str, Any]:
         out = {"name": self.name, "source": self.source, "params": self.params,
-               "trainable_params": self.trainable_params,
-               "largest_unit_params": max(self.unit_params, default=0)}
+               "trainable_params": self.trainable_params}
         if self.transformer is not None:
             out["transformer"] = self.transformer.to_dict()
         return out
 
 
-def _transformer_units(shape: TransformerShape) -> list[int]:
-    """Each layer is a unit; everything else (embeddings, final norm, head) is one more."""
-    outer = sum(math.prod(s) for s in shape.outer_param_shapes())
-    return [outer] + [shape.layer_params()] * shape.layers
-
-
 def from_count(params) -> ModelDesc:
     n = parse_count(params)
-    nominal = nominal_shape(n)
-    units = [max(1, n // nominal.layers)] * nominal.layers
-    return ModelDesc(name=f"{format_count(n)} parameters", source="count", params=n, trainable_params=n,
-                     trainable_shapes=None, unit_params=units,
+    return ModelDesc(name=f"{format_count(n)} parameters", source="count", params=n,
+                     trainable_params=n, trainable_shapes=None,
                      notes=["a bare parameter count gives no activations: pass --config or "
                             "--model to include them"])
 
@@ -88,8 +76,7 @@ def from_config(config) -> ModelDesc:
     shapes = shape.param_shapes()
     name = shape.name if shape.name != "transformer" else os.path.basename(source)
     return ModelDesc(name=name, source="config", params=shape.params(),
-                     trainable_params=shape.params(), trainable_shapes=shapes,
-                     unit_params=_transformer_units(shape), transformer=shape)
+                     trainable_params=shape.params(), trainable_shapes=shapes, transformer=shape)
 
 
 def _default_input(module: nn.Module) -> Callable[[int, int], tuple]:
@@ -137,15 +124,10 @@ def from_module(module: nn.Module, name: str | None = None,
         raise ValueError(f"expected a torch.nn.Module, got {type(module).__name__}")
     params = list(module.parameters())  # unique: tied weights appear once
     trainable = [p for p in params if p.requires_grad]
-    blocks = find_blocks(module)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    units = [sum(p.numel() for p in params if id(p) not in in_blocks)]
-    units += [sum(p.numel() for p in b.parameters()) for b in blocks]
     desc = ModelDesc(name=name or type(module).__name__, source="module",
                      params=sum(p.numel() for p in params),
                      trainable_params=sum(p.numel() for p in trainable),
-                     trainable_shapes=[tuple(p.shape) for p in trainable],
-                     unit_params=[u for u in units if u] or [0], module=module)
+                     trainable_shapes=[tuple(p.shape) for p in trainable], module=module)
     try:
         desc.make_input = make_input or _default_input(module)
     except ValueError as exc:

@@ -21,7 +21,8 @@ class StrategyPlan:
     activations_bytes: int
     buffers_bytes: int
     buffers_detail: dict
-    total_bytes: int
+    step_working_bytes: int      # optimizer-step temporaries; they never coexist with activations
+    total_bytes: int             # params + grads + optimizer + buffers + max(activations, step)
     fits: bool                   # total <= GPU memory
     fits_with_headroom: bool     # total <= (1 - headroom) x GPU memory
     comm_bytes_per_step: float   # bytes each rank sends per optimizer step, ring algorithms
@@ -100,7 +101,8 @@ def format_table(r: PlanResult) -> str:
                        ("optimizer state", "optimizer_bytes"),
                        ("activations", "activations_bytes"),
                        ("buffers (comm, fp32 grad)", "buffers_bytes"),
-                       ("total", "total_bytes")):
+                       ("optimizer step working memory", "step_working_bytes"),
+                       ("total (peak)", "total_bytes")):
         row(label, [_mem(getattr(p, key), u) for p in r.strategies.values()])
     row(f"fits in {_mem(s['gpu_memory_bytes'], u)} {u}",
         ["yes" if p.fits_with_headroom else ("tight" if p.fits else "NO")

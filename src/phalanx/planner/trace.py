@@ -12,7 +12,8 @@ Activation checkpointing is modelled per repeated block, the children of the mod
 `nn.ModuleList` (transformer layers, ResNet stages...): each block keeps only its inputs, and
 during backward one block at a time is recomputed in full. The loss is not part of the module;
 it is assumed to save one fp32 tensor of the output's size (as cross-entropy's log-softmax and
-MSE's difference do).
+MSE's difference do), and to need two more at the start of backward (the gradients flowing back
+into the output).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = ["TraceResult", "trace_module", "find_blocks"]
 class TraceResult:
     activation_bytes: int     # saved for backward, no checkpointing, loss included
     checkpointed_bytes: int   # with per-block activation checkpointing
+    loss_transient_bytes: int  # the loss's gradients at the start of backward
     forward_flops: float
     blocks: int               # repeated blocks found (0: checkpointing not modelled)
 
@@ -132,4 +134,5 @@ def trace_module(module: nn.Module, inputs: tuple, dtype: torch.dtype) -> TraceR
     else:
         checkpointed = total
     return TraceResult(activation_bytes=total, checkpointed_bytes=checkpointed,
+                       loss_transient_bytes=2 * loss_bytes,
                        forward_flops=float(flops.get_total_flops()), blocks=len(blocks))

@@ -23,6 +23,8 @@ input: kernels return it in (batch, seq, heads, dim) layout, so merging heads is
 Outside the layers: token ids, final norm input h, LM-head input h and the fp32 log-softmax of
 the loss, 4*V bytes per token. With full activation checkpointing each layer keeps only its
 input (e*h per token) and one layer at a time is recomputed in full during backward.
+The planner adds the loss's working memory at the start of backward (`loss_transient_bytes`):
+the peak comes then, with every activation still saved.
 `tests/test_plan_activations.py` checks all of this against a measured forward/backward of the
 reference model built from the same config (`reference_model.py`).
 """
@@ -82,31 +84,38 @@ class TransformerShape:
 
     # ---- parameters -------------------------------------------------------------------------
     def layer_param_shapes(self) -> list[tuple[int, ...]]:
+        """In module order (as reference_model.Block registers them): the order matters to the
+        engine's bucket layout (layout.py), not to any count."""
         h, hk, i = self.hidden, self.kv_hidden, self.intermediate
-        shapes = [(h,), (h,)] if self.bias else [(h,)]                     # norm 1
-        shapes += [(h, h), (hk, h), (hk, h), (h, h)]                          # q, k, v, out
-        if self.bias:
-            shapes += [(h,), (hk,), (hk,), (h,)]
-        shapes += [(h,), (h,)] if self.bias else [(h,)]                     # norm 2
-        mats = [(i, h), (i, h), (h, i)] if self.gated_mlp else [(i, h), (h, i)]
-        shapes += mats
-        if self.bias:
-            shapes += [(i,)] * (len(mats) - 1) + [(h,)]
-        return shapes
+
+        def linear(out_features, in_features):
+            return [(out_features, in_features)] + ([(out_features,)] if self.bias else [])
+
+        norm = [(h,), (h,)] if self.bias else [(h,)]
+        mlp = linear(i, h) + (linear(i, h) if self.gated_mlp else []) + linear(h, i)
+        return (norm + linear(h, h) + linear(hk, h) + linear(hk, h) + linear(h, h)
+                + norm + mlp)
 
     def outer_param_shapes(self) -> list[tuple[int, ...]]:
         """Embeddings, final norm and (when untied) the LM head."""
-        h = self.hidden
-        shapes = [(self.vocab, h)]
+        return self._before_layers() + self._after_layers()
+
+    def _before_layers(self):
+        shapes = [(self.vocab, self.hidden)]
         if self.learned_positions:
-            shapes.append((self.learned_positions, h))
-        shapes += [(h,), (h,)] if self.bias else [(h,)]
+            shapes.append((self.learned_positions, self.hidden))
+        return shapes
+
+    def _after_layers(self):
+        h = self.hidden
+        shapes = [(h,), (h,)] if self.bias else [(h,)]
         if not self.tied_embeddings:
             shapes.append((self.vocab, h))
         return shapes
 
     def param_shapes(self) -> list[tuple[int, ...]]:
-        return self.outer_param_shapes() + self.layer_param_shapes() * self.layers
+        """Every parameter's shape, in module order."""
+        return self._before_layers() + self.layer_param_shapes() * self.layers + self._after_layers()
 
     def layer_params(self) -> int:
         return sum(math.prod(s) for s in self.layer_param_shapes())
@@ -152,6 +161,11 @@ class TransformerShape:
         if checkpointing:
             return outer + self.layers * batch * seq * elem * self.hidden + layer
         return outer + self.layers * layer
+
+    def loss_transient_bytes(self, batch: int, seq: int) -> int:
+        """Working memory at the start of backward, on top of what is saved: the fp32 gradients
+        of the log-probabilities and of the logits, 2 x 4 x V bytes per token."""
+        return 8 * self.vocab * batch * seq
 
     # ---- compute ----------------------------------------------------------------------------
     def flops_per_token(self, seq: int) -> float:
@@ -231,9 +245,9 @@ def shape_from_config(config: dict, source: str = "config") -> TransformerShape:
 
 
 def nominal_shape(params: int) -> TransformerShape:
-    """A stand-in shape for a bare parameter count, used only where a count says too little
-    (ZeRO-3 gather-unit size, Adafactor's factored state): layers of 12*h^2 parameters with
-    hidden = 128 * layers, the aspect ratio of GPT-3 and Llama models."""
+    """A stand-in shape for a bare parameter count, used only for Adafactor's factored state,
+    which depends on matrix shapes: layers of 12*h^2 parameters with hidden = 128 * layers, the
+    aspect ratio of GPT-3 and Llama models."""
     layers = max(1, round((params / (12 * 128 ** 2)) ** (1 / 3)))
     hidden = max(1, int(math.sqrt(params / (12 * layers))))
     heads = max(1, hidden // 128)

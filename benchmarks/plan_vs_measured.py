@@ -1,0 +1,251 @@
+"""The planner against measurement: per-rank peak memory and communication bytes of real
+training steps.
+
+    .venv/bin/python benchmarks/plan_vs_measured.py            # CPU, gloo, 2 and 4 ranks
+    .venv/bin/python benchmarks/plan_vs_measured.py --quick    # fewer cases
+    .venv/bin/python benchmarks/plan_vs_measured.py --gpu      # one GPU: max_memory_allocated
+
+CPU: for each model, strategy, precision and world size, real ranks (forked, gloo, one thread
+each) build the model, `px.prepare` it, take one warm-up step, then take two measured steps. The
+memory a rank used is its peak resident set (VmHWM, reset after warm-up) minus its resident set
+before the model was built; the communication is what `phalanx.collectives.comm_counter`
+counted, per step. Both are compared with `px.plan(..., backend="gloo")` for the same setting:
+its total per device (model states, activations, engine buffers) and its payload per step.
+glibc is told to serve large allocations with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors
+leave the resident set at once instead of lingering in the heap.
+
+GPU: one process, the same comparison against `torch.cuda.max_memory_allocated()`, activations
+included, for a GPT-2-small-size and a ~1B-parameter transformer in bf16 mixed precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import sys
+import time
+
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # must be set before the process starts
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import phalanx as px  # noqa: E402
+from phalanx.planner.reference_model import ReferenceTransformer  # noqa: E402
+from phalanx.planner.transformer import shape_from_config  # noqa: E402
+from phalanx.testing import run_ranks  # noqa: E402
+
+# Dropout off: on CPU a dropout mask costs the activation's dtype, on GPU one byte, and the
+# planner plans for GPUs.
+CONFIGS = {
+    "gpt-23M": {"model_type": "gpt2", "n_embd": 512, "n_layer": 6, "n_head": 8, "n_inner": None,
+                "n_positions": 256, "vocab_size": 8192},
+    "llama-47M": {"model_type": "llama", "hidden_size": 640, "num_hidden_layers": 8,
+                  "num_attention_heads": 10, "num_key_value_heads": 5,
+                  "intermediate_size": 1728, "vocab_size": 8000, "tie_word_embeddings": False},
+}
+GPU_CONFIGS = {
+    "gpt2-small (124M)": ({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12,
+                           "n_inner": None, "n_positions": 1024, "vocab_size": 50257}, 8, 1024),
+    "gpt-1.0B": ({"model_type": "gpt2", "n_embd": 2048, "n_layer": 18, "n_head": 16,
+                  "n_inner": None, "n_positions": 1024, "vocab_size": 50257}, 2, 1024),
+}
+MLP_DIM = 1024
+
+
+class MLP(nn.Module):
+    """A plain residual MLP stack (no config: the planner traces it on the meta device)."""
+
+    def __init__(self, blocks=4, dim=MLP_DIM):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(blocks))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def build(name, tiny=False):
+    """The model; `tiny`: the same layers at a size that costs nothing (for warming up)."""
+    torch.manual_seed(0)
+    if name == "mlp-34M":
+        return MLP(blocks=2, dim=MLP_DIM // 16) if tiny else MLP()
+    config = CONFIGS[name]
+    if tiny:
+        shape = shape_from_config(config)
+        config = dict(config, **{"n_layer" if "n_layer" in config else "num_hidden_layers": 2})
+        config["vocab_size"] = shape.vocab // 16
+    return ReferenceTransformer(shape_from_config(config))
+
+
+def batch_for(name, batch, seq, device="cpu", tiny=False):
+    if name == "mlp-34M":
+        return torch.randn(batch * seq, MLP_DIM // (16 if tiny else 1), device=device), None
+    vocab = shape_from_config(CONFIGS[name]).vocab // (16 if tiny else 1)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    return ids, torch.randint(0, vocab, (batch, seq), device=device)
+
+
+def loss_of(model, x, y):
+    out = model(x)
+    if y is None:
+        return out.square().mean()
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _status_kb(key):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1)) * 1024
+
+
+def _train(name, strategy, precision, data, tiny=False):
+    model = build(name, tiny)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
+
+    def step(x, y):
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(*data[0])  # warm-up: buckets are re-laid and optimizer state is created
+    return step
+
+
+def _measure_rank(name, strategy, precision, batch, seq, steps):
+    from phalanx.collectives import comm_counter
+    torch.manual_seed(px.rank())
+    # The same layers at a tiny size first: the kernels' code is paged in and gloo's threads
+    # and buffers are set up before the baseline is taken, so the difference is the model's.
+    tiny = [batch_for(name, batch, seq, tiny=True) for _ in range(2)]
+    _train(name, strategy, precision, tiny, tiny=True)(*tiny[1])
+    gc.collect()
+    data = [batch_for(name, batch, seq) for _ in range(steps + 1)]
+    before = _status_kb("VmRSS")
+    step = _train(name, strategy, precision, data)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak to the current resident set
+    comm_counter.reset()
+    for x, y in data[1:]:
+        step(x, y)
+    return {"peak": _status_kb("VmHWM") - before,
+            "comm": {op: b / steps for op, b in comm_counter.by_op.items()}}
+
+
+def _plan_for(name, world, strategy, precision, batch, seq, gpu=False):
+    prec = {"fp32": "fp32", "bf16": "bf16-mixed"}[precision]
+    common = dict(gpus=world, strategy=strategy, precision=prec, optimizer="adamw",
+                  backend="nccl" if gpu else "gloo", gpu_memory="1000GB")
+    if name == "mlp-34M":
+        with torch.device("meta"):
+            module = MLP()
+        return px.plan(module, batch=batch * seq, seq=1, input_shape=str(MLP_DIM), **common)
+    config = GPU_CONFIGS[name][0] if gpu else CONFIGS[name]
+    return px.plan(config=config, batch=batch, seq=seq, **common)
+
+
+def _ratio(a, b):
+    return a / b if b else float("nan")
+
+
+def run_cpu(quick: bool):
+    models = ["gpt-23M", "mlp-34M"] if quick else ["gpt-23M", "llama-47M", "mlp-34M"]
+    worlds = [2] if quick else [2, 4]
+    rows = []
+    for name in models:
+        batch, seq = (4, 8) if name == "mlp-34M" else (2, 64)
+        for world in worlds:
+            for precision in ("fp32", "bf16"):
+                for strategy in ("ddp", "zero1", "zero2"):
+                    start = time.time()
+                    results = run_ranks(_measure_rank, world,
+                                        args=(name, strategy, precision, batch, seq, 2),
+                                        timeout=600)
+                    plan = _plan_for(name, world, strategy, precision, batch, seq)[strategy]
+                    measured_peak = max(r["peak"] for r in results)
+                    counted = sum(results[0]["comm"].values())
+                    planned_comm = sum(plan.comm_payload_bytes.values())
+                    rows.append((name, strategy, precision, world, plan.total_bytes,
+                                 measured_peak, planned_comm, counted))
+                    print(f"{name:10} {strategy:5} {precision:4} N={world}: memory planned "
+                          f"{plan.total_bytes / 1e6:8.1f} MB measured {measured_peak / 1e6:8.1f} "
+                          f"MB ({_ratio(plan.total_bytes, measured_peak):.3f}); comm planned "
+                          f"{planned_comm / 1e6:7.1f} MB counted {counted / 1e6:7.1f} MB "
+                          f"({_ratio(planned_comm, counted):.3f})  [{time.time() - start:.0f} s]",
+                          flush=True)
+    return rows
+
+
+def run_gpu():
+    px.init()
+    rows = []
+    for name, (config, batch, seq) in GPU_CONFIGS.items():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = ReferenceTransformer(shape_from_config(config))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = px.prepare(model, opt, strategy="ddp", precision="bf16")
+        vocab = config["vocab_size"]
+        for i in range(3):
+            if i == 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+            loss_of(model, ids, torch.randint(0, vocab, (batch, seq), device="cuda")).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - before
+        plan = _plan_for(name, 1, "ddp", "bf16", batch, seq, gpu=True)["ddp"]
+        rows.append((name, "ddp", "bf16", 1, plan.total_bytes, measured, 0, 0))
+        print(f"{name}: planned {plan.total_bytes / 1e9:.2f} GB (activations "
+              f"{plan.activations_bytes / 1e9:.2f} GB), measured {measured / 1e9:.2f} GB "
+              f"({_ratio(plan.total_bytes, measured):.3f})", flush=True)
+        del model, opt
+    return rows
+
+
+def table(rows, gpu=False):
+    head = ("| model | strategy | precision | ranks | planned peak | measured peak | ratio |"
+            + ("" if gpu else " planned comm/step | counted comm/step | ratio |"))
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, strategy, precision, world, planned, measured, pc, cc in rows:
+        line = (f"| {name} | {strategy} | {precision} | {world} | {planned / 1e6:.1f} MB | "
+                f"{measured / 1e6:.1f} MB | {_ratio(planned, measured):.3f} |")
+        if not gpu:
+            line += f" {pc / 1e6:.2f} MB | {cc / 1e6:.2f} MB | {_ratio(pc, cc):.3f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="measure on one CUDA GPU")
+    ap.add_argument("--quick", action="store_true", help="fewer models and world sizes")
+    args = ap.parse_args()
+    if args.gpu:
+        if not torch.cuda.is_available():
+            sys.exit("--gpu needs a CUDA GPU")
+        rows = run_gpu()
+    else:
+        rows = run_cpu(args.quick)
+    print()
+    print(table(rows, gpu=args.gpu))
+    worst = max(abs(_ratio(r[4], r[5]) - 1) for r in rows)
+    print(f"\nlargest memory deviation: {worst:.1%} (target 10%)")
+
+
+if __name__ == "__main__":
+    main()
