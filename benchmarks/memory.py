@@ -13,9 +13,10 @@ Measured: the bytes of every distinct storage that holds a model state on the ra
 parameters and gradients, the strategy's flat buffers, masters and shard gradients, the
 optimizer's state), sampled as each gradient arrives in backward and after forward, backward
 and step, over three training steps. "Peak" is the largest sample; "steady" is after
-`optimizer.zero_grad()`, between steps. The peak may exceed the formula by the gradient buckets
-in flight (`bucket_mb`, 25 MiB by default: ZeRO-2 keeps at most two reduced-but-unfinished
-buckets plus the one filling); the table prints that allowance.
+`optimizer.zero_grad()`, between steps. Both are compared with the formula plus the bucket
+buffers that the configuration adds (`bucket_mb`, 25 MiB by default: ZeRO-2 lends its
+short-lived full-gradient buckets from a pool of three buffers, at most two reduced but
+unfinished plus the one filling); the table prints that allowance.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _state_tensors(model, optimizer):
     for bucket in (engine.reducer.buckets if engine is not None else []):
         if bucket.buffer is not None:
             yield bucket.buffer
+    if getattr(engine, "pool", None) is not None:  # zero2's idle bucket buffers
+        yield from engine.pool.tensors()
     for comm in getattr(engine, "_comm_buffers", {}).values():
         yield comm
     for state in optimizer.state.values():
@@ -103,7 +106,7 @@ def main(argv=None):
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args(argv)
     print(f"{'precision':9s} {'strategy':8s} {'N':>2s} {'formula MiB':>11s} {'+buckets':>9s} "
-          f"{'peak MiB':>9s} {'steady MiB':>10s} {'peak/formula':>12s} {'steady/formula':>14s}")
+          f"{'peak MiB':>9s} {'steady MiB':>10s} {'peak/(f+b)':>12s} {'steady/(f+b)':>14s}")
     for precision in args.precisions.split(","):
         for world in [int(w) for w in args.worlds.split(",")]:
             for strategy in ("ddp", "zero1", "zero2"):
@@ -118,7 +121,7 @@ def main(argv=None):
                 allowance = 3 * args.bucket_mb * MB * itemsize / 4 if strategy == "zero2" else 0
                 print(f"{precision:9s} {strategy:8s} {world:2d} {formula / MB:11.1f} "
                       f"{allowance / MB:9.1f} {peak / MB:9.1f} {steady / MB:10.1f} "
-                      f"{peak / (formula + allowance):12.3f} {steady / formula:14.3f}",
+                      f"{peak / (formula + allowance):12.3f} {steady / (formula + allowance):14.3f}",
                       flush=True)
 
 

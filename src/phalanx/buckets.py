@@ -21,15 +21,45 @@ import math
 
 import torch
 
-__all__ = ["GradBucket", "assign_buckets"]
+__all__ = ["GradBucket", "BufferPool", "assign_buckets"]
+
+
+class BufferPool:
+    """A few flat buffers, each big enough for any bucket, lent to buckets freed every step.
+
+    ZeRO-2 frees each bucket's full gradients once its shard is reduced. Handing the memory
+    back to the system and asking for it again next step costs a page fault per 4 KiB page
+    (tens of milliseconds per step on CPU), so freed buffers wait here for the next bucket
+    instead. At most `keep` are kept: the pool is part of the configured bucket memory.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, keep: int):
+        self.numel, self.dtype, self.device, self.keep = numel, dtype, device, keep
+        self.idle: list[torch.Tensor] = []
+        self.lent = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        self.lent += 1
+        if self.idle:
+            return self.idle.pop()[:numel]
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)[:numel]
+
+    def give(self, view: torch.Tensor) -> None:
+        self.lent -= 1
+        if len(self.idle) < self.keep:
+            self.idle.append(view._base if view._base is not None else view)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.idle)
 
 
 class GradBucket:
     """The gradients of a fixed, ordered list of parameters, in one flat buffer."""
 
     def __init__(self, index: int, params, pad_to: int = 1, with_flags: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, pool: BufferPool | None = None):
         self.index = index
+        self.pool = pool
         self.params = list(params)
         self.dtype = dtype or self.params[0].dtype
         self.device = self.params[0].device
@@ -50,14 +80,24 @@ class GradBucket:
         return self.total_numel * torch.empty((), dtype=self.dtype).element_size()
 
     def allocate(self) -> None:
-        """Create the buffer (zeroed: padding and flags must start at zero)."""
+        """Create the buffer, or borrow it from the bucket's pool.
+
+        Only padding and flags are zeroed for a borrowed buffer: every parameter's slot is
+        written (a gradient copied in, or zeros for a missing one) before the bucket is reduced.
+        """
         if self.buffer is None:
-            self.buffer = torch.zeros(self.total_numel, dtype=self.dtype, device=self.device)
+            if self.pool is None:
+                self.buffer = torch.zeros(self.total_numel, dtype=self.dtype, device=self.device)
+            else:
+                self.buffer = self.pool.take(self.total_numel)
+                self.buffer[self.numel:].zero_()
             self._views = [self.buffer[o:o + p.numel()].view_as(p)
                            for o, p in zip(self.offsets, self.params)]
 
     def free(self) -> None:
         """Drop the buffer (ZeRO-2 keeps only the reduced shard between steps)."""
+        if self.buffer is not None and self.pool is not None:
+            self.pool.give(self.buffer)
         self.buffer = None
         self._views = None
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from .buckets import GradBucket, assign_buckets
+from .buckets import BufferPool, GradBucket, assign_buckets
 from .loss_scaling import DynamicLossScaler
 from .reducer import GradReducer
 
@@ -71,11 +71,11 @@ POLICIES = {
 class _Unit:
     """One flat run of parameters: their compute-dtype buffer, gradient bucket and master shard."""
 
-    def __init__(self, index, params, group_index, world, rank, sharded, compute_dtype):
+    def __init__(self, index, params, group_index, world, rank, sharded, compute_dtype, pool):
         self.params = params
         self.group_index = group_index
         self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
-                                 dtype=compute_dtype)
+                                 dtype=compute_dtype, pool=pool)
         n = self.bucket.padded_numel
         device = params[0].device
         self.flat = torch.zeros(n, dtype=compute_dtype, device=device)
@@ -124,8 +124,14 @@ class Sharded:
         runs = assign_buckets(ordered, int(cap * 4 / itemsize) if itemsize < 4 else cap,
                               int(first_cap * 4 / itemsize) if itemsize < 4 else first_cap,
                               key=lambda p: (group_of[p], p.device))
+        # ZeRO-2 lends its short-lived bucket buffers from a pool of three: at most two reduced
+        # but unfinished (max_in_flight below) and one filling.
+        self.pool = None
+        if policy.shard_grads:
+            largest = max(sum(p.numel() for p in run) + self.world for run in runs)
+            self.pool = BufferPool(largest, compute_dtype, params[0].device, keep=3)
         self.units = [_Unit(i, run, group_of[run[0]], self.world, self.rank, self.sharded,
-                            compute_dtype) for i, run in enumerate(runs)]
+                            compute_dtype, self.pool) for i, run in enumerate(runs)]
         self._comm: dict[int, torch.Tensor] = {}
         # ZeRO-2 keeps at most two full buckets reduced-but-unfinished, so the full gradients
         # resident at any time during backward are a few buckets, not the whole model.
