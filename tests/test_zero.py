@@ -228,7 +228,7 @@ def _bad_optimizer(kind):
         F.mse_loss(model(x), y).backward()
         opt.step()
         return
-    px.prepare(model, opt, strategy="zero2")
+    px.prepare(model, opt, strategy="ddp" if kind == "foreign" else "zero2")
 
 
 @pytest.mark.parametrize("kind,match", [

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import collectives as C
 
 __all__ = ["ModelMismatchError", "check_same_structure", "broadcast_from_rank0",
-           "broadcast_tensors"]
+           "broadcast_tensors", "optimizer_groups"]
 
 
 class ModelMismatchError(ValueError):
@@ -88,3 +88,19 @@ def broadcast_from_rank0(module: torch.nn.Module, group) -> None:
     tensors = [p.data for p in module.parameters()] + list(module.buffers())
     if tensors:
         broadcast_tensors(tensors, group)
+
+
+def optimizer_groups(optimizer, params) -> dict:
+    """Map each optimizer parameter to its param group index, refusing parameters that are not
+    among `params` (the model's trainable ones): an optimizer built over another model's
+    parameters, or a copy's, would step tensors that data parallelism never averages."""
+    model_params = {id(p) for p in params}
+    group_of = {}
+    for g, param_group in enumerate(optimizer.param_groups):
+        for p in param_group["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not a trainable parameter of the "
+                    "model; build the optimizer over model.parameters() of the model you prepare")
+            group_of[p] = g
+    return group_of

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from . import runtime
-from .consistency import broadcast_from_rank0, check_same_structure
+from .consistency import broadcast_from_rank0, check_same_structure, optimizer_groups
 from .loss_scaling import DynamicLossScaler
 from .replicate import Replicated
 from .sharding import POLICIES, Sharded
@@ -83,6 +83,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
         model = convert_sync_batchnorm(model, group=group)
+    if optimizer is not None:
+        optimizer_groups(optimizer, [p for p in model.parameters() if p.requires_grad])
     check_same_structure(model, group)
     broadcast_from_rank0(model, group)
 

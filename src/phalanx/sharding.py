@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .buckets import BufferPool, GradBucket, assign_buckets
+from .consistency import optimizer_groups
 from .loss_scaling import DynamicLossScaler
 from .reducer import GradReducer
 
@@ -271,16 +272,9 @@ def _check_elementwise(optimizer) -> None:
 
 
 def _optimizer_groups(optimizer, params) -> dict:
-    """Map each trainable model parameter to its optimizer param group, checking both sides."""
-    model_params = {id(p) for p in params}
-    group_of = {}
-    for g, param_group in enumerate(optimizer.param_groups):
-        for p in param_group["params"]:
-            if id(p) not in model_params:
-                raise ValueError(
-                    "the optimizer holds a parameter that is not a trainable parameter of the "
-                    "model; build the optimizer over model.parameters() of the model you prepare")
-            group_of[p] = g
+    """Map each trainable model parameter to its optimizer param group; every one must be in
+    one, since the optimizer's params are about to be replaced by the shards' masters."""
+    group_of = optimizer_groups(optimizer, params)
     missing = [p for p in params if p not in group_of]
     if missing:
         raise ValueError(
