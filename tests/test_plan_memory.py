@@ -155,3 +155,53 @@ def test_model_states_function_shards_with_ceiling():
     s = model_states("zero3", prec, params=10, trainable=10, state_elements=20, world=3)
     assert (s.params, s.grads, s.optimizer) == (math.ceil(40 / 3), math.ceil(40 / 3),
                                                 math.ceil(80 / 3))
+
+
+@pytest.mark.parametrize("compute_bytes", [4, 2])
+def test_unit_layout_matches_the_engines_buckets(compute_bytes):
+    from phalanx.buckets import assign_buckets
+    from phalanx.planner.layout import unit_sizes
+    from phalanx.planner.reference_model import ReferenceTransformer
+    from phalanx.planner.transformer import shape_from_config
+
+    shape = shape_from_config({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4,
+                               "num_attention_heads": 4, "intermediate_size": 700,
+                               "vocab_size": 3000, "tie_word_embeddings": False})
+    with torch.device("meta"):
+        model = ReferenceTransformer(shape)
+    params = list(model.parameters())
+    bucket_mb = 0.5
+    # as sharding.Sharded sizes them: caps in bytes of the fp32 parameters, scaled to the
+    # compute dtype
+    cap = int(bucket_mb * 2**20) * 4 // compute_bytes
+    first = min(cap, int(2**20) * 4 // compute_bytes)
+    runs = assign_buckets(list(reversed(params)), cap, first)
+    engine = [sum(p.numel() for p in run) for run in runs]
+    assert unit_sizes(shape.param_shapes(), shape.params(), compute_bytes, bucket_mb) == engine
+    assert len(engine) > 3
+
+
+def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
+    from phalanx.planner.memory import buffer_bytes, peak_bytes
+    prec = PRECISIONS["fp32"]
+    psi, n, unit = 10**8, 4, 10**6
+    states = model_states("zero1", prec, psi, psi, 2 * psi, n)
+    buffers = buffer_bytes("zero1", prec, psi, n, reduce_scatter=True, comm_bytes=None,
+                           largest_unit=unit, largest_param=unit)
+    # reduce-scatter: a separate fp32 shard gradient (kept) and the received shards, alive
+    # until the end of backward
+    assert buffers["master_grad"] == 4 * psi // n
+    assert buffers["comm_copies"] == 4 * psi // n
+    kept = states.total + buffers["master_grad"]
+    assert peak_bytes(states.total, buffers, 10**6, 0) == (kept + 4 * psi // n, "end of backward")
+    assert peak_bytes(states.total, buffers, 10**9, 0) == (kept + 10**9 + 4 * unit,
+                                                           "backward start")
+    assert peak_bytes(states.total, buffers, 0, 2 * 10**9) == (kept + 2 * 10**9,
+                                                               "optimizer step")
+    # zero2 borrows its full-gradient buckets from a pool of three of the largest, kept
+    z2 = buffer_bytes("zero2", prec, psi, n, reduce_scatter=False, comm_bytes=None,
+                      largest_unit=unit, largest_param=unit)
+    assert z2["grad_pool"] == 3 * 4 * (unit + n)
+    states2 = model_states("zero2", prec, psi, psi, 2 * psi, n)
+    assert peak_bytes(states2.total, z2, 0, 0) == (states2.total + z2["grad_pool"] + 4 * unit,
+                                                  "backward start")

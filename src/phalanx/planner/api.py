@@ -20,7 +20,7 @@ from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
 from .layout import unit_sizes
 from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
-                     optimizer_state_elements, step_working_bytes)
+                     optimizer_state_elements, peak_bytes, step_working_bytes)
 from .model_desc import ModelDesc, describe, input_from_shape
 from .report import PlanResult, StrategyPlan
 from .sizes import GB, format_bytes, parse_bandwidth, parse_bytes
@@ -52,7 +52,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          gpu: str = "h100", gpu_memory=None, peak_tflops: float | None = None, mfu: float = 0.4,
          strategy: str = "all", precision: str = "bf16-mixed", optimizer: str = "adamw",
          batch: int = 1, seq: int | None = None, grad_accum: int = 1,
-         activation_checkpointing: bool = False, intra_node_bw="nvlink4",
+         activation_checkpointing: bool = False, intra_node_bw=None,
          inter_node_bw="ib-400g", bucket_mb: float = 25.0, comm_dtype=None,
          attention: str = "eager", backend: str = "nccl", input_shape=None,
          input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB") -> PlanResult:
@@ -62,6 +62,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     config dict or config.json path), or `model` (an nn.Module, a factory callable, a
     "PATH:FUNCTION" string, or any of the former). `gpus` is per node; the data-parallel world
     is gpus x nodes. `batch` is the micro-batch per device, `seq` its sequence length.
+    Bandwidths are GB/s or LINKS presets; the intra-node default is the GPU preset's own link.
     Raises ValueError with a one-line message for bad input.
     """
     desc = describe(model, params=params, config=config,
@@ -88,7 +89,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     spec = gpu_spec(gpu)
     memory = parse_bytes(gpu_memory, "GPU memory") if gpu_memory is not None else spec.memory_bytes
     peak = float(peak_tflops) if peak_tflops is not None else spec.peak_tflops(precision_key)
-    intra = parse_bandwidth(intra_node_bw, LINKS, "intra-node bandwidth")
+    intra = parse_bandwidth(intra_node_bw if intra_node_bw is not None else spec.link, LINKS,
+                            "intra-node bandwidth")
     inter = parse_bandwidth(inter_node_bw, LINKS, "inter-node bandwidth")
     bandwidth = intra if nodes == 1 else min(intra, inter)
     notes = list(desc.notes)
@@ -113,6 +115,15 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     largest_param = (max((math.prod(s) for s in desc.trainable_shapes), default=0)
                      if desc.trainable_shapes is not None else largest_unit)
     grad_comm = (comm_bytes or prec.grad) * desc.trainable_params
+
+    def _stepped(strategy, n):
+        """What the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
+        one flat master (shard) per unit."""
+        if strategy == "ddp" and not prec.mixed and desc.trainable_shapes is not None:
+            return [math.prod(s) for s in desc.trainable_shapes]
+        n = 1 if strategy == "ddp" else n
+        return [-(-u // n) for u in units_]
+
     tokens = world * batch * seq * grad_accum
 
     plans = {}
@@ -120,19 +131,20 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         states = model_states(name, prec, desc.params, desc.trainable_params, state_elements,
                               world)
         buffers = buffer_bytes(name, prec, desc.trainable_params, world, reduce_scatter,
-                               comm_bytes, largest_unit)
+                               comm_bytes, largest_unit, largest_param,
+                               len(units_))
         gathered = prec.weight * (desc.params if name == "zero3" else desc.trainable_params)
         colls = collectives(name, grad_comm, gathered, world, reduce_scatter)
         t = step_time(colls, world, compute_s, grad_accum, bandwidth, activation_checkpointing,
                       units=len(units_))
-        step_bytes = step_working_bytes(optimizer, name, prec, world, desc.trainable_params,
-                                        largest_param, largest_unit, foreach=backend == "nccl")
-        total = states.total + sum(buffers.values()) + max(activations, step_bytes)
+        step_bytes = step_working_bytes(optimizer, prec, _stepped(name, world),
+                                        foreach=backend == "nccl")
+        total, phase = peak_bytes(states.total, buffers, activations, step_bytes)
         plans[name] = StrategyPlan(
             strategy=name, params_bytes=states.params, grads_bytes=states.grads,
             optimizer_bytes=states.optimizer, activations_bytes=activations,
             buffers_bytes=sum(buffers.values()), buffers_detail=buffers,
-            step_working_bytes=step_bytes, total_bytes=total,
+            step_working_bytes=step_bytes, total_bytes=total, peak_at=phase,
             fits=total <= memory, fits_with_headroom=total <= (1 - headroom) * memory,
             comm_bytes_per_step=t.comm_bytes, comm_payload_bytes=t.payload_by_op,
             comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=t.step_s,
@@ -143,14 +155,18 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     def zero3_total(n):
         states = model_states("zero3", prec, desc.params, desc.trainable_params, state_elements, n)
         buffers = buffer_bytes("zero3", prec, desc.trainable_params, n, reduce_scatter,
-                               comm_bytes, largest_unit)
-        step_bytes = step_working_bytes(optimizer, "zero3", prec, n, desc.trainable_params,
-                                        largest_param, largest_unit, foreach=backend == "nccl")
-        return states.total + sum(buffers.values()) + max(activations, step_bytes)
+                               comm_bytes, largest_unit, largest_param,
+                               len(units_))
+        step_bytes = step_working_bytes(optimizer, prec, _stepped("zero3", n),
+                                        foreach=backend == "nccl")
+        return peak_bytes(states.total, buffers, activations, step_bytes)[0]
 
     recommended, reason = _recommend(plans, memory, headroom, units, world, zero3_total,
                                      activations, activation_checkpointing)
     notes += _standard_notes(prec, optimizer, spec, precision_key, desc, peak_tflops)
+    if peak_tflops is None:
+        notes.append(f"peak compute: {spec.name}, {peak:g} TFLOP/s dense "
+                     f"{'fp32' if precision_key == 'fp32' else '16-bit'} (vendor figure)")
     setting = {
         "gpus_per_node": gpus, "nodes": nodes, "world_size": world, "gpu": spec.name,
         "gpu_memory_bytes": memory, "peak_tflops": peak, "mfu": mfu,
@@ -179,6 +195,9 @@ def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkp
                                                  attention)
         acts += desc.transformer.loss_transient_bytes(batch, seq)
         flops = desc.transformer.flops_per_token(seq) * batch * seq * grad_accum * recompute
+        notes.append("compute is 6 x matmul weights x tokens + 12 x layers x seq x hidden per "
+                     "token for attention (PaLM, Chowdhery et al. 2022, App. B)"
+                     + (", x 4/3 for recomputation" if checkpointing else ""))
         return acts, flops
     fallback = 6.0 * desc.trainable_params * batch * seq * grad_accum * recompute
     if desc.module is None or desc.make_input is None:
@@ -200,6 +219,8 @@ def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkp
                      "not modelled")
     acts = traced.checkpointed_bytes if checkpointing else traced.activation_bytes
     acts += traced.loss_transient_bytes
+    notes.append("compute is 3 x the forward FLOPs counted on the meta device"
+                 + (" (4 x with recomputation)" if checkpointing else ""))
     return acts, 3.0 * traced.forward_flops * grad_accum * recompute
 
 
@@ -254,9 +275,10 @@ def _gpus_for_zero3(zero3_total, world, limit):
 
 def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):
     notes = [f"precision {prec.name}: {prec.description}",
-             "total = model states + buffers + the larger of activations (backward) and the "
-             "optimizer step's temporaries; activations are counted whole at the start of "
-             "backward, with the loss's gradients; GB = 1e9 bytes, GiB = 2^30",
+             "total is the peak: model states and master gradients, plus the largest of what "
+             "lives at the start of backward (activations, with the loss's gradients), at its "
+             "end (zero2's gradient buckets, communication copies) and in the optimizer step "
+             "(its temporaries); GB = 1e9 bytes, GiB = 2^30",
              "communication and step times use nominal link rates and a bandwidth-only ring "
              "model: expect real collectives to reach 70-90% of them"]
     if optimizer == "adafactor":

@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s (default: preset)")
     hw.add_argument("--mfu", type=float, default=0.4,
                     help="fraction of peak compute reached (default 0.4)")
-    hw.add_argument("--intra-node-bw", default="nvlink4",
-                    help=f"GB/s or preset: {', '.join(LINKS)} (default nvlink4)")
+    hw.add_argument("--intra-node-bw",
+                    help=f"GB/s or preset: {', '.join(LINKS)} (default: the GPU's usual link)")
     hw.add_argument("--inter-node-bw", default="ib-400g", help="GB/s or preset (default ib-400g)")
 
     run = p.add_argument_group("training")

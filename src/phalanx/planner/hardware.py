@@ -21,6 +21,7 @@ class GpuSpec:
     tflops_16bit: float  # bf16/fp16 tensor cores, dense
     tflops_fp32: float   # fp32 without TF32 (PyTorch's default for matmuls since 1.12)
     memory_bytes: int
+    link: str = "pcie4"  # the usual intra-node link of the part (a LINKS preset)
     has_bf16: bool = True
 
     def peak_tflops(self, precision: str) -> float:
@@ -29,25 +30,25 @@ class GpuSpec:
 
 _G = 10**9
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("H100 SXM", 989.4, 66.9, 80 * _G),
-    "h100-pcie": GpuSpec("H100 PCIe", 756.0, 51.2, 80 * _G),
-    "h200": GpuSpec("H200 SXM", 989.4, 66.9, 141 * _G),
-    "b200": GpuSpec("B200", 2250.0, 80.0, 180 * _G),
-    "a100": GpuSpec("A100 80GB SXM", 312.0, 19.5, 80 * _G),
-    "a100-40gb": GpuSpec("A100 40GB SXM", 312.0, 19.5, 40 * _G),
-    "l40s": GpuSpec("L40S", 362.1, 91.6, 48 * _G),
-    "a10": GpuSpec("A10", 125.0, 31.2, 24 * _G),
-    "l4": GpuSpec("L4", 121.0, 30.3, 24 * _G),
-    "v100": GpuSpec("V100 SXM2 32GB", 125.0, 15.7, 32 * _G, has_bf16=False),
-    "rtx4090": GpuSpec("RTX 4090", 165.2, 82.6, 24 * _G),
-    "mi300x": GpuSpec("MI300X", 1307.4, 163.4, 192 * _G),
+    "h100": GpuSpec("H100 SXM", 989.4, 66.9, 80 * _G, "nvlink4"),
+    "h100-pcie": GpuSpec("H100 PCIe", 756.0, 51.2, 80 * _G, "pcie5"),
+    "h200": GpuSpec("H200 SXM", 989.4, 66.9, 141 * _G, "nvlink4"),
+    "b200": GpuSpec("B200", 2250.0, 80.0, 180 * _G, "nvlink5"),
+    "a100": GpuSpec("A100 80GB SXM", 312.0, 19.5, 80 * _G, "nvlink3"),
+    "a100-40gb": GpuSpec("A100 40GB SXM", 312.0, 19.5, 40 * _G, "nvlink3"),
+    "l40s": GpuSpec("L40S", 362.1, 91.6, 48 * _G, "pcie4"),
+    "a10": GpuSpec("A10", 125.0, 31.2, 24 * _G, "pcie4"),
+    "l4": GpuSpec("L4", 121.0, 30.3, 24 * _G, "pcie4"),
+    "v100": GpuSpec("V100 SXM2 32GB", 125.0, 15.7, 32 * _G, "nvlink2", has_bf16=False),
+    "rtx4090": GpuSpec("RTX 4090", 165.2, 82.6, 24 * _G, "pcie4"),
+    "mi300x": GpuSpec("MI300X", 1307.4, 163.4, 192 * _G, "xgmi"),
 }
 
 # One-direction GB/s per GPU. Intra-node: NVLink totals halved (900 GB/s bidirectional on H100 is
 # 450 GB/s each way); PCIe x16. Inter-node: one NIC per GPU at its line rate.
 LINKS: dict[str, float] = {
     "nvlink5": 900.0, "nvlink4": 450.0, "nvlink3": 300.0, "nvlink2": 150.0,
-    "xgmi": 64.0,
+    "xgmi": 448.0,  # MI300X: 7 Infinity Fabric links of 64 GB/s each way
     "pcie5": 64.0, "pcie4": 32.0, "pcie3": 16.0,
     "ib-800g": 100.0, "ib-400g": 50.0, "ib-200g": 25.0, "ib-100g": 12.5,
     "eth-400g": 50.0, "eth-200g": 25.0, "eth-100g": 12.5, "eth-25g": 3.125, "eth-10g": 1.25,

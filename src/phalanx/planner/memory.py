@@ -13,28 +13,44 @@ K = 12, so ddp costs 16 Psi. Pure fp32 Adam: w = g = 4 and K = 8 (the fp32 weigh
 master). "bf16" keeps everything, moments included, in bf16: 2 + 2 + 4 = 8 Psi.
 
 [Note: Engine buffers]
-`buffers_bytes` is what phalanx's engine (sharding.py, replicate.py, reducer.py) holds beyond
-those model states at its peak, modelled from its code:
-- the master's fp32 gradient, when it cannot be a view of the reduced bucket: 4 Psi (ddp) or
-  4 Psi / N (sharded) under mixed precision; with fp32 on NCCL (reduce-scatter into a separate
-  shard) 4 Psi / N for zero1. In zero2/zero3 it replaces the sharded gradient, so only the
-  difference to g Psi / N is added.
-- gradient buckets still alive at the end of backward: the engine (reducer.py) waits for every
-  bucket's collective when backward ends, so under zero2 all buckets exist at once then: the
-  full gradients, minus the shard already counted. zero3 is modelled with the gradients of
-  two gather units in flight.
-- communication copies: with a `comm_dtype` different from the gradients, one copy of every
-  bucket in that dtype; with reduce-scatter, the received shards.
-- zero3: two gather units of full parameters (the one in use and the one prefetched). The
-  zero3 engine is not written yet; this is the layout it is meant to have.
+`buffers_bytes` is what phalanx's engine (sharding.py, replicate.py, reducer.py, buckets.py)
+holds beyond those model states, modelled from its code and checked by
+benchmarks/plan_vs_measured.py:
+- master_grad: the master's fp32 gradient, when it cannot be a view of the reduced bucket:
+  4 Psi (ddp) or 4 Psi / N (sharded) under mixed precision; with fp32 on NCCL (reduce-scatter
+  into a separate shard) 4 Psi / N for zero1. In zero2/zero3 it is the sharded gradient, so
+  only its difference to g Psi / N is added. Kept between steps.
+- grad_pool (zero2): the full-gradient buckets of ZeRO-2 are lent from a pool of up to three
+  buffers, each the size of the largest unit (at most two reduced but unfinished, one
+  filling; fewer when collectives finish early). Kept.
+- comm_buffers: with a `comm_dtype` other than the compute dtype, the sharded engine keeps one
+  low-precision copy of every unit. Kept.
+- comm_copies: what exists until a bucket's collective is finished: fp32 ddp's compressed
+  copies (every bucket, at the end of backward) and the shards reduce-scatter receives.
+- grad_staging: autograd makes each parameter's gradient as a fresh tensor, which the engine
+  then copies into its bucket; the largest parameter's gradient exists twice for a moment.
+- gathered_params, unit_grads (zero3): two gather units of full parameters (the one in use and
+  the one prefetched) and their gradients. The zero3 engine is not written yet; this is the
+  layout it is meant to have.
 
 [Note: Optimizer step working memory]
 Adam's update makes temporaries (the square root of the second moment, then its quotient).
 PyTorch's foreach implementation, the default on GPU, makes them for all of a param group's
 tensors at once: one state-sized tensor over everything this rank steps. Its single-tensor
-implementation, the default on CPU, makes two of the largest tensor stepped (for phalanx's
-sharded engine a unit's master shard, see layout.py). The step comes after backward has freed
-the activations, so the peak is model states + buffers + the larger of activations and this.
+implementation, the default on CPU, makes two of the tensor being stepped while the previous
+tensor's last one is still held: up to about three of the largest tensor stepped (for phalanx's
+sharded engine a unit's master shard, see layout.py; for fp32 ddp a parameter).
+
+[Note: Peak]
+Not everything is alive at once. Model states and the master gradients always are; on top of
+them the peak is the largest of three moments:
+  backward start   every activation saved, the loss's gradients, a gradient being staged, and
+                   (zero3) the gathered units and their gradients in flight;
+  end of backward  activations freed; communication copies not yet finished;
+  optimizer step   the optimizer's temporaries.
+Backward frees activations from the last layer as it makes the last layer's gradients, so
+between the first two moments one shrinks as the other grows. `benchmarks/plan_vs_measured.py`
+checks the result against measured peaks.
 """
 
 from __future__ import annotations
@@ -43,7 +59,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "STRATEGIES", "optimizer_state_elements",
-           "ModelStates", "model_states", "buffer_bytes", "step_working_bytes"]
+           "ModelStates", "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -136,42 +152,63 @@ def model_states(strategy: str, precision: Precision, params: int, trainable: in
 
 
 def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int,
-                 reduce_scatter: bool, comm_bytes: int | None, largest_unit: int) -> dict:
+                 reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
+                 largest_param: int = 0, units: int = 3) -> dict:
     """The engine's working memory by kind (see [Note: Engine buffers]); values in bytes."""
-    if world == 1 and strategy != "ddp":
-        reduce_scatter = False
+    sharded = strategy != "ddp" and world > 1
+    reduce_scatter = reduce_scatter and sharded
     n = world if strategy != "ddp" else 1
-    g_full = precision.grad * trainable
-    sharded_grads = strategy in ("zero2", "zero3")
-    out = {"master_grad": 0, "grad_buckets": 0, "comm_copies": 0, "gathered_params": 0}
+    g = precision.grad
+    g_full = g * trainable
+    compressed = comm_bytes is not None and comm_bytes != precision.weight
+    out = dict.fromkeys(("master_grad", "grad_pool", "comm_buffers", "comm_copies",
+                         "gathered_params", "unit_grads"), 0)
+    out["grad_staging"] = g * largest_param
     if precision.mixed:
         master_grad = _shard(4 * trainable, n)
-        out["master_grad"] = master_grad - (_shard(g_full, n) if sharded_grads else 0)
-    elif precision.name == "fp32" and strategy == "zero1" and (reduce_scatter or comm_bytes):
+        out["master_grad"] = master_grad - (_shard(g_full, n) if strategy in ("zero2", "zero3")
+                                            else 0)
+    elif strategy == "zero1" and (reduce_scatter or compressed):
         out["master_grad"] = _shard(4 * trainable, n)
-    if strategy == "zero2" and world > 1:
-        out["grad_buckets"] = g_full - _shard(g_full, world)
+    if strategy == "zero2":
+        out["grad_pool"] = min(3, units) * g * (largest_unit + world)
     elif strategy == "zero3" and world > 1:
-        out["grad_buckets"] = min(g_full, 2 * precision.grad * largest_unit)
-    if comm_bytes is not None and comm_bytes != precision.grad:
-        out["comm_copies"] = comm_bytes * trainable
-    elif reduce_scatter and strategy != "ddp" and world > 1:
-        out["comm_copies"] = _shard(g_full, world)
-    if strategy == "zero3":
+        out["unit_grads"] = min(g_full, 2 * g * largest_unit)
         out["gathered_params"] = 2 * precision.weight * largest_unit
+    comm_elem = comm_bytes if compressed else g
+    if compressed and (strategy != "ddp" or precision.mixed):
+        out["comm_buffers"] = comm_bytes * trainable
+    elif compressed:
+        out["comm_copies"] = comm_bytes * trainable
+    if reduce_scatter:
+        in_flight = trainable if strategy == "zero1" else min(trainable, 2 * largest_unit)
+        out["comm_copies"] += _shard(comm_elem * in_flight, world)
     return out
 
 
-def step_working_bytes(optimizer: str, strategy: str, precision: Precision, world: int,
-                       trainable: int, largest_param: int, largest_unit: int,
+def step_working_bytes(optimizer: str, precision: Precision, stepped: list[int],
                        foreach: bool) -> int:
-    """Temporaries of one optimizer step (see [Note: Optimizer step working memory])."""
-    if optimizer not in ("adam", "adamw", "adafactor") or trainable == 0:
+    """Temporaries of one optimizer step (see [Note: Optimizer step working memory]).
+    `stepped` are the element counts of the tensors this rank steps, in the optimizer's order."""
+    if optimizer not in ("adam", "adamw", "adafactor") or not stepped:
         return 0
-    n = 1 if strategy == "ddp" else world
-    if strategy == "ddp" and not precision.mixed:   # the model's own parameters are stepped
-        largest, total = largest_param, trainable
-    else:                                            # flat master shards, one per unit
-        largest, total = _shard(largest_unit, n), _shard(trainable, n)
     state = 4 if precision.mixed else precision.state
-    return state * total if foreach else 2 * state * largest
+    if foreach:
+        return state * sum(stepped)
+    # two temporaries of the tensor being stepped, while the previous one's result is still
+    # held by the loop variable that the new result will replace
+    worst = max(2 * cur + prev for prev, cur in zip([0] + stepped[:-1], stepped))
+    return state * worst
+
+
+def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int):
+    """Peak bytes per device and the moment it happens at (see [Note: Peak])."""
+    kept = buffers["master_grad"] + buffers["grad_pool"] + buffers["comm_buffers"]
+    during = buffers["gathered_params"] + buffers["unit_grads"]
+    moments = {
+        "backward start": activations + buffers["grad_staging"] + during,
+        "end of backward": buffers["comm_copies"] + during,
+        "optimizer step": step_bytes,
+    }
+    phase = max(moments, key=moments.get)
+    return states_total + kept + moments[phase], phase

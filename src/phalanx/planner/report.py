@@ -22,7 +22,8 @@ class StrategyPlan:
     buffers_bytes: int
     buffers_detail: dict
     step_working_bytes: int      # optimizer-step temporaries; they never coexist with activations
-    total_bytes: int             # params + grads + optimizer + buffers + max(activations, step)
+    total_bytes: int             # the peak per device, see [Note: Peak] in memory.py
+    peak_at: str                 # "backward start", "end of backward" or "optimizer step"
     fits: bool                   # total <= GPU memory
     fits_with_headroom: bool     # total <= (1 - headroom) x GPU memory
     comm_bytes_per_step: float   # bytes each rank sends per optimizer step, ring algorithms
@@ -104,6 +105,8 @@ def format_table(r: PlanResult) -> str:
                        ("optimizer step working memory", "step_working_bytes"),
                        ("total (peak)", "total_bytes")):
         row(label, [_mem(getattr(p, key), u) for p in r.strategies.values()])
+    row("  peak at", [{"backward start": "bwd start", "end of backward": "bwd end",
+                       "optimizer step": "opt step"}[p.peak_at] for p in r.strategies.values()])
     row(f"fits in {_mem(s['gpu_memory_bytes'], u)} {u}",
         ["yes" if p.fits_with_headroom else ("tight" if p.fits else "NO")
          for p in r.strategies.values()])
