@@ -16,6 +16,10 @@ leave the resident set at once instead of lingering in the heap.
 
 GPU: one process, the same comparison against `torch.cuda.max_memory_allocated()`, activations
 included, for a GPT-2-small-size and a ~1B-parameter transformer in bf16 mixed precision.
+
+Where the plan is above the measurement for zero2, it is ZeRO-2's pool of bucket buffers: the
+plan counts the three the engine may hold, and a run only makes the third when two buckets'
+collectives are still unfinished as a third starts filling, which depends on timing.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from .layout import unit_sizes
 from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
                      optimizer_state_elements, peak_bytes, step_working_bytes)
 from .model_desc import ModelDesc, describe, input_from_shape
+from .recommend import recommend
 from .report import PlanResult, StrategyPlan
-from .sizes import GB, format_bytes, parse_bandwidth, parse_bytes
+from .sizes import parse_bandwidth, parse_bytes
 from .trace import trace_module
 from .transformer import nominal_shape
 
@@ -124,22 +125,25 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         n = 1 if strategy == "ddp" else n
         return [-(-u // n) for u in units_]
 
-    tokens = world * batch * seq * grad_accum
+    def memory_at(strategy, n):
+        """Model states, buffers, step temporaries and the peak of `strategy` on n ranks."""
+        states = model_states(strategy, prec, desc.params, desc.trainable_params,
+                              state_elements, n)
+        buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
+                               comm_bytes, largest_unit, largest_param, len(units_))
+        step_bytes = step_working_bytes(optimizer, prec, _stepped(strategy, n),
+                                        foreach=backend == "nccl")
+        return (states, buffers, step_bytes) + peak_bytes(states.total, buffers, activations,
+                                                          step_bytes)
 
+    tokens = world * batch * seq * grad_accum
     plans = {}
     for name in STRATEGIES:
-        states = model_states(name, prec, desc.params, desc.trainable_params, state_elements,
-                              world)
-        buffers = buffer_bytes(name, prec, desc.trainable_params, world, reduce_scatter,
-                               comm_bytes, largest_unit, largest_param,
-                               len(units_))
+        states, buffers, step_bytes, total, phase = memory_at(name, world)
         gathered = prec.weight * (desc.params if name == "zero3" else desc.trainable_params)
         colls = collectives(name, grad_comm, gathered, world, reduce_scatter)
         t = step_time(colls, world, compute_s, grad_accum, bandwidth, activation_checkpointing,
                       units=len(units_))
-        step_bytes = step_working_bytes(optimizer, prec, _stepped(name, world),
-                                        foreach=backend == "nccl")
-        total, phase = peak_bytes(states.total, buffers, activations, step_bytes)
         plans[name] = StrategyPlan(
             strategy=name, params_bytes=states.params, grads_bytes=states.grads,
             optimizer_bytes=states.optimizer, activations_bytes=activations,
@@ -153,15 +157,9 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
             tokens_per_s=tokens / t.step_s if t.step_s > 0 else float("inf"))
 
     def zero3_total(n):
-        states = model_states("zero3", prec, desc.params, desc.trainable_params, state_elements, n)
-        buffers = buffer_bytes("zero3", prec, desc.trainable_params, n, reduce_scatter,
-                               comm_bytes, largest_unit, largest_param,
-                               len(units_))
-        step_bytes = step_working_bytes(optimizer, prec, _stepped("zero3", n),
-                                        foreach=backend == "nccl")
-        return peak_bytes(states.total, buffers, activations, step_bytes)[0]
+        return memory_at("zero3", n)[3]
 
-    recommended, reason = _recommend(plans, memory, headroom, units, world, zero3_total,
+    recommended, reason = recommend(plans, memory, headroom, units, world, zero3_total,
                                      activations, activation_checkpointing)
     notes += _standard_notes(prec, optimizer, spec, precision_key, desc, peak_tflops)
     if peak_tflops is None:
@@ -222,55 +220,6 @@ def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkp
     notes.append("compute is 3 x the forward FLOPs counted on the meta device"
                  + (" (4 x with recomputation)" if checkpointing else ""))
     return acts, 3.0 * traced.forward_flops * grad_accum * recompute
-
-
-def _recommend(plans, memory, headroom, units, world, zero3_total, activations, checkpointing):
-    # The cheapest strategy is the lowest stage: each stage up shards more and communicates as
-    # much or more (zero3 1.5x), so the first one that fits is the one to use.
-    fitting = [n for n, p in plans.items() if p.fits_with_headroom]
-    limit = (1 - headroom) * memory
-    if fitting:
-        best = fitting[0]
-        p = plans[best]
-        order = list(plans)
-        too_big = [n for n in order[:order.index(best)] if not plans[n].fits_with_headroom]
-        reason = ""
-        if too_big:
-            reason = (", ".join(f"{n} needs {format_bytes(plans[n].total_bytes, units)}"
-                                for n in too_big)
-                      + f", more than {1 - headroom:.0%} of {format_bytes(memory, units)}; ")
-        reason += (f"{best} needs {format_bytes(p.total_bytes, units)} per device "
-                   f"({p.total_bytes / memory:.0%} of memory): the lowest ZeRO stage that fits "
-                   f"with {headroom:.0%} headroom, so the least communication")
-        return best, reason
-    z3 = plans["zero3"]
-    reason = (f"no strategy fits in {format_bytes(limit, units)} ({1 - headroom:.0%} of "
-              f"{format_bytes(memory, units)}); the smallest is zero3 at "
-              f"{format_bytes(z3.total_bytes, units)}")
-    need = _gpus_for_zero3(zero3_total, world, limit)
-    if need is not None:
-        reason += f"; zero3 would fit on {need} devices"
-    elif activations > limit / 2:
-        reason += "; activations alone are too large"
-    if activations > limit / 4:
-        reason += ("; turn on activation checkpointing or lower the micro-batch"
-                   if not checkpointing else "; lower the micro-batch or sequence length")
-    return None, reason
-
-
-def _gpus_for_zero3(zero3_total, world, limit):
-    """The smallest world size above `world` at which zero3 fits in `limit`, or None.
-    `zero3_total(n)` is zero3's bytes per device at world size n, non-increasing in n."""
-    hi = world + 1
-    while zero3_total(hi) > limit:
-        if hi > 10**6:
-            return None
-        hi *= 2
-    lo = max(world, hi // 2)  # zero3_total(lo) > limit, or lo == world
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if zero3_total(mid) <= limit else (mid, hi)
-    return hi
 
 
 def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):

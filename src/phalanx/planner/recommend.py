@@ -1,0 +1,59 @@
+"""The recommendation: the cheapest strategy that fits, and why; or what would make one fit."""
+
+from __future__ import annotations
+
+from .sizes import format_bytes
+
+__all__ = ["recommend"]
+
+
+def recommend(plans, memory, headroom, units, world, zero3_total, activations, checkpointing):
+    """(strategy or None, reason). `plans` are StrategyPlans in order ddp, zero1, zero2, zero3;
+    `zero3_total(n)` is zero3's peak per device at world size n.
+
+    The cheapest strategy is the lowest stage that fits with headroom: each stage up shards
+    more and communicates as much or more (zero3 1.5x), and adds latency to the step."""
+    fitting = [n for n, p in plans.items() if p.fits_with_headroom]
+    limit = (1 - headroom) * memory
+    if fitting:
+        best = fitting[0]
+        p = plans[best]
+        order = list(plans)
+        too_big = [n for n in order[:order.index(best)] if not plans[n].fits_with_headroom]
+        reason = ""
+        if too_big:
+            reason = (", ".join(f"{n} needs {format_bytes(plans[n].total_bytes, units)}"
+                                for n in too_big)
+                      + f", more than {1 - headroom:.0%} of {format_bytes(memory, units)}; ")
+        reason += (f"{best} needs {format_bytes(p.total_bytes, units)} per device "
+                   f"({p.total_bytes / memory:.0%} of memory): the lowest ZeRO stage that fits "
+                   f"with {headroom:.0%} headroom, so the least communication")
+        return best, reason
+    z3 = plans["zero3"]
+    reason = (f"no strategy fits in {format_bytes(limit, units)} ({1 - headroom:.0%} of "
+              f"{format_bytes(memory, units)}); the smallest is zero3 at "
+              f"{format_bytes(z3.total_bytes, units)}")
+    need = _gpus_for_zero3(zero3_total, world, limit)
+    if need is not None:
+        reason += f"; zero3 would fit on {need} devices"
+    elif activations > limit / 2:
+        reason += "; activations alone are too large"
+    if activations > limit / 4:
+        reason += ("; turn on activation checkpointing or lower the micro-batch"
+                   if not checkpointing else "; lower the micro-batch or sequence length")
+    return None, reason
+
+
+def _gpus_for_zero3(zero3_total, world, limit):
+    """The smallest world size above `world` at which zero3 fits in `limit`, or None.
+    `zero3_total(n)` is zero3's bytes per device at world size n, non-increasing in n."""
+    hi = world + 1
+    while zero3_total(hi) > limit:
+        if hi > 10**6:
+            return None
+        hi *= 2
+    lo = max(world, hi // 2)  # zero3_total(lo) > limit, or lo == world
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if zero3_total(mid) <= limit else (mid, hi)
+    return hi
