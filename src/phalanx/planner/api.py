@@ -224,10 +224,10 @@ def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkp
 
 def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):
     notes = [f"precision {prec.name}: {prec.description}",
-             "total is the peak: model states and master gradients, plus the largest of what "
+             "total is the peak: model states and kept buffers, plus the largest of what "
              "lives at the start of backward (activations, with the loss's gradients), at its "
-             "end (zero2's gradient buckets, communication copies) and in the optimizer step "
-             "(its temporaries); GB = 1e9 bytes, GiB = 2^30",
+             "end (communication copies) and in the optimizer step (its temporaries); "
+             "GB = 1e9 bytes, GiB = 2^30",
              "communication and step times use nominal link rates and a bandwidth-only ring "
              "model: expect real collectives to reach 70-90% of them"]
     if optimizer == "adafactor":
