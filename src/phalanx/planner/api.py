@@ -154,7 +154,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
             comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=t.step_s,
             step_time_no_overlap_s=t.step_no_overlap_s,
             scaling_efficiency=t.scaling_efficiency,
-            tokens_per_s=tokens / t.step_s if t.step_s > 0 else float("inf"))
+            tokens_per_s=tokens / t.step_s if t.step_s > 0 else None)
 
     def zero3_total(n):
         return memory_at("zero3", n)[3]

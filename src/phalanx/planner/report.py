@@ -33,7 +33,7 @@ class StrategyPlan:
     step_time_s: float           # communication overlapped with compute
     step_time_no_overlap_s: float
     scaling_efficiency: float    # compute time / step time
-    tokens_per_s: float          # all ranks together
+    tokens_per_s: float | None   # all ranks together
 
     @property
     def model_states_bytes(self) -> int:
