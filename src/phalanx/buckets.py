@@ -30,22 +30,21 @@ class BufferPool:
     ZeRO-2 frees each bucket's full gradients once its shard is reduced. Handing the memory
     back to the system and asking for it again next step costs a page fault per 4 KiB page
     (tens of milliseconds per step on CPU), so freed buffers wait here for the next bucket
-    instead. At most `keep` are kept: the pool is part of the configured bucket memory.
+    instead. The `keep` buffers are made up front, so the memory a run uses does not depend on
+    how the collectives happen to be timed; more are made only while more buckets are alive
+    (accumulating under no_sync), and at most `keep` are kept.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, keep: int):
         self.numel, self.dtype, self.device, self.keep = numel, dtype, device, keep
-        self.idle: list[torch.Tensor] = []
-        self.lent = 0
+        self.idle = [torch.empty(numel, dtype=dtype, device=device) for _ in range(keep)]
 
     def take(self, numel: int) -> torch.Tensor:
-        self.lent += 1
         if self.idle:
             return self.idle.pop()[:numel]
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)[:numel]
 
     def give(self, view: torch.Tensor) -> None:
-        self.lent -= 1
         if len(self.idle) < self.keep:
             self.idle.append(view._base if view._base is not None else view)
 
