@@ -13,10 +13,10 @@ Measured: the bytes of every distinct storage that holds a model state on the ra
 parameters and gradients, the strategy's flat buffers, masters and shard gradients, the
 optimizer's state), sampled as each gradient arrives in backward and after forward, backward
 and step, over three training steps. "Peak" is the largest sample; "steady" is after
-`optimizer.zero_grad()`, between steps. Both are compared with the formula plus the bucket
-buffers that the configuration adds (`bucket_mb`, 25 MiB by default: ZeRO-2 lends its
-short-lived full-gradient buckets from a pool of three buffers, at most two reduced but
-unfinished plus the one filling); the table prints that allowance.
+`optimizer.zero_grad()`, between steps. Both are compared with the formula plus the buffers
+that the configuration adds, which the table prints: ZeRO-2 lends its short-lived
+full-gradient buckets from a pool of three buffers of `bucket_mb` (25 MiB by default), and
+mixed precision makes the fp32 gradient of one unit at a time inside the step.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _state_tensors(model, optimizer):
     yield from (p.grad for p in module.parameters() if p.grad is not None)
     engine = model._engine
     for unit in getattr(engine, "units", []):
-        yield from (t for t in (unit.flat, unit.master, unit.master.grad, unit.master_grad,
+        yield from (t for t in (unit.flat, unit.master, unit.master.grad, unit.grad_shard,
                                 unit.comm_buffer) if t is not None)
     for bucket in (engine.reducer.buckets if engine is not None else []):
         if bucket.buffer is not None:
@@ -77,6 +77,7 @@ def measure(strategy, precision, bucket_mb):
     sample = lambda *_: samples.append(model_state_bytes(model, optimizer))  # noqa: E731
     for p in px.unwrap(model).parameters():  # runs after phalanx's own hook on each parameter
         p.register_post_accumulate_grad_hook(sample)
+    optimizer.register_step_pre_hook(sample)  # inside the step, with its fp32 gradients made
     steady = 0
     for step in range(3):
         x = torch.randn(8, 1024)
@@ -88,7 +89,15 @@ def measure(strategy, precision, bucket_mb):
         sample()
         optimizer.zero_grad()
         steady = model_state_bytes(model, optimizer)
-    return n_params, max(samples), steady
+    # The configured buffers beyond the formula: zero2's pool of three bucket buffers (each
+    # `bucket_mb` in the compute dtype) and, under mixed precision, the fp32 gradient of the one
+    # unit being stepped (see [Note: fp32 gradients one unit at a time] in sharding.py).
+    engine = model._engine
+    allowance = 3 * engine.pool.numel * engine.pool.tensors()[0].element_size() \
+        if getattr(engine, "pool", None) is not None else 0
+    if precision != "fp32":
+        allowance += 4 * max(u.hi - u.lo for u in engine.units)
+    return n_params, max(samples), steady, allowance
 
 
 FORMULA = {  # bytes per parameter as a function of N
@@ -116,9 +125,7 @@ def main(argv=None):
                 peak = max(r[1] for r in results)
                 steady = max(r[2] for r in results)
                 formula = FORMULA[(precision, strategy)](world) * n_params
-                itemsize = 4 if precision == "fp32" else 2
-                # buckets that may be alive beyond the formula: zero2's in-flight full buckets
-                allowance = 3 * args.bucket_mb * MB * itemsize / 4 if strategy == "zero2" else 0
+                allowance = results[0][3]
                 print(f"{precision:9s} {strategy:8s} {world:2d} {formula / MB:11.1f} "
                       f"{allowance / MB:9.1f} {peak / MB:9.1f} {steady / MB:10.1f} "
                       f"{peak / (formula + allowance):12.3f} {steady / (formula + allowance):14.3f}",

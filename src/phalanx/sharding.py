@@ -89,8 +89,9 @@ class _Unit:
         self.master_is_view = compute_dtype == torch.float32
         master = owned if self.master_is_view else owned.detach().float().clone()
         self.master = torch.nn.Parameter(master)
-        self.master_grad: torch.Tensor | None = None  # persistent fp32 shard gradient, if needed
+        self.grad_shard: torch.Tensor | None = None  # zero2: the reduced shard, kept to the step
         self.comm_buffer: torch.Tensor | None = None  # persistent low-precision copy, if needed
+        self.reduced: torch.Tensor | None = None  # the owned reduced gradient, compute dtype
 
 
 class Sharded:
@@ -166,25 +167,22 @@ class Sharded:
         return C.all_reduce_mean(buf, self.group)
 
     def _finish(self, bucket: GradBucket) -> None:
+        """Keep the owned slice of the reduced bucket, in the compute dtype, for the step."""
         unit = self.units[bucket.index]
         reduced = self._comm.pop(bucket.index, None)
         if reduced is None:
             reduced = bucket.grads()
         owned = reduced if self.reduce_scatter else reduced[unit.lo:unit.hi]
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        # The master's gradient can be the owned slice of the bucket itself when the bucket is
-        # kept, already fp32, reduced in place and needs no unscaling.
-        if (not self.policy.shard_grads and not self.reduce_scatter and self.comm_dtype is None
-                and owned.dtype == torch.float32 and scale == 1.0):
-            unit.master.grad = owned
+        if self.policy.shard_grads:
+            if unit.grad_shard is None:
+                unit.grad_shard = torch.empty(unit.hi - unit.lo, dtype=self.compute_dtype,
+                                              device=owned.device)
+            target = unit.grad_shard
         else:
-            if unit.master_grad is None:
-                unit.master_grad = torch.empty(unit.hi - unit.lo, dtype=torch.float32,
-                                               device=owned.device)
-            unit.master_grad.copy_(owned)
-            if scale != 1.0:
-                unit.master_grad.mul_(1.0 / scale)
-            unit.master.grad = unit.master_grad
+            target = bucket.grads()[unit.lo:unit.hi]
+        if target.data_ptr() != owned.data_ptr():
+            target.copy_(owned)
+        unit.reduced = target
         for p in unit.params:
             p.grad = None
         if self.policy.shard_grads:
@@ -200,20 +198,48 @@ class Sharded:
                         "add every parameter to the optimizer before calling px.prepare")
 
     def step(self, closure=None):
+        """Step the user's optimizer on the masters of this rank's shards, then publish.
+
+        [Note: fp32 gradients one unit at a time]
+        With fp32 compute a master's gradient is the reduced gradient itself (a view, no copy)
+        and the optimizer steps once. With bf16/fp16 compute the optimizer needs fp32
+        gradients; materialising them all at once would add 4 bytes per owned parameter at
+        the peak, beyond the ZeRO layout. Instead each unit's fp32 gradient is made, stepped
+        (the optimizer skips parameters whose `.grad` is None, and element-wise optimizers keep
+        per-tensor state, so stepping unit by unit is the same update) and dropped, so at most
+        one bucket's worth of fp32 gradient exists at a time.
+        """
         self._check_param_groups()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        ready = [u for u in self.units if u.reduced is not None]
+        unscale = 1.0
         if self.loss_scaler is not None:
-            found = self.loss_scaler.found_inf([u.master.grad for u in self.units], self.group,
+            found = self.loss_scaler.found_inf([u.reduced for u in ready], self.group,
                                                self.units[0].flat.device)
+            unscale = 1.0 / self.loss_scaler.scale
             self.loss_scaler.update(found)
             if found:
+                self._drop_grads()
                 return loss
-        self._user_step()
+        if self.compute_dtype == torch.float32 and unscale == 1.0:
+            for unit in ready:
+                unit.master.grad = unit.reduced
+            self._user_step()
+        else:
+            for unit in ready:
+                unit.master.grad = unit.reduced.float().mul_(unscale)
+                self._user_step()
+                unit.master.grad = None
+        self._drop_grads()
         self._publish()
         return loss
+
+    def _drop_grads(self) -> None:
+        for unit in self.units:
+            unit.reduced = None
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -237,12 +263,14 @@ class Sharded:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip with the global norm over all shards, computed once and shared by all ranks."""
-        grads = [u.master.grad for u in self.units if u.master.grad is not None]
+        grads = [u.reduced for u in self.units if u.reduced is not None]
         device = self.units[0].flat.device
+        unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         norm_type = float(norm_type)
         if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
-            total = local.reshape(1).float()
+            local = max((g.abs().max().float() for g in grads),
+                        default=torch.zeros((), device=device))
+            total = local.reshape(1) * unscale
             if self.sharded:
                 C.all_reduce_max(total, self.group)
         else:
@@ -251,11 +279,11 @@ class Sharded:
             total = local.reshape(1)
             if self.sharded:
                 C.all_reduce_sum(total, self.group)
-            total = total.pow(1.0 / norm_type)
+            total = total.pow(1.0 / norm_type) * unscale
         total = total.reshape(())
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef)
+            g.mul_(coef.to(g.dtype))
         return total
 
 
