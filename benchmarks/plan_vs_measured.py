@@ -17,9 +17,10 @@ leave the resident set at once instead of lingering in the heap.
 GPU: one process, the same comparison against `torch.cuda.max_memory_allocated()`, activations
 included, for a GPT-2-small-size and a ~1B-parameter transformer in bf16 mixed precision.
 
-Where the plan is above the measurement for zero2, it is ZeRO-2's pool of bucket buffers: the
-plan counts the three the engine may hold, and a run only makes the third when two buckets'
-collectives are still unfinished as a third starts filling, which depends on timing.
+The plan's engine buffers follow the engine's layout: reduced gradients stay in the compute
+dtype (the kept bucket for ddp/zero1, a persistent shard for zero2), ZeRO-2's pool of three
+bucket buffers is made up front, and under mixed precision the step makes the fp32 gradient of
+one unit at a time (see [Note: Engine buffers] in src/phalanx/planner/memory.py).
 """
 
 from __future__ import annotations

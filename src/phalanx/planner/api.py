@@ -119,7 +119,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
 
     def _stepped(strategy, n):
         """What the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
-        one flat master (shard) per unit."""
+        one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)."""
         if strategy == "ddp" and not prec.mixed and desc.trainable_shapes is not None:
             return [math.prod(s) for s in desc.trainable_shapes]
         n = 1 if strategy == "ddp" else n
@@ -130,7 +130,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         states = model_states(strategy, prec, desc.params, desc.trainable_params,
                               state_elements, n)
         buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
-                               comm_bytes, largest_unit, largest_param, len(units_))
+                               comm_bytes, largest_unit, largest_param)
         step_bytes = step_working_bytes(optimizer, prec, _stepped(strategy, n),
                                         foreach=backend == "nccl")
         return (states, buffers, step_bytes) + peak_bytes(states.total, buffers, activations,
@@ -226,7 +226,8 @@ def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):
     notes = [f"precision {prec.name}: {prec.description}",
              "total is the peak: model states and kept buffers, plus the largest of what "
              "lives at the start of backward (activations, with the loss's gradients), at its "
-             "end (communication copies) and in the optimizer step (its temporaries); "
+             "end (communication copies) and in the optimizer step (its temporaries and, "
+             "under mixed precision, the fp32 gradient of the one unit being stepped); "
              "GB = 1e9 bytes, GiB = 2^30",
              "communication and step times use nominal link rates and a bandwidth-only ring "
              "model: expect real collectives to reach 70-90% of them"]

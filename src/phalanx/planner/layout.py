@@ -5,7 +5,9 @@ Parameters are taken in reverse order (the order backward produces their gradien
 greedily into buckets of at most `bucket_mb` MiB in the compute dtype; the first bucket is capped
 at 1 MiB so that its collective starts early, and a parameter larger than the cap gets a bucket
 of its own. The planner needs the sizes for what scales with a unit rather than with the model:
-the optimizer's per-tensor temporaries and, for zero3, the parameters gathered at once.
+ZeRO-2's pool of bucket buffers, the fp32 gradient that a mixed-precision step makes for one
+unit at a time, the optimizer's per-tensor temporaries and, for zero3, the parameters gathered
+at once.
 """
 
 from __future__ import annotations

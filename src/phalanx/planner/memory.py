@@ -14,15 +14,14 @@ master). "bf16" keeps everything, moments included, in bf16: 2 + 2 + 4 = 8 Psi.
 
 [Note: Engine buffers]
 `buffers_bytes` is what phalanx's engine (sharding.py, replicate.py, reducer.py, buckets.py)
-holds beyond those model states, modelled from its code and checked by
-benchmarks/plan_vs_measured.py:
-- master_grad: the master's fp32 gradient, when it cannot be a view of the reduced bucket:
-  4 Psi (ddp) or 4 Psi / N (sharded) under mixed precision; with fp32 on NCCL (reduce-scatter
-  into a separate shard) 4 Psi / N for zero1. In zero2/zero3 it is the sharded gradient, so
-  only its difference to g Psi / N is added. Kept between steps.
-- grad_pool (zero2): the full-gradient buckets of ZeRO-2 are lent from a pool of up to three
-  buffers, each the size of the largest unit (at most two reduced but unfinished, one
-  filling; fewer when collectives finish early). Kept.
+holds beyond those model states, modelled from its code and checked against the engine by
+tests/test_plan_memory.py and against measured peaks by benchmarks/plan_vs_measured.py.
+The reduced gradients themselves are the formula's g: they stay in the compute dtype, as the
+owned slice of the kept bucket (ddp, zero1) or as a persistent shard (zero2), so there is no
+separate fp32 gradient between steps.
+- grad_pool (zero2): the full-gradient buckets of ZeRO-2 are lent from a pool of three
+  buffers, each the size of the largest unit plus the world size (at most two reduced but
+  unfinished, one filling), made up front. Kept.
 - comm_buffers: with a `comm_dtype` other than the compute dtype, the sharded engine keeps one
   low-precision copy of every unit. Kept.
 - comm_copies: what exists until a bucket's collective is finished: fp32 ddp's compressed
@@ -36,18 +35,23 @@ benchmarks/plan_vs_measured.py:
 [Note: Optimizer step working memory]
 Adam's update makes temporaries (the square root of the second moment, then its quotient).
 PyTorch's foreach implementation, the default on GPU, makes them for all of a param group's
-tensors at once: one state-sized tensor over everything this rank steps. Its single-tensor
+tensors at once: one state-sized tensor over everything stepped in one call. Its single-tensor
 implementation, the default on CPU, makes two of the tensor being stepped while the previous
 tensor's last one is still held: up to about three of the largest tensor stepped (for phalanx's
 sharded engine a unit's master shard, see layout.py; for fp32 ddp a parameter).
+Under mixed precision the engine steps one unit at a time (see [Note: fp32 gradients one unit
+at a time] in sharding.py): it makes that unit's fp32 gradient from the compute-dtype one,
+steps the optimizer on that master alone and drops the gradient. The step's working memory is
+then the largest unit's fp32 gradient (4 bytes per owned element) plus the optimizer's
+temporaries for that one tensor.
 
 [Note: Peak]
-Not everything is alive at once. Model states and the master gradients always are; on top of
+Not everything is alive at once. Model states and the kept buffers always are; on top of
 them the peak is the largest of three moments:
   backward start   every activation saved, the loss's gradients, a gradient being staged, and
                    (zero3) the gathered units and their gradients in flight;
   end of backward  activations freed; communication copies not yet finished;
-  optimizer step   the optimizer's temporaries.
+  optimizer step   the step's working memory (one unit's fp32 gradient, temporaries).
 Backward frees activations from the last layer as it makes the last layer's gradients, so
 between the first two moments one shrinks as the other grows. `benchmarks/plan_vs_measured.py`
 checks the result against measured peaks.
@@ -153,25 +157,18 @@ def model_states(strategy: str, precision: Precision, params: int, trainable: in
 
 def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int,
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
-                 largest_param: int = 0, units: int = 3) -> dict:
+                 largest_param: int = 0) -> dict:
     """The engine's working memory by kind (see [Note: Engine buffers]); values in bytes."""
     sharded = strategy != "ddp" and world > 1
     reduce_scatter = reduce_scatter and sharded
-    n = world if strategy != "ddp" else 1
     g = precision.grad
     g_full = g * trainable
     compressed = comm_bytes is not None and comm_bytes != precision.weight
-    out = dict.fromkeys(("master_grad", "grad_pool", "comm_buffers", "comm_copies",
-                         "gathered_params", "unit_grads"), 0)
+    out = dict.fromkeys(("grad_pool", "comm_buffers", "comm_copies", "gathered_params",
+                         "unit_grads"), 0)
     out["grad_staging"] = g * largest_param
-    if precision.mixed:
-        master_grad = _shard(4 * trainable, n)
-        out["master_grad"] = master_grad - (_shard(g_full, n) if strategy in ("zero2", "zero3")
-                                            else 0)
-    elif strategy == "zero1" and (reduce_scatter or compressed):
-        out["master_grad"] = _shard(4 * trainable, n)
     if strategy == "zero2":
-        out["grad_pool"] = min(3, units) * g * (largest_unit + world)
+        out["grad_pool"] = 3 * g * (largest_unit + world)
     elif strategy == "zero3" and world > 1:
         out["unit_grads"] = min(g_full, 2 * g * largest_unit)
         out["gathered_params"] = 2 * precision.weight * largest_unit
@@ -186,24 +183,32 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
     return out
 
 
-def step_working_bytes(optimizer: str, precision: Precision, stepped: list[int],
-                       foreach: bool) -> int:
-    """Temporaries of one optimizer step (see [Note: Optimizer step working memory]).
-    `stepped` are the element counts of the tensors this rank steps, in the optimizer's order."""
+def _temporaries(optimizer: str, state: int, stepped: list[int], foreach: bool) -> int:
+    """Bytes the optimizer's own update makes while stepping `stepped` in one call."""
     if optimizer not in ("adam", "adamw", "adafactor") or not stepped:
         return 0
-    state = 4 if precision.mixed else precision.state
     if foreach:
         return state * sum(stepped)
     # two temporaries of the tensor being stepped, while the previous one's result is still
     # held by the loop variable that the new result will replace
-    worst = max(2 * cur + prev for prev, cur in zip([0] + stepped[:-1], stepped))
-    return state * worst
+    return state * max(2 * cur + prev for prev, cur in zip([0] + stepped[:-1], stepped))
+
+
+def step_working_bytes(optimizer: str, precision: Precision, stepped: list[int],
+                       foreach: bool) -> int:
+    """Transient bytes of one optimizer step (see [Note: Optimizer step working memory]).
+    `stepped` are the element counts of the tensors this rank steps, in the optimizer's order
+    (for the flat engine one master per unit)."""
+    if not stepped:
+        return 0
+    if precision.mixed:  # one unit at a time: its fp32 gradient, then its update alone
+        return max(4 * u + _temporaries(optimizer, 4, [u], foreach) for u in stepped)
+    return _temporaries(optimizer, precision.state, stepped, foreach)
 
 
 def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int):
     """Peak bytes per device and the moment it happens at (see [Note: Peak])."""
-    kept = buffers["master_grad"] + buffers["grad_pool"] + buffers["comm_buffers"]
+    kept = buffers["grad_pool"] + buffers["comm_buffers"]
     during = buffers["gathered_params"] + buffers["unit_grads"]
     moments = {
         "backward start": activations + buffers["grad_staging"] + during,

@@ -21,7 +21,7 @@ class StrategyPlan:
     activations_bytes: int
     buffers_bytes: int
     buffers_detail: dict
-    step_working_bytes: int      # optimizer-step temporaries; they never coexist with activations
+    step_working_bytes: int      # optimizer-step transients; never alive with activations
     total_bytes: int             # the peak per device, see [Note: Peak] in memory.py
     peak_at: str                 # "backward start", "end of backward" or "optimizer step"
     fits: bool                   # total <= GPU memory
@@ -101,7 +101,7 @@ def format_table(r: PlanResult) -> str:
     for label, key in (("parameters", "params_bytes"), ("gradients", "grads_bytes"),
                        ("optimizer state", "optimizer_bytes"),
                        ("activations", "activations_bytes"),
-                       ("buffers (comm, fp32 grad)", "buffers_bytes"),
+                       ("buffers (grad pool, comm)", "buffers_bytes"),
                        ("optimizer step working memory", "step_working_bytes"),
                        ("total (peak)", "total_bytes")):
         row(label, [_mem(getattr(p, key), u) for p in r.strategies.values()])
