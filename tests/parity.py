@@ -160,7 +160,9 @@ def train(name: str, opt_kind: str, world: int, b: int, steps: int = 5, accum: i
         else:
             for a in range(accum):
                 c = a * world + rank  # micro-step a of this rank
-                sync = contextlib.nullcontext() if a == accum - 1 else px.no_sync(model)
+                # alternate the two spellings of the same context
+                no_sync = px.no_sync(model) if step % 2 else model.no_sync()
+                sync = contextlib.nullcontext() if a == accum - 1 else no_sync
                 with sync:
                     loss = loss_of(name, model, x[c * b:(c + 1) * b], y[c * b:(c + 1) * b], c)
                     (loss / accum).backward()

@@ -74,6 +74,12 @@ class PreparedModule(torch.nn.Module):
                 lambda t: scale_gradients(t, scale) if t.requires_grad else t, out)
         return out
 
+    def no_sync(self):
+        """Same as `px.no_sync(model)`, under the name PyTorch's DDP users reach for."""
+        from .prepare import no_sync
+
+        return no_sync(self)
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
