@@ -201,13 +201,14 @@ class Sharded:
         """Step the user's optimizer on the masters of this rank's shards, then publish.
 
         [Note: fp32 gradients one unit at a time]
-        With fp32 compute a master's gradient is the reduced gradient itself (a view, no copy)
-        and the optimizer steps once. With bf16/fp16 compute the optimizer needs fp32
-        gradients; materialising them all at once would add 4 bytes per owned parameter at
-        the peak, beyond the ZeRO layout. Instead each unit's fp32 gradient is made, stepped
-        (the optimizer skips parameters whose `.grad` is None, and element-wise optimizers keep
-        per-tensor state, so stepping unit by unit is the same update) and dropped, so at most
-        one bucket's worth of fp32 gradient exists at a time.
+        The optimizer steps unit by unit: it skips parameters whose `.grad` is None, and an
+        element-wise optimizer keeps per-tensor state, so stepping one unit's master at a time
+        is the same update as stepping all at once. Two things follow. With bf16/fp16 compute
+        the optimizer needs fp32 gradients; made all at once they would add 4 bytes per owned
+        parameter at the peak, beyond the ZeRO layout, while unit by unit at most one bucket's
+        worth exists (with fp32 compute the gradient is the reduced buffer itself, no copy).
+        And a unit's all-gather is on the wire while the next unit steps.
+        The optimizer's step hooks therefore run once per unit.
         """
         self._check_param_groups()
         loss = None
@@ -224,17 +225,21 @@ class Sharded:
             if found:
                 self._drop_grads()
                 return loss
-        if self.compute_dtype == torch.float32 and unscale == 1.0:
-            for unit in ready:
-                unit.master.grad = unit.reduced
+        for unit in self.units:
+            unit.master.grad = None
+        works = []
+        for unit in ready:  # See [Note: fp32 gradients one unit at a time]
+            grad = unit.reduced
+            if grad.dtype != torch.float32 or unscale != 1.0:
+                grad = grad.float().mul_(unscale)
+            unit.master.grad = grad
             self._user_step()
-        else:
-            for unit in ready:
-                unit.master.grad = unit.reduced.float().mul_(unscale)
-                self._user_step()
-                unit.master.grad = None
+            unit.master.grad = None
+            works.append(self._publish_unit(unit))  # on the wire while the next unit steps
+        for work in works:
+            if work is not None:
+                work.wait()
         self._drop_grads()
-        self._publish()
         return loss
 
     def _drop_grads(self) -> None:
@@ -242,17 +247,14 @@ class Sharded:
             unit.reduced = None
 
     @torch.no_grad()
-    def _publish(self) -> None:
-        """Write the updated masters into the compute-dtype parameters on every rank."""
-        works = []
-        for unit in self.units:
-            if not unit.master_is_view:
-                unit.flat[unit.lo:unit.hi].copy_(unit.master)
-            if self.sharded:
-                works.append(C.all_gather_into(unit.flat, unit.flat[unit.lo:unit.hi], self.group,
-                                               async_op=True))
-        for w in works:
-            w.wait()
+    def _publish_unit(self, unit: _Unit):
+        """Write a unit's updated master into its compute-dtype parameters on every rank."""
+        if not unit.master_is_view:
+            unit.flat[unit.lo:unit.hi].copy_(unit.master)
+        if self.sharded:
+            return C.all_gather_into(unit.flat, unit.flat[unit.lo:unit.hi], self.group,
+                                     async_op=True)
+        return None
 
     @torch.no_grad()
     def params_changed(self) -> None:
