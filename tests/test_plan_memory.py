@@ -207,20 +207,25 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
                                                   "backward start")
 
 
-def test_mixed_precision_steps_one_unit_at_a_time():
+def test_the_flat_engine_steps_one_unit_at_a_time():
     from phalanx.planner.memory import step_working_bytes
     units = [300, 1000, 700]
     bf16, fp32 = PRECISIONS["bf16-mixed"], PRECISIONS["fp32"]
-    # one unit's fp32 gradient (4 B/element), plus Adam's temporaries of that unit alone: one
-    # state-sized tensor with foreach, two with the single-tensor loop
+    # mixed precision: one unit's fp32 gradient (4 B/element), plus Adam's temporaries of that
+    # unit alone: one state-sized tensor with foreach, two with the single-tensor loop
     assert step_working_bytes("sgd", bf16, units, foreach=False) == 4 * 1000
     assert step_working_bytes("adamw", bf16, units, foreach=True) == 4 * 1000 + 4 * 1000
     assert step_working_bytes("adamw", bf16, units, foreach=False) == 4 * 1000 + 2 * 4 * 1000
-    # fp32: the gradients are views, all masters stepped in one call
+    # fp32 sharded: the gradients are views, each unit still stepped alone
     assert step_working_bytes("sgd", fp32, units, foreach=False) == 0
-    assert step_working_bytes("adamw", fp32, units, foreach=True) == 4 * 2000
+    assert step_working_bytes("adamw", fp32, units, foreach=True) == 4 * 1000
+    assert step_working_bytes("adamw", fp32, units, foreach=False) == 2 * 4 * 1000
+    # fp32 ddp: all parameters in one call; foreach over all of them, or the single-tensor loop
     # stepping 700 while the result for 1000 is still held
-    assert step_working_bytes("adamw", fp32, units, foreach=False) == 4 * (2 * 700 + 1000)
+    params = units
+    assert step_working_bytes("adamw", fp32, params, foreach=True, per_unit=False) == 4 * 2000
+    assert step_working_bytes("adamw", fp32, params, foreach=False,
+                              per_unit=False) == 4 * (2 * 700 + 1000)
 
 
 def _tensors_reachable(*roots):
@@ -279,7 +284,7 @@ def _engine_kept_and_step_bytes(strategy, precision, bucket_mb):
     step_extra.clear()
     model(torch.randn(4, 64)).square().mean().backward()
     opt.step()
-    return sum(kept.values()), max(step_extra)
+    return sum(kept.values()), max(step_extra), len(step_extra)
 
 
 class _BufferModel(nn.Module):
@@ -295,8 +300,10 @@ class _BufferModel(nn.Module):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_kept_buffers_and_step_gradient_match_the_engine(precision):
     """What the engine keeps between steps (found by walking it, not by name) is the plan's
-    model states plus its kept buffers, and the fp32 gradient made inside the step is the
-    plan's step working memory (SGD makes no temporaries of its own)."""
+    model states plus its kept buffers, the fp32 gradient made inside the step is the plan's
+    step working memory (SGD makes no temporaries of its own), and the optimizer is called
+    once per planned unit by the flat engine, once in all by fp32 ddp."""
+    from phalanx.planner.layout import unit_sizes
     world, bucket_mb = 2, 0.03  # several units: the pool and the one-unit step matter
     strategies = ["ddp", "zero1", "zero2"]
     measured = run_ranks(lambda: [_engine_kept_and_step_bytes(s, precision, bucket_mb)
@@ -307,7 +314,7 @@ def test_kept_buffers_and_step_gradient_match_the_engine(precision):
     r = px.plan(model, gpus=world, precision=plan_precision, optimizer="sgd-momentum",
                 input_shape="64", backend="gloo", bucket_mb=bucket_mb)
     for rank_result in measured:
-        for strategy, (kept, step_grad) in zip(strategies, rank_result):
+        for strategy, (kept, step_grad, calls) in zip(strategies, rank_result):
             plan = r[strategy]
             planned = (plan.model_states_bytes + plan.buffers_detail["grad_pool"]
                        + plan.buffers_detail["comm_buffers"])
@@ -318,3 +325,7 @@ def test_kept_buffers_and_step_gradient_match_the_engine(precision):
                 assert plan.buffers_detail["grad_pool"] > 0.05 * planned
             if precision == "bf16":
                 assert step_grad > 0
+            shapes = [tuple(p.shape) for p in model.parameters()]
+            units = unit_sizes(shapes, None, 4 if precision == "fp32" else 2, bucket_mb)
+            assert calls == (1 if (strategy, precision) == ("ddp", "fp32") else len(units))
+            assert len(units) > 2

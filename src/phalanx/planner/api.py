@@ -117,10 +117,12 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
                      if desc.trainable_shapes is not None else largest_unit)
     grad_comm = (comm_bytes or prec.grad) * desc.trainable_params
 
+    replicated = not prec.mixed  # ddp without masters: the model's own parameters, as they are
+
     def _stepped(strategy, n):
         """What the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
         one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)."""
-        if strategy == "ddp" and not prec.mixed and desc.trainable_shapes is not None:
+        if strategy == "ddp" and replicated and desc.trainable_shapes is not None:
             return [math.prod(s) for s in desc.trainable_shapes]
         n = 1 if strategy == "ddp" else n
         return [-(-u // n) for u in units_]
@@ -132,7 +134,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
                                comm_bytes, largest_unit, largest_param)
         step_bytes = step_working_bytes(optimizer, prec, _stepped(strategy, n),
-                                        foreach=backend == "nccl")
+                                        foreach=backend == "nccl",
+                                        per_unit=not (strategy == "ddp" and replicated))
         return (states, buffers, step_bytes) + peak_bytes(states.total, buffers, activations,
                                                           step_bytes)
 

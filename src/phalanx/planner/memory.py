@@ -34,15 +34,16 @@ separate fp32 gradient between steps.
 
 [Note: Optimizer step working memory]
 Adam's update makes temporaries (the square root of the second moment, then its quotient).
-PyTorch's foreach implementation, the default on GPU, makes them for all of a param group's
-tensors at once: one state-sized tensor over everything stepped in one call. Its single-tensor
+PyTorch's foreach implementation, the default on GPU, makes them for all the tensors of one
+call at once: one state-sized tensor over everything stepped. Its single-tensor
 implementation, the default on CPU, makes two of the tensor being stepped while the previous
-tensor's last one is still held: up to about three of the largest tensor stepped (for phalanx's
-sharded engine a unit's master shard, see layout.py; for fp32 ddp a parameter).
-Under mixed precision the engine steps one unit at a time (see [Note: fp32 gradients one unit
-at a time] in sharding.py): it makes that unit's fp32 gradient from the compute-dtype one,
-steps the optimizer on that master alone and drops the gradient. The step's working memory is
-then the largest unit's fp32 gradient (4 bytes per owned element) plus the optimizer's
+tensor's last one is still held: up to about three of the largest tensor stepped.
+fp32 ddp steps the model's own parameters in one call. phalanx's flat engine (every other
+strategy and precision) calls the optimizer once per unit, on that unit's master shard alone
+(see [Note: fp32 gradients one unit at a time] in sharding.py, and layout.py for the units);
+under mixed precision it first makes that unit's fp32 gradient from the compute-dtype one and
+drops it after the call. Its step's working memory is then the largest, over units, of the
+unit's fp32 gradient (4 bytes per owned element, mixed precision only) plus the optimizer's
 temporaries for that one tensor.
 
 [Note: Peak]
@@ -195,15 +196,18 @@ def _temporaries(optimizer: str, state: int, stepped: list[int], foreach: bool) 
 
 
 def step_working_bytes(optimizer: str, precision: Precision, stepped: list[int],
-                       foreach: bool) -> int:
+                       foreach: bool, per_unit: bool = True) -> int:
     """Transient bytes of one optimizer step (see [Note: Optimizer step working memory]).
-    `stepped` are the element counts of the tensors this rank steps, in the optimizer's order
-    (for the flat engine one master per unit)."""
+    `stepped` are the element counts of the tensors this rank steps, in the optimizer's order:
+    with `per_unit` (the flat engine) one master shard per unit, each stepped in a call of its
+    own; without it (fp32 ddp) the model's parameters, stepped in one call."""
     if not stepped:
         return 0
-    if precision.mixed:  # one unit at a time: its fp32 gradient, then its update alone
-        return max(4 * u + _temporaries(optimizer, 4, [u], foreach) for u in stepped)
-    return _temporaries(optimizer, precision.state, stepped, foreach)
+    state = 4 if precision.mixed else precision.state
+    if not per_unit:
+        return _temporaries(optimizer, state, stepped, foreach)
+    grad = 4 if precision.mixed else 0  # the fp32 gradient made for the unit being stepped
+    return max(grad * u + _temporaries(optimizer, state, [u], foreach) for u in stepped)
 
 
 def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int):
