@@ -37,7 +37,8 @@ class BufferPool:
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, keep: int):
         self.numel, self.dtype, self.device, self.keep = numel, dtype, device, keep
-        self.idle = [torch.empty(numel, dtype=dtype, device=device) for _ in range(keep)]
+        # zeros, not empty: touched once now, so the memory is charged from the start on CPU too
+        self.idle = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(keep)]
 
     def take(self, numel: int) -> torch.Tensor:
         if self.idle:
