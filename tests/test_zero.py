@@ -232,7 +232,7 @@ def _bad_optimizer(kind):
 
 
 @pytest.mark.parametrize("kind,match", [
-    ("foreign", "not a trainable parameter of the model"),
+    ("foreign", "not a parameter of the model"),
     ("lbfgs", "LBFGS is not an optimizer whose update is element-wise"),
     ("added_later", "added after px.prepare"),
 ])

@@ -23,6 +23,12 @@ __all__ = ["CommCounter", "comm_counter", "all_reduce_mean", "all_reduce_sum", "
            "reduce_scatter_mean", "all_gather_into", "broadcast", "backend_prefers_all_reduce"]
 
 
+# torch 2.13 names these `*_single`; older releases (pyproject allows >= 2.4) have only the
+# `*_tensor` names, which 2.13 deprecates.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class CommCounter:
     """Payload bytes handed to collectives by this rank, by operation.
 
@@ -76,8 +82,7 @@ def all_reduce_max(tensor: torch.Tensor, group, async_op: bool = False):
 def reduce_scatter_mean(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
     """Average `input` over ranks and leave this rank's 1/N piece in `output`."""
     comm_counter.add("reduce_scatter", input)
-    return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group,
-                                      async_op=async_op)
+    return _reduce_scatter(output, input, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
 
 
 class _AllWorks:
@@ -96,7 +101,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
     """Concatenate every rank's `shard` into `output`, in rank order."""
     comm_counter.add("all_gather", output)
     if not backend_prefers_all_reduce(group):
-        return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+        return _all_gather(output, shard, group=group, async_op=async_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = output.chunk(world)
     if pieces[rank].data_ptr() != shard.data_ptr():

@@ -90,17 +90,19 @@ def broadcast_from_rank0(module: torch.nn.Module, group) -> None:
         broadcast_tensors(tensors, group)
 
 
-def optimizer_groups(optimizer, params) -> dict:
-    """Map each optimizer parameter to its param group index, refusing parameters that are not
-    among `params` (the model's trainable ones): an optimizer built over another model's
-    parameters, or a copy's, would step tensors that data parallelism never averages."""
-    model_params = {id(p) for p in params}
+def optimizer_groups(optimizer, module) -> dict:
+    """Map each trainable parameter the optimizer holds to its param group index, refusing
+    parameters that are not the model's: an optimizer built over another model's parameters,
+    or a copy's, would step tensors that data parallelism never averages. Frozen parameters
+    of the model may be in the optimizer (it skips them, having no gradient)."""
+    model_params = {id(p) for p in module.parameters()}
     group_of = {}
     for g, param_group in enumerate(optimizer.param_groups):
         for p in param_group["params"]:
             if id(p) not in model_params:
                 raise ValueError(
-                    "the optimizer holds a parameter that is not a trainable parameter of the "
-                    "model; build the optimizer over model.parameters() of the model you prepare")
-            group_of[p] = g
+                    "the optimizer holds a parameter that is not a parameter of the model; "
+                    "build the optimizer over model.parameters() of the model you prepare")
+            if p.requires_grad:
+                group_of[p] = g
     return group_of

@@ -18,22 +18,7 @@ import torch
 
 from . import collectives as C
 
-__all__ = ["DynamicLossScaler", "scale_gradients"]
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def scale_gradients(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return _ScaleGrad.apply(x, scale)
+__all__ = ["DynamicLossScaler"]
 
 
 class DynamicLossScaler:

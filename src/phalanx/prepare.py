@@ -84,7 +84,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         from .sync_batchnorm import convert_sync_batchnorm
         model = convert_sync_batchnorm(model, group=group)
     if optimizer is not None:
-        optimizer_groups(optimizer, [p for p in model.parameters() if p.requires_grad])
+        optimizer_groups(optimizer, model)
     check_same_structure(model, group)
     broadcast_from_rank0(model, group)
 

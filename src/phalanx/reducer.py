@@ -15,6 +15,14 @@ do not become ready in the same order everywhere (an unused branch on one rank, 
 control flow), so a bucket is launched only when it is complete AND every bucket before it has
 been launched; stragglers are launched, in bucket order, at the end of backward.
 
+[Note: the end of the outermost backward]
+The end-of-backward callback is queued from a gradient hook on the prepared model's outputs,
+which runs first in the backward that the user started. Queued from a parameter's hook
+instead, it could land in a nested backward (reentrant activation checkpointing runs one per
+checkpointed segment) and reduce everything while the outer backward still has gradients to
+deliver. The parameter hooks queue it only when no output hook did (the user differentiated
+the unwrapped module directly).
+
 [Note: gradients that never arrived]
 A parameter that got no gradient on this rank (unused this iteration, or its branch not taken)
 has no hook call. When its bucket is launched its slot is zeroed, so it counts as zero in the
@@ -89,14 +97,19 @@ class GradReducer:
             self.sync = previous
 
     # -- hooks ---------------------------------------------------------------------------
+    def backward_started(self) -> None:
+        """Called from the outputs' gradient hooks. See [Note: the end of the outermost
+        backward]."""
+        if self.sync and not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, i = self._where[param]
         self._adopt_grad(bucket, i)
         if not self.sync:
             return
-        if not self._callback_queued:
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+        self.backward_started()
         if id(param) in self._seen:  # a second backward through the same graph (reentrant)
             return
         self._seen.add(id(param))

@@ -73,8 +73,9 @@ class Replicated:
         """Re-lay the buckets in rank 0's order of gradient readiness (once, after step 1)."""
         index = {p: i for i, p in enumerate(self.params)}
         seen = [index[p] for p in ready_order]
-        missing = [i for i in range(len(self.params)) if i not in set(seen)]
-        order = torch.tensor(seen + missing, dtype=torch.int64)
+        seen_set = set(seen)
+        missing = [i for i in range(len(self.params)) if i not in seen_set]
+        order = torch.tensor(seen + missing, dtype=torch.int64, device=self.params[0].device)
         C.broadcast(order, src=0, group=self.group)
         ordered = [self.params[i] for i in order.tolist()]
         current = [p for b in self.buckets for p in b.params]

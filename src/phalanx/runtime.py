@@ -125,8 +125,13 @@ def init(backend: str | None = None, timeout: float = 600.0) -> None:
         env = read_launch_env()
         _state.rank = dist.get_rank()
         _state.world_size = dist.get_world_size()
-        _state.local_rank = env.local_rank if env.source != "none" else 0
-        _state.device = _pick_device(_state.local_rank, backend_in_use)
+        if env.source != "none":
+            _state.local_rank = env.local_rank
+            _state.device = _pick_device(_state.local_rank, backend_in_use)
+        else:  # a group made by the user (mp.spawn...): keep the device they chose
+            _state.local_rank = torch.cuda.current_device() \
+                if backend_in_use != "gloo" and torch.cuda.is_available() else 0
+            _state.device = _pick_device(_state.local_rank, backend_in_use)
         _state.initialized = True
         _state.owns_group = False
         return

@@ -32,6 +32,7 @@ masters. Use `px.clip_grad_norm_` (not torch's) to clip.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -79,16 +80,19 @@ class _Unit:
                                  dtype=compute_dtype, pool=pool)
         n = self.bucket.padded_numel
         device = params[0].device
-        self.flat = torch.zeros(n, dtype=compute_dtype, device=device)
-        for p, offset in zip(params, self.bucket.offsets):
-            self.flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.flat[offset:offset + p.numel()].view_as(p)
         shard = n // world if sharded else n
         self.lo, self.hi = (rank * shard, (rank + 1) * shard) if sharded else (0, n)
-        owned = self.flat[self.lo:self.hi]
         self.master_is_view = compute_dtype == torch.float32
-        master = owned if self.master_is_view else owned.detach().float().clone()
-        self.master = torch.nn.Parameter(master)
+        full = torch.zeros(n, dtype=torch.float32, device=device)
+        for p, offset in zip(params, self.bucket.offsets):
+            full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        # The masters start from the user's fp32 values, not from their low-precision copy.
+        master = None if self.master_is_view else full[self.lo:self.hi].clone()
+        self.flat = full if self.master_is_view else full.to(compute_dtype)
+        del full
+        for p, offset in zip(params, self.bucket.offsets):
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+        self.master = torch.nn.Parameter(self.flat[self.lo:self.hi] if master is None else master)
         self.grad_shard: torch.Tensor | None = None  # zero2: the reduced shard, kept to the step
         self.comm_buffer: torch.Tensor | None = None  # persistent low-precision copy, if needed
         self.reduced: torch.Tensor | None = None  # the owned reduced gradient, compute dtype
@@ -117,7 +121,10 @@ class Sharded:
         self.reduce_scatter = self.sharded and not C.backend_prefers_all_reduce(group)
 
         params = [p for p in module.parameters() if p.requires_grad]
-        group_of = _optimizer_groups(optimizer, params)
+        if not params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True) to "
+                             "shard or train in low precision")
+        group_of = _optimizer_groups(optimizer, module, params)
         cap = int(bucket_mb * 2**20)
         first_cap = min(cap, int(_FIRST_BUCKET_MB * 2**20))
         ordered = list(reversed(params))  # backward produces gradients in about this order
@@ -143,8 +150,28 @@ class Sharded:
         for g, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [u.master for u in self.units if u.group_index == g]
         self._masters = {id(u.master) for u in self.units}
+        _init_state_for_masters(optimizer, [u.master for u in self.units])
+        # Instance attributes, so the optimizer keeps its class. Plain functions rather than
+        # this engine's bound methods: an LR scheduler created later re-binds `step.__func__`
+        # to the optimizer, which must still land here.
         self._user_step = optimizer.step
-        optimizer.step = self.step  # instance attribute: the optimizer keeps its class
+        self._user_zero_grad = optimizer.zero_grad
+        engine = self
+        optimizer.step = types.MethodType(lambda opt, closure=None: engine.step(closure),
+                                          optimizer)
+        optimizer.zero_grad = types.MethodType(
+            lambda opt, set_to_none=True: engine.zero_grad(set_to_none), optimizer)
+        # Frozen parameters and floating buffers follow the compute dtype, so layers that mix
+        # them with trainable weights (BatchNorm's running statistics, a frozen embedding) see
+        # one dtype.
+        if compute_dtype != torch.float32:
+            with torch.no_grad():
+                for p in module.parameters():
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(compute_dtype)
+                for b in module.buffers():
+                    if b.is_floating_point():
+                        b.data = b.data.to(compute_dtype)
 
     # -- backward ------------------------------------------------------------------------
     def _launch(self, bucket: GradBucket):
@@ -177,16 +204,37 @@ class Sharded:
             if unit.grad_shard is None:
                 unit.grad_shard = torch.empty(unit.hi - unit.lo, dtype=self.compute_dtype,
                                               device=owned.device)
-            target = unit.grad_shard
-        else:
-            target = bucket.grads()[unit.lo:unit.hi]
-        if target.data_ptr() != owned.data_ptr():
-            target.copy_(owned)
-        unit.reduced = target
-        for p in unit.params:
-            p.grad = None
-        if self.policy.shard_grads:
+            # A second backward before zero_grad() accumulates, as in one process.
+            if unit.reduced is None:
+                unit.grad_shard.copy_(owned)
+            else:
+                unit.grad_shard.add_(owned)
+            unit.reduced = unit.grad_shard
+            for p in unit.params:
+                p.grad = None
             bucket.free()
+        else:
+            # The bucket is kept and the parameters keep their views into it, so a second
+            # backward accumulates into it in place (before the reduction; the mean of a sum
+            # already equal on every rank plus the new gradients is that sum plus their mean).
+            target = bucket.grads()[unit.lo:unit.hi]
+            if target.data_ptr() != owned.data_ptr():
+                target.copy_(owned)
+            unit.reduced = target
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`optimizer.zero_grad()`: clear the masters' gradients and the reduced ones behind
+        them, and the model parameters' views, so the next backward starts from zero."""
+        self._user_zero_grad(set_to_none=set_to_none)
+        self.clear_reduced()
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+
+    def clear_reduced(self) -> None:
+        """Forget the reduced gradients (also called by the prepared model's zero_grad)."""
+        for unit in self.units:
+            unit.reduced = None
 
     # -- step ----------------------------------------------------------------------------
     def _check_param_groups(self) -> None:
@@ -216,6 +264,8 @@ class Sharded:
             with torch.enable_grad():
                 loss = closure()
         ready = [u for u in self.units if u.reduced is not None]
+        if not ready:
+            return loss
         unscale = 1.0
         if self.loss_scaler is not None:
             found = self.loss_scaler.found_inf([u.reduced for u in ready], self.group,
@@ -223,7 +273,7 @@ class Sharded:
             unscale = 1.0 / self.loss_scaler.scale
             self.loss_scaler.update(found)
             if found:
-                self._drop_grads()
+                self.zero_grad()  # the overflowed gradients are of no use to a later step
                 return loss
         for unit in self.units:
             unit.master.grad = None
@@ -239,12 +289,7 @@ class Sharded:
         for work in works:
             if work is not None:
                 work.wait()
-        self._drop_grads()
         return loss
-
-    def _drop_grads(self) -> None:
-        for unit in self.units:
-            unit.reduced = None
 
     @torch.no_grad()
     def _publish_unit(self, unit: _Unit):
@@ -270,13 +315,13 @@ class Sharded:
         unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         norm_type = float(norm_type)
         if norm_type == float("inf"):
-            local = max((g.abs().max().float() for g in grads),
-                        default=torch.zeros((), device=device))
+            local = torch.stack([g.abs().max().float() for g in grads]).amax() if grads \
+                else torch.zeros((), device=device)
             total = local.reshape(1) * unscale
             if self.sharded:
                 C.all_reduce_max(total, self.group)
         else:
-            local = sum((g.float().pow(norm_type).sum() for g in grads),
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads),
                         torch.zeros((), device=device))
             total = local.reshape(1)
             if self.sharded:
@@ -296,15 +341,31 @@ def _check_elementwise(optimizer) -> None:
             f"{type(optimizer).__name__} is not an optimizer whose update is element-wise, so "
             f"sharding or mixed precision would change its update; use one of {names}, or "
             "strategy='ddp' with precision='fp32'")
-    if any(len(s) for s in optimizer.state.values()):
-        raise ValueError("the optimizer has already stepped; call px.prepare before the first "
-                         "optimizer.step() (load optimizer state after px.prepare)")
+    for state in optimizer.state.values():
+        step = state.get("step", 0)
+        if float(step) > 0 or (state and "step" not in state):
+            raise ValueError("the optimizer has already stepped; call px.prepare before the first "
+                             "optimizer.step(), and load a saved optimizer state after it")
 
 
-def _optimizer_groups(optimizer, params) -> dict:
+def _init_state_for_masters(optimizer, masters) -> None:
+    """Drop the state an optimizer made for the model's parameters at construction and make it
+    for the masters instead (Adagrad creates its accumulators in __init__)."""
+    optimizer.state.clear()
+    if isinstance(optimizer, torch.optim.Adagrad):
+        for group in optimizer.param_groups:
+            for m in group["params"]:
+                optimizer.state[m] = {
+                    "step": torch.tensor(0.0),
+                    "sum": torch.full_like(m, group["initial_accumulator_value"],
+                                           memory_format=torch.preserve_format),
+                }
+
+
+def _optimizer_groups(optimizer, module, params) -> dict:
     """Map each trainable model parameter to its optimizer param group; every one must be in
     one, since the optimizer's params are about to be replaced by the shards' masters."""
-    group_of = optimizer_groups(optimizer, params)
+    group_of = optimizer_groups(optimizer, module)
     missing = [p for p in params if p not in group_of]
     if missing:
         raise ValueError(

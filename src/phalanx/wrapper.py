@@ -17,7 +17,6 @@ import dataclasses
 import torch
 
 from .consistency import broadcast_tensors
-from .loss_scaling import scale_gradients
 
 __all__ = ["PreparedModule", "map_tensors"]
 
@@ -68,11 +67,34 @@ class PreparedModule(torch.nn.Module):
         out = self.module(*args, **kwargs)
         if low:
             out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
-        if self._loss_scaler is not None and torch.is_grad_enabled():
-            scale = self._loss_scaler.scale
-            out = map_tensors(
-                lambda t: scale_gradients(t, scale) if t.requires_grad else t, out)
+        if torch.is_grad_enabled() and (self._engine is not None or self._loss_scaler is not None):
+            out = map_tensors(self._hook_output, out)
         return out
+
+    def _hook_output(self, t: torch.Tensor) -> torch.Tensor:
+        """Register the gradient hook that marks the start of backward on each output.
+
+        See [Note: the end of the outermost backward] in reducer.py. Under fp16 the same hook
+        multiplies the incoming gradient by the loss scale (see loss_scaling.py).
+        """
+        if not (t.requires_grad and t.is_floating_point()):
+            return t
+        reducer = self._engine.reducer if self._engine is not None else None
+        scaler = self._loss_scaler
+
+        def on_output_grad(grad):
+            if reducer is not None:
+                reducer.backward_started()
+            return grad * scaler.scale if scaler is not None else None
+
+        t.register_hook(on_output_grad)
+        return t
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        clear = getattr(self._engine, "clear_reduced", None)
+        if clear is not None:
+            clear()
 
     def no_sync(self):
         """Same as `px.no_sync(model)`, under the name PyTorch's DDP users reach for."""
@@ -90,6 +112,9 @@ class PreparedModule(torch.nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace parameters that phalanx "
+                             "holds in its buffers; load with assign=False (the default)")
         result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         refresh = getattr(self._engine, "params_changed", None)
         if refresh is not None:
