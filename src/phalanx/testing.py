@@ -22,6 +22,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -147,6 +148,7 @@ def run_ranks(fn, world_size: int, args=(), kwargs=None, timeout: float = 120.0,
             p.join(timeout=5)
         for c in conns:
             c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     if errors:
         text = "\n".join(f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors))
