@@ -21,8 +21,16 @@ from .consistency import broadcast_tensors
 __all__ = ["PreparedModule", "map_tensors"]
 
 
-def map_tensors(fn, obj):
-    """Apply `fn` to every tensor in a nest of tuples, lists, dicts and dataclass-like outputs."""
+def map_tensors(fn, obj, rebuild: bool = True):
+    """Apply `fn` to every tensor in a nest of tuples, lists, dicts and dataclass-like outputs.
+
+    With `rebuild=False` `fn` is only called (for its effect) and `obj` is returned untouched,
+    so output types that cannot be rebuilt from their fields never need to be.
+    """
+    if not rebuild:
+        for t in _tensors_in(obj):
+            fn(t)
+        return obj
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -43,6 +51,20 @@ def map_tensors(fn, obj):
         return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name))
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name))
 
 
 class PreparedModule(torch.nn.Module):
@@ -68,7 +90,7 @@ class PreparedModule(torch.nn.Module):
         if low:
             out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
         if torch.is_grad_enabled() and (self._engine is not None or self._loss_scaler is not None):
-            out = map_tensors(self._hook_output, out)
+            map_tensors(self._hook_output, out, rebuild=False)  # hooks only: `out` is returned as is
         return out
 
     def _hook_output(self, t: torch.Tensor) -> torch.Tensor:
