@@ -122,3 +122,21 @@ def test_clip_norms_of_every_type_equal_torch(strategy, norm_type):
     want = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4, norm_type=norm_type).item()
     for got in run_ranks(_norms, 2, args=(strategy, norm_type), timeout=60):
         assert got == pytest.approx(want, rel=1e-5)
+
+
+def _unfreeze_after_prepare(strategy):
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = px.prepare(model, opt, strategy=strategy)
+    px.unwrap(model)[0].requires_grad_(True)
+    model(torch.randn(2, 6))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_unfreezing_after_prepare_is_refused_on_every_rank(strategy):
+    from phalanx.testing import RanksFailed
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_unfreeze_after_prepare, 2, args=(strategy,), timeout=60)
+    assert "2 of 2 ranks failed" in str(info.value)
+    assert "trainable parameters changed after px.prepare" in str(info.value)

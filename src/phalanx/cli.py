@@ -25,7 +25,7 @@ class CommandError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phalanx",
-        description="phalanx: data-parallel training for PyTorch (DDP and ZeRO-1/2/3).",
+        description="phalanx: data-parallel training for PyTorch (DDP, ZeRO-1 and ZeRO-2).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

@@ -78,8 +78,21 @@ class PreparedModule(torch.nn.Module):
         self._compute_dtype = compute_dtype
         self._loss_scaler = loss_scaler
         self._buffers_to_sync = [b for b in module.buffers()] if self._broadcast_buffers else []
+        self._trainable = [p for p in module.parameters() if p.requires_grad]
+
+    def _check_trainable(self) -> None:
+        """Freezing or unfreezing after prepare would silently desynchronise the ranks (a newly
+        trainable parameter has no hook, so its gradient is never averaged): refuse it."""
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) != len(self._trainable) or any(a is not b for a, b in zip(now, self._trainable)):
+            raise RuntimeError(
+                "the set of trainable parameters changed after px.prepare (requires_grad was "
+                "switched, or parameters were added); freeze or unfreeze before px.prepare, or "
+                "prepare a new model")
 
     def forward(self, *args, **kwargs):
+        if self._engine is not None and self.training and torch.is_grad_enabled():
+            self._check_trainable()
         if self.training and self._buffers_to_sync:
             broadcast_tensors(self._buffers_to_sync, self._group)
         low = self._compute_dtype != torch.float32
