@@ -33,7 +33,8 @@ def _data(step, rows):
     return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
-def _loop(strategy, precision, world, optimizer_kind="sgd", steps=3, backwards=2):
+def _loop(strategy, precision, world, optimizer_kind="sgd", steps=3, backwards=2,
+          reduce_scatter=False):
     """`backwards` backward calls per step WITHOUT no_sync, then one step (accumulation the
     plain-PyTorch way). On a rank when `strategy` is set; the single-process reference else."""
     torch.manual_seed(3)
@@ -46,6 +47,8 @@ def _loop(strategy, precision, world, optimizer_kind="sgd", steps=3, backwards=2
     if strategy is not None:
         model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
         rank = px.rank()
+        if reduce_scatter:  # the NCCL path (reduce-scatter), which gloo also runs, slower
+            model._engine.reduce_scatter = True
     for step in range(steps):
         x, y = _data(step, 4 * world * backwards)
         for k in range(backwards):
@@ -67,6 +70,13 @@ def test_backward_twice_without_no_sync_and_reentrant_checkpointing(strategy, pr
     rtol = 1e-5 if precision == "fp32" else 2e-2
     for got in run_ranks(_loop, 2, args=(strategy, precision, 2), timeout=120):
         assert_params_close(got, want, rtol=rtol, context=f"{strategy} {precision}")
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_reduce_scatter_path_accumulates_exactly(strategy):
+    want = _loop(None, None, 2)
+    for got in run_ranks(_loop, 2, args=(strategy, "fp32", 2, "sgd", 3, 2, True), timeout=120):
+        assert_params_close(got, want, context=f"{strategy} reduce-scatter")
 
 
 def test_adagrad_is_sharded_exactly():

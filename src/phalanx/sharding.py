@@ -26,8 +26,10 @@ What the policies change is only what stays resident:
 With fp32 compute the master is the owned slice of the flat parameter buffer itself (no copy),
 and for ddp/zero1 its gradient is the owned slice of the bucket (no copy either).
 
-Parameters of the model keep `.grad = None` after backward: the reduced gradients live in the
-masters. Use `px.clip_grad_norm_` (not torch's) to clip.
+After backward the model's parameters hold the averaged gradient (views into the kept buckets,
+in the compute dtype) under ddp and zero1 on gloo; under zero2, and zero1 with reduce-scatter
+(NCCL), only the owned shard is reduced and their `.grad` is None. `px.clip_grad_norm_` works
+on every policy; prefer it to torch's.
 """
 
 from __future__ import annotations
@@ -200,7 +202,9 @@ class Sharded:
         if reduced is None:
             reduced = bucket.grads()
         owned = reduced if self.reduce_scatter else reduced[unit.lo:unit.hi]
-        if self.policy.shard_grads:
+        # After a reduce-scatter the bucket outside the owned slice still holds this rank's own
+        # unreduced gradients, so it cannot be accumulated into: keep the shard apart, as zero2.
+        if self.policy.shard_grads or self.reduce_scatter:
             if unit.grad_shard is None:
                 unit.grad_shard = torch.empty(unit.hi - unit.lo, dtype=self.compute_dtype,
                                               device=owned.device)
@@ -212,7 +216,8 @@ class Sharded:
             unit.reduced = unit.grad_shard
             for p in unit.params:
                 p.grad = None
-            bucket.free()
+            if self.policy.shard_grads:
+                bucket.free()
         else:
             # The bucket is kept and the parameters keep their views into it, so a second
             # backward accumulates into it in place (before the reduction; the mean of a sum
