@@ -188,16 +188,18 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
     states = model_states("zero1", prec, psi, psi, 2 * psi, n)
     buffers = buffer_bytes("zero1", prec, psi, n, reduce_scatter=True, comm_bytes=None,
                            largest_unit=unit, largest_param=unit)
-    # reduce-scatter: the received shards live until the end of backward and are then copied
-    # into the kept bucket, so nothing is kept beyond the model states
+    # reduce-scatter: the received shards live until the end of backward, and the reduced shard
+    # is then kept apart from the bucket (whose other slices hold unreduced gradients)
     assert buffers["comm_copies"] == 4 * psi // n
+    assert buffers["grad_shard"] == 4 * psi // n
     assert buffers["grad_pool"] == buffers["comm_buffers"] == 0
-    assert peak_bytes(states.total, buffers, 10**6, 0) == (states.total + 4 * psi // n,
+    kept = buffers["grad_shard"]
+    assert peak_bytes(states.total, buffers, 10**6, 0) == (states.total + kept + 4 * psi // n,
                                                            "end of backward")
-    assert peak_bytes(states.total, buffers, 10**9, 0) == (states.total + 10**9 + 4 * unit,
-                                                           "backward start")
-    assert peak_bytes(states.total, buffers, 0, 2 * 10**9) == (states.total + 2 * 10**9,
-                                                               "optimizer step")
+    assert peak_bytes(states.total, buffers, 10**9, 0) == (
+        states.total + kept + 10**9 + 4 * unit, "backward start")
+    assert peak_bytes(states.total, buffers, 0, 2 * 10**9) == (
+        states.total + kept + 2 * 10**9, "optimizer step")
     # zero2 borrows its full-gradient buckets from a pool of three of the largest, kept
     z2 = buffer_bytes("zero2", prec, psi, n, reduce_scatter=False, comm_bytes=None,
                       largest_unit=unit, largest_param=unit)

@@ -165,8 +165,8 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
     g = precision.grad
     g_full = g * trainable
     compressed = comm_bytes is not None and comm_bytes != precision.weight
-    out = dict.fromkeys(("grad_pool", "comm_buffers", "comm_copies", "gathered_params",
-                         "unit_grads"), 0)
+    out = dict.fromkeys(("grad_pool", "grad_shard", "comm_buffers", "comm_copies",
+                         "gathered_params", "unit_grads"), 0)
     out["grad_staging"] = g * largest_param
     if strategy == "zero2":
         out["grad_pool"] = 3 * g * (largest_unit + world)
@@ -181,6 +181,10 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
     if reduce_scatter:
         in_flight = trainable if strategy == "zero1" else min(trainable, 2 * largest_unit)
         out["comm_copies"] += _shard(comm_elem * in_flight, world)
+        if strategy == "zero1":
+            # the reduced shard is kept apart from the bucket, whose other slices still hold
+            # this rank's unreduced gradients (sharding.py, _finish)
+            out["grad_shard"] = _shard(g_full, world)
     return out
 
 
@@ -212,7 +216,7 @@ def step_working_bytes(optimizer: str, precision: Precision, stepped: list[int],
 
 def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int):
     """Peak bytes per device and the moment it happens at (see [Note: Peak])."""
-    kept = buffers["grad_pool"] + buffers["comm_buffers"]
+    kept = buffers["grad_pool"] + buffers["grad_shard"] + buffers["comm_buffers"]
     during = buffers["gathered_params"] + buffers["unit_grads"]
     moments = {
         "backward start": activations + buffers["grad_staging"] + during,
