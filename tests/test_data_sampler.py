@@ -109,8 +109,6 @@ def test_epochs_cover_the_dataset_once_in_one_order_and_resume_at_any_world_size
             assert runs[world][r][1] == incoming
     # the first world size resumes from the last one's states
     runs["1-again"] = run_ranks(_ranks_sampler, 1, args=(1, incoming), timeout=120)
-    saved_at = {1: runs[1][0][1], 2: runs[1][0][1], 3: runs[2][0][1], 4: runs[3][0][1],
-                "1-again": runs[4][0][1]}
     saver_world = {2: 1, 3: 2, 4: 3, "1-again": 4}
 
     # The reference orders: a world of one, one sample per step.
