@@ -12,9 +12,10 @@ why other optimizers are refused rather than silently stepped differently.
 
 Per step:
   backward   gradients land in flat buckets (reducer.py) and each bucket is averaged over ranks
-             while backward goes on; the owned slice becomes the master's fp32 `.grad`.
-  step       the optimizer updates the masters; each unit's owned slice is written back into
-             the flat parameter buffer (cast to the compute dtype) and all-gathered.
+             while backward goes on; the owned slice of the result is kept, in the compute dtype.
+  step       unit by unit, the owned slice becomes the master's fp32 `.grad`, the optimizer
+             updates the master, and the update is written back into the flat parameter buffer
+             (cast to the compute dtype) and all-gathered while the next unit steps.
 
 What the policies change is only what stays resident:
 
