@@ -45,15 +45,12 @@ def _state_tensors(model, optimizer):
     yield from (p.grad for p in module.parameters() if p.grad is not None)
     engine = model._engine
     for unit in getattr(engine, "units", []):
-        yield from (t for t in (unit.flat, unit.master, unit.master.grad, unit.grad_shard,
-                                unit.comm_buffer) if t is not None)
+        yield from (t for t in (unit.flat, unit.master, unit.master.grad, unit.grad_shard)
+                    if t is not None)
     for bucket in (engine.reducer.buckets if engine is not None else []):
-        if bucket.buffer is not None:
-            yield bucket.buffer
+        yield from (t for t in (bucket.buffer, bucket.comm_buffer) if t is not None)
     if getattr(engine, "pool", None) is not None:  # zero2's idle bucket buffers
         yield from engine.pool.tensors()
-    for comm in getattr(engine, "_comm_buffers", {}).values():
-        yield comm
     for state in optimizer.state.values():
         yield from (t for t in state.values() if torch.is_tensor(t))
 

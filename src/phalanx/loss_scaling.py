@@ -1,11 +1,15 @@
 """Dynamic loss scaling for fp16, without touching the user's loss.
 
 fp16 gradients underflow unless the loss is multiplied by a large factor before backward. The
-user's loop stays `loss.backward()`: instead of scaling the loss, the prepared model's outputs
-pass through `scale_gradients`, which is the identity forward and multiplies the gradient by
-the scale on its way back in. Every gradient inside the model is then scaled exactly as if the
-loss had been. The reduced fp32 gradients are unscaled once, when they are copied into the
-optimizer's fp32 master shards.
+user's loop stays `loss.backward()`: instead of scaling the loss, a gradient hook on each of the
+prepared model's outputs multiplies the gradient by the scale on its way back in (wrapper.py).
+Every gradient inside the model is then scaled exactly as if the loss had been. The reduced
+gradients are unscaled once, when the step makes their fp32 copies (sharding.py).
+
+A consequence to know: a loss term that does not flow through the model's returned outputs
+(a penalty on the parameters computed outside forward, an auxiliary loss kept on a module
+attribute) is not scaled, and so ends up divided by the scale. Under fp16, return every term
+that should train the model from forward, or use bf16, which needs no scaling.
 
 The scale follows the usual schedule: halve it and skip the step when any rank saw an inf or
 NaN (one MAX all-reduce, so every rank skips the same steps), double it after `growth_interval`

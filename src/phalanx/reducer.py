@@ -63,11 +63,10 @@ class GradReducer:
         self._on_first_order = on_first_order
         self._max_in_flight = max_in_flight
         self.sync = True
-        self._handles = []
         self.set_buckets(buckets)
         for bucket in buckets:
             for p in bucket.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._ready_order: list | None = [] if on_first_order else None
 
     def set_buckets(self, buckets: list[GradBucket]) -> None:
@@ -81,11 +80,6 @@ class GradReducer:
         self._next = 0
         self._in_flight: list[tuple[GradBucket, object]] = []
         self._callback_queued = False
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     @contextmanager
     def no_sync(self):
@@ -120,14 +114,15 @@ class GradReducer:
                and self._ready[self._next] == len(self.buckets[self._next].params)):
             self._launch(self.buckets[self._next])
             self._next += 1
-        self._finish_completed()
+        self._finish_in_flight()
 
-    def _finish_completed(self) -> None:
-        """Finish, oldest first, the buckets whose collective is done (or over the bound)."""
+    def _finish_in_flight(self, all_of_them: bool = False) -> None:
+        """Finish, oldest first, the buckets whose collective is done or over the bound; with
+        `all_of_them`, wait for every one."""
         while self._in_flight:
             bucket, work = self._in_flight[0]
             over = self._max_in_flight is not None and len(self._in_flight) > self._max_in_flight
-            if not (work is None or over or work.is_completed()):
+            if not (all_of_them or work is None or over or work.is_completed()):
                 break
             self._in_flight.pop(0)
             if work is not None:
@@ -163,10 +158,7 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
-        for bucket, work in self._in_flight:
-            if work is not None:
-                work.wait()
-            self._finish_fn(bucket)
+        self._finish_in_flight(all_of_them=True)
         order = self._ready_order
         self._reset_iteration()
         if order is not None:

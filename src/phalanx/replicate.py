@@ -32,7 +32,6 @@ class Replicated:
         self.comm_dtype = comm_dtype
         self.cap_bytes = int(bucket_mb * 2**20)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._comm_buffers: dict[int, torch.Tensor] = {}
         buckets = self._make_buckets(list(reversed(self.params)))  # backward runs in reverse
         self.reducer = GradReducer(buckets, self._launch, self._finish,
                                    on_first_order=self._rebuild if rebuild_buckets else None)
@@ -51,19 +50,13 @@ class Replicated:
 
     def _launch(self, bucket: GradBucket):
         if self._compressed(bucket):
-            # Compress what travels; the mean lands back in the fp32 gradients in _finish. The
-            # low-precision buffer is kept between steps: a fresh one each step costs page faults.
-            comm = self._comm_buffers.get(bucket.index)
-            if comm is None or comm.numel() != bucket.total_numel:
-                comm = torch.empty(bucket.total_numel, dtype=self.comm_dtype, device=bucket.device)
-                self._comm_buffers[bucket.index] = comm
-            comm.copy_(bucket.buffer)
-            return C.all_reduce_mean(comm, self.group)
+            # Compress what travels; the mean lands back in the fp32 gradients in _finish.
+            return C.all_reduce_mean(bucket.copy_for_comm(self.comm_dtype), self.group)
         return C.all_reduce_mean(bucket.buffer, self.group)
 
     def _finish(self, bucket: GradBucket) -> None:
         if self._compressed(bucket):
-            bucket.buffer.copy_(self._comm_buffers[bucket.index])
+            bucket.buffer.copy_(bucket.comm_buffer)
         # See [Note: gradients that never arrived] in reducer.py.
         used_anywhere = (bucket.flags() > 0).tolist()
         for i, (p, used) in enumerate(zip(bucket.params, used_anywhere)):

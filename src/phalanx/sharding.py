@@ -97,7 +97,6 @@ class _Unit:
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
         self.master = torch.nn.Parameter(self.flat[self.lo:self.hi] if master is None else master)
         self.grad_shard: torch.Tensor | None = None  # zero2: the reduced shard, kept to the step
-        self.comm_buffer: torch.Tensor | None = None  # persistent low-precision copy, if needed
         self.reduced: torch.Tensor | None = None  # the owned reduced gradient, compute dtype
 
 
@@ -183,12 +182,7 @@ class Sharded:
         unit = self.units[bucket.index]
         buf = bucket.grads()
         if self.comm_dtype is not None:
-            # Kept between steps: a fresh low-precision copy each step costs page faults.
-            if unit.comm_buffer is None:
-                unit.comm_buffer = torch.empty(buf.numel(), dtype=self.comm_dtype,
-                                               device=buf.device)
-            buf = unit.comm_buffer
-            buf.copy_(bucket.grads())
+            buf = bucket.copy_for_comm(self.comm_dtype)  # no flags here: the same elements
         if self.reduce_scatter:
             out = torch.empty(unit.hi - unit.lo, dtype=buf.dtype, device=buf.device)
             self._comm[bucket.index] = out

@@ -21,16 +21,8 @@ from .consistency import broadcast_tensors
 __all__ = ["PreparedModule", "map_tensors"]
 
 
-def map_tensors(fn, obj, rebuild: bool = True):
-    """Apply `fn` to every tensor in a nest of tuples, lists, dicts and dataclass-like outputs.
-
-    With `rebuild=False` `fn` is only called (for its effect) and `obj` is returned untouched,
-    so output types that cannot be rebuilt from their fields never need to be.
-    """
-    if not rebuild:
-        for t in _tensors_in(obj):
-            fn(t)
-        return obj
+def map_tensors(fn, obj):
+    """Apply `fn` to every tensor in a nest of tuples, lists, dicts and dataclass-like outputs."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -54,6 +46,8 @@ def map_tensors(fn, obj, rebuild: bool = True):
 
 
 def _tensors_in(obj):
+    """Every tensor in such a nest, without rebuilding anything (for hooks on outputs whose
+    type cannot be rebuilt from its fields)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
@@ -103,17 +97,18 @@ class PreparedModule(torch.nn.Module):
         if low:
             out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
         if torch.is_grad_enabled() and (self._engine is not None or self._loss_scaler is not None):
-            map_tensors(self._hook_output, out, rebuild=False)  # hooks only: `out` is returned as is
+            for t in _tensors_in(out):
+                self._hook_output(t)
         return out
 
-    def _hook_output(self, t: torch.Tensor) -> torch.Tensor:
+    def _hook_output(self, t: torch.Tensor) -> None:
         """Register the gradient hook that marks the start of backward on each output.
 
         See [Note: the end of the outermost backward] in reducer.py. Under fp16 the same hook
         multiplies the incoming gradient by the loss scale (see loss_scaling.py).
         """
         if not (t.requires_grad and t.is_floating_point()):
-            return t
+            return
         reducer = self._engine.reducer if self._engine is not None else None
         scaler = self._loss_scaler
 
@@ -123,7 +118,6 @@ class PreparedModule(torch.nn.Module):
             return grad * scaler.scale if scaler is not None else None
 
         t.register_hook(on_output_grad)
-        return t
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
