@@ -8,7 +8,7 @@ The public names are those of the user contract; everything else lives in privat
 """
 
 from .runtime import barrier, device, init, is_main, local_rank, rank, shutdown, world_size
-from .prepare import clip_grad_norm_, no_sync, prepare, unwrap
+from .prepare import clip_grad_norm_, no_sync, optimizer_state_dict, prepare, unwrap
 from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
                    map_batches)
 from .planner import plan
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
-    "prepare", "no_sync", "clip_grad_norm_", "unwrap",
+    "prepare", "no_sync", "clip_grad_norm_", "unwrap", "optimizer_state_dict",
     "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
     "global_mean",
     "plan",

@@ -1,117 +1,282 @@
-"""Thin wrappers over `torch.distributed` collectives on flat buffers.
+"""One way to the wire: every collective phalanx issues goes through a `Comm`.
 
-Every collective phalanx issues goes through here, for two reasons: the payload bytes are
-counted (`comm_counter`, which the planner's measured-versus-predicted benchmark reads), and the
-choice of primitive per backend lives in one place.
+A `Comm` wraps one process group. Whoever issues collectives holds one (the engine, the data
+helpers, sync BatchNorm, the consistency checks) and calls its methods; nothing else in phalanx
+calls `torch.distributed` collectives. That gives three things one home:
 
-Choosing primitives by measurement: on gloo (torch 2.13, CPU) one all-reduce of 50 MB took
-0.03 s where a reduce-scatter of the same buffer took 0.075 s, so on gloo the sharded strategies
-all-reduce and keep their shard; on NCCL, reduce-scatter moves half the bytes and is used.
-Likewise gloo's all-gather of a 50 MB fp32 buffer on 2 ranks took 70-150 ms where one broadcast
-per owner's shard took 12-35 ms (benchmarks run here), so on gloo an all-gather is done as
-broadcasts from each shard's owner.
+- the choice of primitive per backend. On gloo (torch 2.13, CPU) one all-reduce of 50 MB took
+  0.03 s where a reduce-scatter of the same buffer took 0.075 s, so on gloo a sharded reduction
+  is an all-reduce whose owned slice is kept; on NCCL a reduce-scatter moves half the bytes.
+  Likewise gloo's all-gather of a 50 MB fp32 buffer on 2 ranks took 70-150 ms where one
+  broadcast per owner's shard took 12-35 ms (measured here), so on gloo an all-gather is done
+  as broadcasts from each shard's owner. Tests pick a primitive with `Comm(group, prefer=...)`.
+- the record. Each collective gets a `CollectiveRecord`: kind, sequence number, payload bytes,
+  a tag naming what it serves (a bucket, a unit, a buffer broadcast), and its start and
+  completion times. Completion is read from the work handle's future when it completes, never
+  by waiting, so recording costs no synchronisation. The step report, hang diagnosis and the
+  planner's measured-versus-predicted check read it.
+- the version shims (`reduce_scatter_single` / `all_gather_single` in torch 2.13, the older
+  `*_tensor` names before).
+
+Payload bytes are the size of the tensor handed to the collective (for an all-gather, the
+gathered output); what a ring moves on the wire is a multiple of it that depends on the
+algorithm, which the planner accounts for.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import pickle
+import time
+import weakref
+from collections import defaultdict, deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommCounter", "comm_counter", "all_reduce_mean", "all_reduce_sum", "all_reduce_max",
-           "reduce_scatter_mean", "all_gather_into", "broadcast", "backend_prefers_all_reduce"]
+__all__ = ["Comm", "CollectiveRecord", "Handle", "default_comm", "close_all", "comm_device"]
 
-
-# torch 2.13 names these `*_single`; older releases (pyproject allows >= 2.4) have only the
-# `*_tensor` names, which 2.13 deprecates.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-class CommCounter:
-    """Payload bytes handed to collectives by this rank, by operation.
-
-    The payload is the size of the tensor given to the collective (for an all-gather, the
-    gathered output); what a ring moves on the wire is a multiple of it that depends on the
-    algorithm, which the planner accounts for.
-    """
-
-    def __init__(self):
-        self.by_op: dict[str, int] = defaultdict(int)
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def add(self, op: str, tensor: torch.Tensor) -> None:
-        self.by_op[op] += tensor.numel() * tensor.element_size()
-        self.calls[op] += 1
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.by_op.values())
-
-    def reset(self) -> None:
-        self.by_op.clear()
-        self.calls.clear()
+_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN}
 
 
-comm_counter = CommCounter()
+@dataclass
+class CollectiveRecord:
+    seq: int
+    kind: str
+    nbytes: int
+    tag: str | None
+    started: float               # time.perf_counter() when issued
+    completed: float | None = None  # when the work completed (None while in flight)
 
 
-def backend_prefers_all_reduce(group) -> bool:
-    """True where all-reduce + keep-the-shard beats reduce-scatter (gloo, measured above)."""
-    return dist.get_backend(group) == "gloo"
+class Handle:
+    """The works of one logical collective, waited for as one; `then` runs after the wait
+    (the copy-out of a kept shard). Has `is_completed()` like a torch Work."""
 
+    def __init__(self, works, then=None):
+        self.works = [w for w in works if w is not None]
+        self._then = then
+        self._done = False
 
-def all_reduce_mean(tensor: torch.Tensor, group, async_op: bool = True):
-    """Average `tensor` over the ranks of `group`, in place. The division is part of the
-    collective (ReduceOp.AVG), so no extra pass over the buffer is needed."""
-    comm_counter.add("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self.works)
 
-
-def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False):
-    comm_counter.add("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-
-
-def all_reduce_max(tensor: torch.Tensor, group, async_op: bool = False):
-    comm_counter.add("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
-
-
-def reduce_scatter_mean(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
-    """Average `input` over ranks and leave this rank's 1/N piece in `output`."""
-    comm_counter.add("reduce_scatter", input)
-    return _reduce_scatter(output, input, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
-
-
-class _AllWorks:
-    """Several work handles waited for as one."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
+    def wait(self) -> bool:
+        if not self._done:
+            for w in self.works:
+                w.wait()
+            self._done = True
+            if self._then is not None:
+                self._then()
         return True
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
-    """Concatenate every rank's `shard` into `output`, in rank order."""
-    comm_counter.add("all_gather", output)
-    if not backend_prefers_all_reduce(group):
-        return _all_gather(output, shard, group=group, async_op=async_op)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    pieces = output.chunk(world)
-    if pieces[rank].data_ptr() != shard.data_ptr():
-        pieces[rank].copy_(shard)
-    works = [dist.broadcast(piece, src=dist.get_global_rank(group, r), group=group,
-                            async_op=True) for r, piece in enumerate(pieces)]
-    handle = _AllWorks(works)
-    return handle if async_op else handle.wait()
+_live: "weakref.WeakSet[Comm]" = weakref.WeakSet()
 
 
-def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
-    comm_counter.add("broadcast", tensor)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+class Comm:
+    """Collectives over one process group (`group=None`: a world of one, where every call is
+    a no-op that leaves its tensors as they are).
+
+    `prefer` picks primitives where several would do: "reduce_scatter" or "all_reduce" for a
+    sharded reduction, "all_gather" or "broadcast" for gathering shards. None (the default)
+    picks by backend, as measured above.
+    """
+
+    def __init__(self, group, *, prefer: tuple[str, ...] | str | None = None, history: int = 4096):
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.backend = str(dist.get_backend(group)) if group is not None else "none"
+        prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer or ())
+        gloo = self.backend == "gloo"
+        self.uses_reduce_scatter = ("reduce_scatter" in prefer
+                                    or (not gloo and "all_reduce" not in prefer))
+        self.gathers_by_broadcast = ("broadcast" in prefer
+                                     or (gloo and "all_gather" not in prefer))
+        self.records: deque[CollectiveRecord] = deque(maxlen=history)
+        self.bytes_by_kind: dict[str, int] = defaultdict(int)
+        self.seq = 0
+        self.tag: str | None = None  # a default tag for calls that name none
+        _live.add(self)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where tensors for this group's collectives must live (NCCL: this rank's GPU)."""
+        if "nccl" in self.backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _record(self, kind: str, nbytes: int, tag, work):
+        self.seq += 1
+        rec = CollectiveRecord(self.seq, kind, nbytes, tag if tag is not None else self.tag,
+                               time.perf_counter())
+        self.records.append(rec)
+        self.bytes_by_kind[kind] += nbytes
+        if work is None:
+            rec.completed = time.perf_counter()
+        else:
+            def done(_fut, rec=rec):
+                rec.completed = time.perf_counter()
+            try:
+                work.get_future().add_done_callback(done)
+            except (RuntimeError, AttributeError):  # a backend without futures
+                pass
+        return rec
+
+    def reset_counts(self) -> None:
+        self.bytes_by_kind.clear()
+
+    def close(self) -> None:
+        """Drop the process group, so nothing here keeps it alive past `px.shutdown()`."""
+        self.group = None
+        self.world, self.rank = 1, 0
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    # -- tensor collectives ----------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False,
+                   tag: str | None = None):
+        """Reduce `tensor` over the ranks, in place ("avg" divides inside the collective, so
+        no extra pass over the buffer is needed)."""
+        if self.group is None:
+            return Handle([]) if async_op else None
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
+        self._record("all_reduce", self._nbytes(tensor), tag, work)
+        return Handle([work]) if async_op else None
+
+    def reduce_shard(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = True,
+                     tag: str | None = None):
+        """Average `full` over the ranks and leave this rank's 1/N slice in `out`.
+
+        By reduce-scatter (`full` untouched), or by all-reduce of `full` in place and a copy of
+        the owned slice, as the backend prefers. The copy happens when the handle is waited.
+        """
+        if self.group is None:
+            out.copy_(full)
+            return Handle([])
+        if self.uses_reduce_scatter:
+            work = _reduce_scatter(out, full, op=dist.ReduceOp.AVG, group=self.group,
+                                   async_op=True)
+            self._record("reduce_scatter", self._nbytes(full), tag, work)
+            handle = Handle([work])
+        else:
+            work = dist.all_reduce(full, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+            self._record("all_reduce", self._nbytes(full), tag, work)
+            n = out.numel()
+            lo = self.rank * n
+            handle = Handle([work], then=lambda: out.copy_(full[lo:lo + n]))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                        tag: str | None = None):
+        """Concatenate every rank's `shard` into `output`, in rank order."""
+        if self.group is None:
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
+            return Handle([]) if async_op else None
+        nbytes = self._nbytes(output)
+        if not self.gathers_by_broadcast:
+            work = _all_gather(output, shard, group=self.group, async_op=True)
+            works = [work]
+        else:
+            pieces = output.chunk(self.world)
+            if pieces[self.rank].data_ptr() != shard.data_ptr():
+                pieces[self.rank].copy_(shard)
+            works = [dist.broadcast(piece, src=dist.get_global_rank(self.group, r),
+                                    group=self.group, async_op=True)
+                     for r, piece in enumerate(pieces)]
+            work = works[-1]
+        self._record("all_gather", nbytes, tag, work)
+        handle = Handle(works)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def all_gather_list(self, tensor: torch.Tensor, tag: str | None = None) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape everywhere), in rank order."""
+        if self.group is None:
+            return [tensor]
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        dist.all_gather(parts, tensor, group=self.group)
+        self._record("all_gather", self._nbytes(tensor) * self.world, tag, None)
+        return parts
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False,
+                  tag: str | None = None):
+        """Rank `src`'s (a rank of this group) `tensor` on every rank, in place."""
+        if self.group is None:
+            return Handle([]) if async_op else None
+        work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group,
+                              async_op=async_op)
+        self._record("broadcast", self._nbytes(tensor), tag, work)
+        return Handle([work]) if async_op else None
+
+    # -- object collectives and barrier ------------------------------------------------------
+    def all_gather_object(self, obj, tag: str | None = None) -> list:
+        """Every rank's picklable `obj`, in rank order."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        self._record("all_gather_object", len(pickle.dumps(obj)), tag, None)
+        return out
+
+    def gather_object(self, obj, dst: int = 0, tag: str | None = None) -> list | None:
+        """Every rank's `obj` on rank `dst` (None elsewhere)."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        self._record("gather_object", len(pickle.dumps(obj)), tag, None)
+        return out
+
+    def barrier(self, tag: str | None = None) -> None:
+        if self.group is None:
+            return
+        if "nccl" in self.backend:
+            dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=self.group)
+        self._record("barrier", 0, tag, None)
+
+
+_default: dict = {}
+
+
+def default_comm() -> Comm:
+    """The `Comm` of the job's default group (a world of one: a Comm over no group)."""
+    from . import runtime  # runtime sits below: imported late so it may import this module
+
+    group = runtime.default_group()
+    comm = _default.get("comm")
+    if comm is None or comm.group is not group:
+        comm = _default["comm"] = Comm(group)
+    return comm
+
+
+def comm_device(group) -> torch.device:
+    """Where tensors for collectives on `group` must live: the GPU under NCCL, else the CPU."""
+    if group is None:
+        return torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def close_all() -> None:
+    """Make every live `Comm` drop its group (called by `px.shutdown()` before the group is
+    destroyed, so no engine keeps it alive into interpreter finalisation)."""
+    for comm in list(_live):
+        comm.close()
+    _default.clear()

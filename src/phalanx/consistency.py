@@ -12,12 +12,9 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
-
-from . import collectives as C
 
 __all__ = ["ModelMismatchError", "check_same_structure", "broadcast_from_rank0",
-           "broadcast_tensors", "optimizer_groups"]
+           "broadcast_tensors"]
 
 
 class ModelMismatchError(ValueError):
@@ -39,21 +36,29 @@ def _describe(entry) -> str:
     return f"{kind} {name!r} of shape {list(shape)}, {dtype.replace('torch.', '')}{extra}"
 
 
-def check_same_structure(module: torch.nn.Module, group) -> None:
-    """Raise ModelMismatchError on every rank if any rank's parameters or buffers differ in
-    name, shape, dtype or requires_grad (in order) from rank 0's."""
-    if group is None:
+def check_same_structure(module: torch.nn.Module, comm, options: dict | None = None) -> None:
+    """Raise on every rank if any rank's parameters or buffers differ in name, shape, dtype or
+    requires_grad (in order) from rank 0's, or if the options of `px.prepare` differ (a
+    strategy, precision, bucket size or communication dtype that differs between ranks ends in
+    wrong numbers or a native abort, not an error). One exchange of digests checks both."""
+    if comm.world == 1:
         return
     mine = _structure(module)
-    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
-    digests = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
+    options = {k: repr(v) for k, v in (options or {}).items()}
+    digest = hashlib.sha256(repr((mine, sorted(options.items()))).encode()).hexdigest()
+    digests = comm.all_gather_object(digest, tag="prepare:structure digest")
     if len(set(digests)) == 1:
         return
-    structures = [None] * len(digests)
-    dist.all_gather_object(structures, mine, group=group)
-    reference = structures[0]
-    for r, other in enumerate(structures[1:], start=1):
+    everything = comm.all_gather_object((options, mine), tag="prepare:structure")
+    for r, (other_options, _) in enumerate(everything[1:], start=1):
+        for name in sorted(set(options) | set(other_options)):
+            a, b = everything[0][0].get(name), other_options.get(name)
+            if a != b:
+                raise ModelMismatchError(
+                    f"px.prepare was called with {name}={a} on rank 0 but {name}={b} on rank "
+                    f"{r}; every rank must pass the same options")
+    reference = everything[0][1]
+    for r, (_, other) in enumerate(everything[1:], start=1):
         if other == reference:
             continue
         for i in range(max(len(reference), len(other))):
@@ -67,42 +72,24 @@ def check_same_structure(module: torch.nn.Module, group) -> None:
 
 
 @torch.no_grad()
-def broadcast_tensors(tensors, group, src: int = 0) -> None:
+def broadcast_tensors(tensors, comm, src: int = 0, tag: str = "broadcast") -> None:
     """Broadcast tensors from `src`, coalesced into one flat buffer per dtype and device."""
     by_kind: dict = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for members in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in members])
-        C.broadcast(flat, src=src, group=group)
+        comm.broadcast(flat, src=src, tag=tag)
         offset = 0
         for t in members:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
 
 
-def broadcast_from_rank0(module: torch.nn.Module, group) -> None:
+def broadcast_from_rank0(module: torch.nn.Module, comm) -> None:
     """Give every rank rank 0's parameters and buffers."""
-    if group is None:
+    if comm.world == 1:
         return
     tensors = [p.data for p in module.parameters()] + list(module.buffers())
     if tensors:
-        broadcast_tensors(tensors, group)
-
-
-def optimizer_groups(optimizer, module) -> dict:
-    """Map each trainable parameter the optimizer holds to its param group index, refusing
-    parameters that are not the model's: an optimizer built over another model's parameters,
-    or a copy's, would step tensors that data parallelism never averages. Frozen parameters
-    of the model may be in the optimizer (it skips them, having no gradient)."""
-    model_params = {id(p) for p in module.parameters()}
-    group_of = {}
-    for g, param_group in enumerate(optimizer.param_groups):
-        for p in param_group["params"]:
-            if id(p) not in model_params:
-                raise ValueError(
-                    "the optimizer holds a parameter that is not a parameter of the model; "
-                    "build the optimizer over model.parameters() of the model you prepare")
-            if p.requires_grad:
-                group_of[p] = g
-    return group_of
+        broadcast_tensors(tensors, comm, tag="prepare:broadcast")

@@ -1,10 +1,19 @@
-"""Dynamic loss scaling for fp16, without touching the user's loss.
+"""Dynamic loss scaling for fp16, and the gate every output of a prepared model passes.
 
 fp16 gradients underflow unless the loss is multiplied by a large factor before backward. The
-user's loop stays `loss.backward()`: instead of scaling the loss, a gradient hook on each of the
-prepared model's outputs multiplies the gradient by the scale on its way back in (wrapper.py).
-Every gradient inside the model is then scaled exactly as if the loss had been. The reduced
-gradients are unscaled once, when the step makes their fp32 copies (sharding.py).
+user's loop stays `loss.backward()`: instead of scaling the loss, each floating output of the
+prepared model is returned through `OutputGate`, an autograd function that is the identity in
+forward and multiplies the incoming gradient by the scale in backward.
+
+[Note: scaled exactly once]
+The gate is a node of its own on each returned output, not a hook on the output tensor. A hook
+on a tensor the model also used inside forward (logits returned together with a loss computed
+from them) would see the loss's gradient after it was already scaled at the loss, and scale it
+again. Every path from the user's loss back into the model crosses exactly one gate, the one of
+the output the user took, so every gradient inside the model is scaled exactly once, as if the
+loss had been. The reduced gradients are unscaled once, when the step makes their fp32 copies.
+The same gate tells the engine that backward started (see [Note: the end of the outermost
+backward] in engine/reducer.py), under every precision.
 
 A consequence to know: a loss term that does not flow through the model's returned outputs
 (a penalty on the parameters computed outside forward, an auxiliary loss kept on a module
@@ -20,9 +29,24 @@ from __future__ import annotations
 
 import torch
 
-from . import collectives as C
+__all__ = ["DynamicLossScaler", "OutputGate"]
 
-__all__ = ["DynamicLossScaler"]
+
+class OutputGate(torch.autograd.Function):
+    """Identity forward; backward calls `on_grad()` and multiplies by `scaler.scale` if any."""
+
+    @staticmethod
+    def forward(ctx, tensor, on_grad, scaler):
+        ctx.on_grad, ctx.scaler = on_grad, scaler
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.on_grad is not None:
+            ctx.on_grad()
+        if ctx.scaler is not None:
+            grad = grad * ctx.scaler.scale
+        return grad, None, None
 
 
 class DynamicLossScaler:
@@ -35,12 +59,11 @@ class DynamicLossScaler:
         self.good_steps = 0
         self.skipped_steps = 0
 
-    def found_inf(self, grads, group, device) -> bool:
+    def found_inf(self, grads, comm) -> bool:
         """True when any rank's gradients hold an inf or NaN (agreed on by all ranks)."""
         local = any(not torch.isfinite(g).all() for g in grads if g is not None)
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
-        if group is not None:
-            C.all_reduce_max(flag, group)
+        flag = torch.tensor([1.0 if local else 0.0], device=comm.device)
+        comm.all_reduce(flag, op="max", tag="loss_scale:found_inf")
         return bool(flag.item())
 
     def update(self, found_inf: bool) -> None:

@@ -7,31 +7,31 @@ The order of what prepare does matters, and is the same on every rank:
      on every rank alike without anyone waiting for anyone;
   2. move the model to this rank's device and, if asked, convert BatchNorm to its
      synchronized form (parameters keep their identity, so the optimizer still holds them);
-  3. compare the model's structure across ranks (consistency.py), then broadcast rank 0's
-     parameters and buffers;
-  4. build the strategy's engine: `Replicated` for fp32 ddp, the flat-shard engine
-     `Sharded` for zero1/zero2 and for ddp with low-precision compute;
+  3. compare the model's structure and the options across ranks (consistency.py), then
+     broadcast rank 0's parameters and buffers;
+  4. build the engine (engine/: one flat engine, the strategy a row of its policy table);
   5. wrap the module so forward keeps buffers in sync and applies the precision policy.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import math
 
 import torch
 
 from . import runtime
-from .consistency import broadcast_from_rank0, check_same_structure, optimizer_groups
-from .loss_scaling import DynamicLossScaler
-from .replicate import Replicated
-from .sharding import POLICIES, Sharded
-from .wrapper import PreparedModule
+from .collectives import Comm
+from .consistency import broadcast_from_rank0, check_same_structure
+from .engine import build_engine
+from .engine import optimizer_state_dict as _optimizer_state_dict
+from .engine.optim import optimizer_groups
+from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
+from .prepared import PreparedModule
 
-__all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "STRATEGIES", "PRECISIONS"]
+__all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "optimizer_state_dict",
+           "STRATEGIES", "PRECISIONS"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COMM_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check_options(strategy, precision, bucket_mb, comm_dtype):
@@ -45,15 +45,18 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype):
             "'zero2' (gradients and optimizer state sharded) or 'ddp'")
     if not isinstance(precision, str) or precision.lower() not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of 'fp32', 'bf16', 'fp16'")
-    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be a positive number of megabytes, not {bucket_mb!r}")
-    if isinstance(comm_dtype, str):
-        comm_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
-            comm_dtype, comm_dtype)
-    if comm_dtype not in COMM_DTYPES:
-        raise ValueError(f"comm_dtype must be None, torch.bfloat16 or torch.float16, "
-                         f"not {comm_dtype!r}")
-    return strategy, precision.lower(), comm_dtype
+    if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
+            and math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a positive, finite number of megabytes (default "
+                         f"25), not {bucket_mb!r}")
+    try:
+        ok = comm_dtype in COMM_DTYPES
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"comm_dtype must be None, torch.bfloat16, torch.float16 or "
+                         f"torch.float32 (or 'bf16', 'fp16', 'fp32'), not {comm_dtype!r}")
+    return strategy, precision.lower()
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -63,68 +66,76 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
-    precision: "fp32", or "bf16"/"fp16" compute with fp32 master weights (fp16 with dynamic
-        loss scaling). Low precision also communicates in that dtype unless `comm_dtype` says.
-    bucket_mb: cap of a gradient bucket, in MiB (the first bucket is at most 1 MiB).
+    precision: "fp32" (the parameters' own dtype), or "bf16"/"fp16" compute with master
+        weights in the parameters' dtype (fp16 with dynamic loss scaling).
+    bucket_mb: cap of a unit (gradient bucket), in MiB; the first is at most 1 MiB.
     comm_dtype: torch.bfloat16 / torch.float16 to compress gradient communication.
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
-    broadcast_buffers: keep buffers equal to rank 0's before each training forward.
+    broadcast_buffers: keep buffers equal to rank 0's before each forward with gradients.
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
-    strategy, precision, comm_dtype = _check_options(strategy, precision, bucket_mb, comm_dtype)
-    if isinstance(model, PreparedModule):
+    strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype)
+    if isinstance(_uncompiled(model), PreparedModule):
         raise ValueError("this model was already prepared; call px.prepare once per model")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
     runtime.init()
-    group = runtime.default_group()
+    comm = Comm(runtime.default_group())
     model.to(runtime.device())
     if sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
-        model = convert_sync_batchnorm(model, group=group)
+        model = convert_sync_batchnorm(model, group=comm.group)
     if optimizer is not None:
         optimizer_groups(optimizer, model)
-    check_same_structure(model, group)
-    broadcast_from_rank0(model, group)
+    options = {"strategy": strategy, "precision": precision, "bucket_mb": float(bucket_mb),
+               "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
+               "broadcast_buffers": bool(broadcast_buffers)}
+    check_same_structure(model, comm, options)
+    broadcast_from_rank0(model, comm)
 
-    compute_dtype = PRECISIONS[precision]
-    if compute_dtype != torch.float32 and comm_dtype is None:
-        comm_dtype = compute_dtype
-    loss_scaler = DynamicLossScaler() if precision == "fp16" else None
-    if strategy == "ddp" and precision == "fp32":
-        engine = Replicated(model, group, bucket_mb=bucket_mb, comm_dtype=comm_dtype) \
-            if group is not None else None
-    else:
-        engine = Sharded(model, optimizer, group, POLICIES[strategy], compute_dtype=compute_dtype,
-                         comm_dtype=comm_dtype, bucket_mb=bucket_mb, loss_scaler=loss_scaler)
-    wrapped = PreparedModule(model, engine, group, broadcast_buffers=broadcast_buffers,
-                             compute_dtype=compute_dtype, loss_scaler=loss_scaler)
+    policy = make_precision(precision, comm_dtype)
+    original_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()
+                       if isinstance(v, torch.Tensor)}
+    cast_model(model, policy)
+    engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb)
+    wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
+                             original_dtypes=original_dtypes)
     return wrapped, optimizer
+
+
+def _uncompiled(model):
+    """See through `torch.compile(prepared_model)` (PyTorch's advice: wrap, then compile)."""
+    return getattr(model, "_orig_mod", model)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's original module inside a prepared model (the model itself otherwise)."""
-    return model.module if isinstance(model, PreparedModule) else model
+    inner = _uncompiled(model)
+    return inner.module if isinstance(inner, PreparedModule) else model
 
 
-def _engine(model):
-    if not isinstance(model, PreparedModule):
-        raise TypeError("expected the model returned by px.prepare")
-    return model._engine
+def _prepared(model) -> PreparedModule:
+    inner = _uncompiled(model)
+    if not isinstance(inner, PreparedModule):
+        raise TypeError("expected the model returned by px.prepare (or torch.compile of it), "
+                        f"not {type(model).__name__}")
+    return inner
 
 
 def no_sync(model: torch.nn.Module):
     """Context for accumulation micro-steps: backward inside it communicates nothing; the next
     backward outside it averages everything accumulated."""
-    engine = _engine(model)
-    return engine.reducer.no_sync() if engine is not None else nullcontext()
+    return _prepared(model).no_sync()
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm over all ranks and shards; returns that norm."""
-    engine = _engine(model)
-    if engine is None:
-        return torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.grad is not None], max_norm, norm_type=norm_type)
-    return engine.clip_grad_norm_(max_norm, norm_type)
+    return _prepared(model)._engine.clip_grad_norm_(max_norm, norm_type)
+
+
+def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state in a single process's format (per parameter, true shapes), on
+    every rank. A collective under zero1/zero2: every rank must call it. See [Note: the
+    optimizer's state_dict] in engine/optim.py."""
+    return _optimizer_state_dict(optimizer)

@@ -1,8 +1,10 @@
 """Overlapping gradient reduction with backward: hooks, launch order, end of backward.
 
 `GradReducer` is the mechanism that every strategy shares. It registers a post-accumulate-grad
-hook on each trainable parameter. When a parameter's gradient is complete, the hook moves it
-into its bucket (a view, so later micro-steps accumulate in place); when every gradient of a
+hook on each trainable parameter. When a parameter's gradient is complete, the hook makes the
+bucket's view its `.grad`, copying a freshly made gradient in (with `zero_grad()` setting
+gradients to None, autograd makes a fresh tensor each step; later micro-steps of accumulation
+add into the view in place); when every gradient of a
 bucket is there, the bucket is handed to the strategy's `launch` (an asynchronous all-reduce or
 reduce-scatter) while autograd goes on with the rest of the graph. At the end of backward (a
 callback queued on the autograd engine) any bucket not yet launched is launched, every
@@ -28,7 +30,22 @@ A parameter that got no gradient on this rank (unused this iteration, or its bra
 has no hook call. When its bucket is launched its slot is zeroed, so it counts as zero in the
 mean, exactly as in one process over the whole batch. Whether it got a gradient on ANY rank is
 learned from the flags that ride in the bucket (see buckets.py); a parameter that got none
-anywhere keeps `.grad = None`, as it would in a single process, so the optimizer skips it.
+anywhere keeps `.grad = None`, as it would in a single process, so the optimizer skips it (no
+weight decay, momentum or step count touches it), under every strategy and precision.
+
+[Note: launch order follows readiness]
+Buckets are laid out by module (units.py), in reverse registration order. After the first
+backward, rank 0's order of bucket completion is broadcast and becomes every rank's launch
+order, so a bucket whose gradients arrive early is not held behind one that arrives late (a
+tied embedding, a module called out of registration order). Only the order of launches
+changes; the layout of the buckets and of the units stays.
+
+[Note: a backward that raised]
+A backward that raises (and is caught, as loops that skip a batch on out-of-memory do) leaves
+this iteration's state behind. At the next forward the engine asks `abandoned()`: if no
+collective was issued yet, the state is reset and training goes on as if that backward never
+ran. If some were, this rank's collectives can no longer be matched with the other ranks' with
+certainty, and the next forward raises an error that says so (DDP does the same).
 """
 
 from __future__ import annotations
@@ -52,8 +69,8 @@ class GradReducer:
     collective is already done, at the end of backward for the rest. `max_in_flight` bounds the
     buckets reduced but not yet finished (ZeRO-2 frees a bucket in `finish`, so this bounds its
     peak gradient memory); None lets backward run on without ever waiting.
-    `on_first_order(params)` is called once, after the first backward, with the parameters in
-    the order their gradients became ready.
+    `on_first_order(buckets)` is called once, after the first backward, with the buckets in
+    the order they became complete on this rank (see [Note: launch order follows readiness]).
     """
 
     def __init__(self, buckets: list[GradBucket], launch: Callable, finish: Callable,
@@ -70,12 +87,26 @@ class GradReducer:
         self._ready_order: list | None = [] if on_first_order else None
 
     def set_buckets(self, buckets: list[GradBucket]) -> None:
+        """The buckets, in launch order (their `index` names them and does not change)."""
         self.buckets = buckets
         self._where = {p: (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._reset_iteration()
 
+    def in_progress(self) -> bool:
+        """True between the first gradient of a backward and its end (or a raise inside it)."""
+        return bool(self._seen or self._next or self._in_flight or self._callback_queued)
+
+    def launched_any(self) -> bool:
+        return self._next > 0
+
+    def abandon(self) -> None:
+        """Forget a backward that raised before issuing any collective."""
+        self._reset_iteration()
+        if self._ready_order is not None:
+            self._ready_order = []
+
     def _reset_iteration(self) -> None:
-        self._ready = [0] * len(self.buckets)
+        self._ready = {b.index: 0 for b in self.buckets}
         self._seen: set[int] = set()
         self._next = 0
         self._in_flight: list[tuple[GradBucket, object]] = []
@@ -107,11 +138,12 @@ class GradReducer:
         if id(param) in self._seen:  # a second backward through the same graph (reentrant)
             return
         self._seen.add(id(param))
-        if self._ready_order is not None:
-            self._ready_order.append(param)
         self._ready[bucket.index] += 1
+        if self._ready_order is not None and self._ready[bucket.index] == len(bucket.params):
+            self._ready_order.append(bucket)
         while (self._next < len(self.buckets)
-               and self._ready[self._next] == len(self.buckets[self._next].params)):
+               and self._ready[self.buckets[self._next].index]
+               == len(self.buckets[self._next].params)):
             self._launch(self.buckets[self._next])
             self._next += 1
         self._finish_in_flight()
@@ -163,4 +195,5 @@ class GradReducer:
         self._reset_iteration()
         if order is not None:
             self._ready_order = None
-            self._on_first_order(order)
+            seen = {b.index for b in order}
+            self._on_first_order(order + [b for b in self.buckets if b.index not in seen])

@@ -1,9 +1,11 @@
 """Gradient buckets: flat buffers that hold many parameters' gradients.
 
-A bucket owns one flat tensor; each of its parameters' `.grad` is a view into it, so autograd
-accumulates straight into the buffer and a whole bucket is communicated with one collective,
-without copying gradients in or out. Buckets are filled in the order gradients become ready in
-backward, so the first bucket can be on the wire while autograd still computes the rest.
+A bucket owns one flat tensor; each of its parameters' `.grad` is a view into it, so a whole
+bucket is communicated with one collective and nothing is copied out afterwards. A gradient
+that autograd makes fresh (after `zero_grad()` set `.grad` to None) is copied in once; later
+micro-steps of accumulation add into the view in place. Buckets are filled in the order
+gradients become ready in backward, so the first bucket can be on the wire while autograd
+still computes the rest.
 
 The layout of a bucket's buffer:
 

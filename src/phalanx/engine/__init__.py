@@ -1,0 +1,43 @@
+"""The engine behind a prepared model, and the protocol the rest of phalanx calls it through.
+
+Layout: policy.py (a strategy as a residency row), units.py (which parameters form a unit),
+buckets.py (flat gradient storage), reducer.py (hooks, launch order, end of backward), flat.py
+(a unit: owned shard, master pieces, unshard), flat_engine.py (the engine), optim.py (adopting
+the optimizer), naive.py (one all-reduce per parameter: the reference tests compare with).
+"""
+
+from __future__ import annotations
+
+from typing import ContextManager, Protocol
+
+import torch
+
+from .flat_engine import FlatEngine
+from .optim import ELEMENTWISE_OPTIMIZERS, optimizer_state_dict, route_torch_clip
+from .policy import POLICIES, SHARD, ShardPolicy
+
+__all__ = ["Engine", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
+           "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict"]
+
+
+class Engine(Protocol):
+    """What the prepared module and `px.*` call; nothing else of an engine is used outside."""
+
+    params: list[torch.nn.Parameter]
+    require_backward_grad_sync: bool
+
+    def no_sync(self) -> ContextManager: ...
+    def backward_started(self) -> None: ...
+    def before_forward(self) -> None: ...
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
+    def master_values(self) -> dict[int, torch.Tensor] | None: ...
+    def load_masters(self, values: dict[int, torch.Tensor]) -> None: ...
+
+
+def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float) -> Engine:
+    policy = POLICIES[strategy]
+    engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb)
+    if (policy.grads is SHARD and comm.world > 1) or precision.loss_scaler is not None:
+        route_torch_clip(engine)
+    return engine

@@ -1,0 +1,153 @@
+"""A unit of the flat engine: its parameters' flat storage, its owned shard, its master pieces.
+
+[Note: the shard is the truth]
+Each rank owns the slice [lo, hi) of every unit's flat buffer (all of it when the optimizer
+state is not sharded). The *master* of that slice, in the parameters' own dtype (fp32 for an
+fp32 model, fp64 for an fp64 one), is the truth: the optimizer updates it and nothing else.
+The full flat buffer in the compute dtype, which the model's parameters are views into, is a
+cache of the masters of every rank: `unshard()` refreshes it (writes the owned master into it,
+cast, then gathers the other ranks' slices) and the policy decides whether it stays between
+steps (ddp, zero1, zero2) or is freed (zero3, not in this version). When compute and master
+dtypes agree, the master is the owned slice of the flat buffer itself (no copy). When neither
+sharding nor low precision is asked for (fp32 ddp) there is no flat buffer and no master at all:
+each parameter is its own master and the optimizer is left exactly as the user built it.
+
+The optimizer does not see the flat master: it sees *pieces*, one per parameter that overlaps
+the owned slice, each a view into the master (the parameter's shape when the piece is the whole
+parameter, flat otherwise). So a parameter that got no gradient on any rank has pieces whose
+`.grad` is None, and the optimizer skips it as one process would: no weight decay, momentum or
+step count touches it. And the optimizer state is per parameter piece, which is what lets it
+be reassembled into the per-parameter state a single process has (optim.py).
+
+A change made to the parameters behind phalanx's back (`px.unwrap(model).load_state_dict(...)`,
+an in-place edit) bumps the flat buffer's version counter; `sync_master_from_cache()` sees it at
+the next forward or step and takes the new values into the master, rather than overwriting
+them with the stale master.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .buckets import BufferPool, GradBucket
+
+__all__ = ["FlatUnit", "Piece"]
+
+
+@dataclass
+class Piece:
+    """The part of one parameter that this rank owns: `param.view(-1)[start:end]`."""
+    param_index: int   # position in the unit
+    start: int         # within the flattened parameter
+    end: int
+    master: torch.nn.Parameter  # what the optimizer holds (the parameter itself when whole and own)
+    lo: int            # within the owned slice
+    hi: int
+
+
+class FlatUnit:
+    """One run of parameters, laid out flat (see [Note: the shard is the truth])."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,
+                 sharded: bool, compute_dtype: torch.dtype, adopt: bool,
+                 pool: BufferPool | None):
+        self.index = index
+        self.params = params
+        self.sharded = sharded
+        self.bucket = GradBucket(index, params, pad_to=world if sharded else 1, with_flags=True,
+                                 dtype=compute_dtype, pool=pool)
+        n = self.bucket.padded_numel
+        shard = n // world if sharded else n
+        self.lo, self.hi = (rank * shard, (rank + 1) * shard) if sharded else (0, n)
+        self.master_dtype = params[0].dtype
+        self.compute_dtype = compute_dtype
+        self.grad_shard: torch.Tensor | None = None  # grads SHARD: the reduced owned slice
+        self.reduced: torch.Tensor | None = None     # the owned reduced gradient, compute dtype
+        self.used: list[bool] | None = None          # got a gradient on some rank (per param)
+        self.flat: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        self.pieces: list[Piece] = []
+        if adopt:
+            self._lay_out_flat()
+        else:  # each parameter is its own master, whole
+            self.pieces = [Piece(i, 0, p.numel(), p, o, o + p.numel())
+                           for i, (p, o) in enumerate(zip(params, self.bucket.offsets))]
+        self._seen_version = self._cache_version()
+
+    @property
+    def master_is_view(self) -> bool:
+        return self.compute_dtype == self.master_dtype
+
+    @torch.no_grad()
+    def _lay_out_flat(self) -> None:
+        n, device = self.bucket.padded_numel, self.params[0].device
+        full = torch.zeros(n, dtype=self.master_dtype, device=device)
+        for p, offset in zip(self.params, self.bucket.offsets):
+            full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        # The master starts from the user's full-precision values, not from a low-precision copy.
+        self.flat = full if self.master_is_view else full.to(self.compute_dtype)
+        self.master = self.flat[self.lo:self.hi] if self.master_is_view \
+            else full[self.lo:self.hi].clone()
+        del full
+        for p, offset in zip(self.params, self.bucket.offsets):
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+        for i, (p, offset) in enumerate(zip(self.params, self.bucket.offsets)):
+            a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if a >= b:
+                continue
+            view = self.master[a - self.lo:b - self.lo]
+            whole = (a, b) == (offset, offset + p.numel())
+            master = torch.nn.Parameter(view.view_as(p) if whole else view)
+            self.pieces.append(Piece(i, a - offset, b - offset, master, a - self.lo, b - self.lo))
+
+    # -- the cache and the truth ---------------------------------------------------------------
+    def _cache_version(self) -> int:
+        return self.flat._version if self.flat is not None else 0
+
+    def mark_cache_current(self) -> None:
+        self._seen_version = self._cache_version()
+
+    @torch.no_grad()
+    def sync_master_from_cache(self) -> bool:
+        """Take values written into the parameters behind phalanx's back into the master."""
+        if self.flat is None or self.master_is_view or self._cache_version() == self._seen_version:
+            return False
+        self.master.copy_(self.flat[self.lo:self.hi])
+        self.mark_cache_current()
+        return True
+
+    @torch.no_grad()
+    def unshard(self, comm, async_op: bool = True):
+        """Refresh the full compute-dtype buffer from the masters of every rank."""
+        if self.flat is None:
+            return None
+        if not self.master_is_view:
+            self.flat[self.lo:self.hi].copy_(self.master)
+        if not self.sharded:
+            return None
+        return comm.all_gather_into(self.flat, self.flat[self.lo:self.hi], async_op=async_op,
+                                    tag=f"unit[{self.index}]:unshard")
+
+    @torch.no_grad()
+    def load_master(self, values: list[torch.Tensor | None]) -> None:
+        """Set the owned master from full-precision values of every parameter (None: keep)."""
+        for piece in self.pieces:
+            v = values[piece.param_index]
+            if v is not None:
+                piece.master.view(-1).copy_(v.reshape(-1)[piece.start:piece.end])
+
+    # -- gradients ----------------------------------------------------------------------------
+    def set_piece_grads(self, grad: torch.Tensor | None) -> None:
+        """Point every piece's `.grad` at its slice of `grad` (the owned reduced gradient in the
+        master dtype), None for parameters that got no gradient on any rank."""
+        for piece in self.pieces:
+            if grad is None or not self.used[piece.param_index]:
+                piece.master.grad = None
+            else:
+                piece.master.grad = grad[piece.lo:piece.hi].view_as(piece.master)
+
+    def clear_reduced(self) -> None:
+        self.reduced = None
+        self.used = None

@@ -1,0 +1,305 @@
+"""The flat engine: one mechanism behind every strategy and precision.
+
+Per step, for every policy of policy.py:
+  backward   each gradient lands in its unit's bucket (reducer.py); a complete bucket is
+             averaged over ranks while backward goes on: all-reduced in place where the policy
+             keeps full gradients (every `.grad` is then the true mean over ranks), reduced to
+             the owned shard where it shards them (the full bucket is given back to a pool of
+             three and `.grad` is None). Flags riding in the same collective say which
+             parameters got a gradient on any rank.
+  step       unit by unit, the owned reduced gradient (cast to the master dtype and unscaled
+             under fp16) becomes the `.grad` of the unit's master pieces, the user's optimizer
+             updates them, and `unit.unshard()` puts the update into the parameters on every
+             rank while the next unit steps.
+
+Under fp32 ddp the parameters are their own masters (flat.py) and the user's optimizer is left
+untouched: `optimizer.step()` reads the bucket views directly. Everything else, from the
+hooks to the unused-parameter rule and the launch order, is the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives import Comm
+from .buckets import BufferPool, GradBucket
+from .flat import FlatUnit
+from .optim import OptimizerAdapter
+from .policy import SHARD, ShardPolicy
+from .reducer import GradReducer
+from .units import module_units
+
+__all__ = ["FlatEngine"]
+
+
+class FlatEngine:
+    """Implements the `Engine` protocol (engine/__init__.py) for ddp, zero1 and zero2."""
+
+    def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
+                 precision, bucket_mb: float = 25.0):
+        self.comm = comm
+        self.policy = policy
+        self.precision = precision
+        self.world, self.rank = comm.world, comm.rank
+        self.sharded = policy.optimizer is SHARD and self.world > 1
+        self.shard_grads = policy.grads is SHARD and self.world > 1
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        compute = precision.compute_dtype
+        low = any(compute is not None and p.dtype != compute for p in self.params)
+        # The optimizer is adopted (its params become master pieces) unless every parameter is
+        # its own master: no sharding and no low precision.
+        self.adopt = self.sharded or low
+        if self.adopt and optimizer is None and self.params:
+            raise ValueError(
+                f"strategy {policy.name!r} with precision {precision.name!r} needs the optimizer: "
+                "px.prepare(model, optimizer, ...)")
+        itemsize = torch.empty((), dtype=compute or self.params[0].dtype).element_size() \
+            if self.params else 4
+        # In a world of one with nothing to adopt there is nothing to do: the module is trained
+        # exactly as without phalanx, with no hooks at all.
+        plain = self.world == 1 and not self.adopt
+        runs = module_units(module, self.params, itemsize, bucket_mb) \
+            if self.params and not plain else []
+        # ZeRO-2 lends its short-lived bucket buffers from a pool of three: at most two reduced
+        # but unfinished (max_in_flight below) and one filling.
+        self.pool = None
+        if self.shard_grads and runs:
+            largest = max(sum(p.numel() for p in run) + self.world for run in runs)
+            largest += max(len(run) for run in runs)  # the flags
+            self.pool = BufferPool(largest, compute or runs[0][0].dtype, runs[0][0].device,
+                                   keep=3)
+        self.units = [FlatUnit(i, run, world=self.world, rank=self.rank, sharded=self.sharded,
+                               compute_dtype=compute or run[0].dtype, adopt=self.adopt,
+                               pool=self.pool)
+                      for i, run in enumerate(runs)]
+        self._out: dict[int, torch.Tensor] = {}
+        self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
+                                   on_first_order=self._reorder if self.world > 1 else None,
+                                   max_in_flight=2 if self.shard_grads else None)
+        self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
+        self.loss_scaler = precision.loss_scaler
+
+    # -- the Engine protocol ------------------------------------------------------------------
+    def no_sync(self):
+        return self.reducer.no_sync()
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.reducer.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.reducer.sync = bool(value)
+
+    def backward_started(self) -> None:
+        self.reducer.backward_started()
+
+    def before_forward(self) -> None:
+        """See [Note: a backward that raised] in reducer.py, and [Note: the shard is the truth]
+        in flat.py."""
+        if self.reducer.in_progress():
+            if self.reducer.launched_any():
+                raise RuntimeError(
+                    "the previous backward stopped (raised) after this rank had started "
+                    "averaging gradients with the other ranks, so its collectives can no longer "
+                    "be matched with theirs. Skip a batch before its backward (in the forward or "
+                    "the loss), or end the run and resume from a checkpoint")
+            self.reducer.abandon()
+            for unit in self.units:
+                if unit.bucket.buffer is not None and self.shard_grads and unit.reduced is None:
+                    unit.bucket.free()
+        for unit in self.units:
+            unit.sync_master_from_cache()
+
+    def _reorder(self, completed: list[GradBucket]) -> None:
+        """See [Note: launch order follows readiness] in reducer.py."""
+        order = torch.tensor([b.index for b in completed], dtype=torch.int64,
+                             device=self.comm.device)
+        self.comm.broadcast(order, src=0, tag="launch order")
+        by_index = {b.index: b for b in self.reducer.buckets}
+        self.reducer.set_buckets([by_index[i] for i in order.tolist()])
+
+    # -- backward ----------------------------------------------------------------------------
+    def _launch(self, bucket: GradBucket):
+        unit = self.units[bucket.index]
+        if self.world == 1:
+            return None
+        buf = bucket.buffer
+        if self.precision.comm_dtype is not None and self.precision.comm_dtype != buf.dtype:
+            buf = bucket.copy_for_comm(self.precision.comm_dtype)
+        tag = f"unit[{unit.index}]:grads"
+        if self.shard_grads and self.comm.uses_reduce_scatter:
+            out = torch.empty(unit.hi - unit.lo, dtype=buf.dtype, device=buf.device)
+            self._out[bucket.index] = out
+            grads = self.comm.reduce_shard(buf[:bucket.padded_numel], out, tag=tag)
+            flags = self.comm.all_reduce(buf[bucket.padded_numel:], async_op=True,
+                                         tag=tag + ":flags")
+            return _Both(grads, flags)
+        return self.comm.all_reduce(buf, async_op=True, tag=tag)
+
+    def _finish(self, bucket: GradBucket) -> None:
+        unit = self.units[bucket.index]
+        comm_buf = bucket.comm_buffer if (self.world > 1 and self.precision.comm_dtype is not None
+                                          and self.precision.comm_dtype != bucket.dtype) else None
+        reduced = comm_buf if comm_buf is not None else bucket.buffer
+        used = (reduced[bucket.padded_numel:] > 0).tolist()
+        # See [Note: gradients that never arrived] in reducer.py. Under full gradients a
+        # parameter still holding an accumulated `.grad` counts as used by itself (its slot is
+        # kept, its flag set); sharded gradients leave `.grad` None, so the flags of earlier
+        # backwards since zero_grad() are remembered here.
+        if self.shard_grads:
+            if unit.reduced is not None:
+                used = [a or b for a, b in zip(unit.used, used)]
+            unit.used = used
+            owned = self._out.pop(bucket.index, None)
+            if owned is None:
+                owned = reduced[unit.lo:unit.hi]
+            if unit.grad_shard is None:
+                unit.grad_shard = torch.empty(unit.hi - unit.lo, dtype=bucket.dtype,
+                                              device=owned.device)
+            # A second backward before zero_grad() accumulates, as in one process.
+            if unit.reduced is None:
+                unit.grad_shard.copy_(owned)
+            else:
+                unit.grad_shard.add_(owned)
+            unit.reduced = unit.grad_shard
+            for p in unit.params:
+                p.grad = None
+            bucket.free()
+            return
+        if comm_buf is not None:
+            bucket.buffer.copy_(comm_buf)  # the mean, into every element: `.grad` is the mean
+        # The bucket is kept and the parameters keep their views into it, so a second backward
+        # accumulates into it in place (the mean of a sum already equal on every rank plus the
+        # new gradients is that sum plus their mean).
+        unit.used = used
+        unit.reduced = bucket.grads()[unit.lo:unit.hi]
+        for i, p in enumerate(unit.params):
+            p.grad = bucket.view(i) if unit.used[i] else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget reduced gradients (the prepared model's and the adopted optimizer's
+        zero_grad call this); the model's `.grad` are cleared by the caller."""
+        for unit in self.units:
+            unit.clear_reduced()
+
+    # -- step ----------------------------------------------------------------------------------
+    def step_units(self, step_one):
+        """Run `step_one()` once per unit that has a reduced gradient, with that unit's master
+        pieces holding their fp32 (master dtype) gradient, and publish each unit's update.
+
+        [Note: fp32 gradients one unit at a time]
+        The optimizer skips parameters whose `.grad` is None, and an element-wise optimizer
+        keeps per-tensor state, so stepping one unit's pieces at a time is the same update as
+        stepping all at once. With bf16/fp16 compute the optimizer needs gradients in the master
+        dtype; made all at once they would add 4 bytes per owned parameter at the peak, while
+        unit by unit at most one unit's worth exists (when the dtypes agree the gradient is the
+        reduced buffer itself, no copy). And a unit's all-gather is on the wire while the next
+        unit steps. The optimizer's step hooks therefore run once per unit.
+        """
+        ready = [u for u in self.units if u.reduced is not None]
+        for unit in self.units:
+            unit.sync_master_from_cache()
+        if not ready:
+            return False
+        unscale = 1.0
+        if self.loss_scaler is not None:
+            found = self.loss_scaler.found_inf([u.reduced for u in ready], self.comm)
+            unscale = 1.0 / self.loss_scaler.scale
+            self.loss_scaler.update(found)
+            if found:
+                return False
+        works = []
+        for unit in ready:
+            grad = unit.reduced
+            if grad.dtype != unit.master_dtype or unscale != 1.0:
+                grad = grad.to(unit.master_dtype).mul_(unscale)
+            unit.set_piece_grads(grad)
+            step_one()
+            unit.set_piece_grads(None)
+            works.append(unit.unshard(self.comm))  # on the wire while the next unit steps
+        for work in works:
+            if work is not None:
+                work.wait()
+        for unit in self.units:
+            unit.mark_cache_current()
+        return True
+
+    # -- clipping -------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over all ranks and shards, computed once, shared by all."""
+        if not self.units:
+            return torch.nn.utils.clip_grad.clip_grad_norm_(
+                [p for p in self.params if p.grad is not None], max_norm, norm_type=norm_type)
+        units = [u for u in self.units if u.reduced is not None]
+        device = self.units[0].bucket.device if self.units else torch.device("cpu")
+        dtype = self.units[0].master_dtype if self.units else torch.float32
+        unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        norm_type = float(norm_type)
+        grads = [u.reduced.to(dtype) for u in units]
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).amax() if grads \
+                else torch.zeros((), dtype=dtype, device=device)
+            total = local.reshape(1) * unscale
+            if self.sharded:
+                self.comm.all_reduce(total, op="max", tag="clip_grad_norm")
+        else:
+            local = sum((g.abs().pow(norm_type).sum() for g in grads),
+                        torch.zeros((), dtype=dtype, device=device))
+            total = local.reshape(1)
+            if self.sharded:
+                self.comm.all_reduce(total, op="sum", tag="clip_grad_norm")
+            total = total.pow(1.0 / norm_type) * unscale
+        total = total.reshape(())
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for unit in units:
+            # Under full gradients the whole bucket is scaled, so every `.grad` stays the
+            # clipped mean; under sharded gradients only the owned slice exists.
+            target = unit.reduced if self.shard_grads else unit.bucket.grads()
+            target.mul_(coef.to(target.dtype))
+        return total
+
+    # -- state ----------------------------------------------------------------------------------
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return list(self.params)
+
+    @torch.no_grad()
+    def master_values(self) -> dict[int, torch.Tensor] | None:
+        """id(param) -> its full master value, where this rank holds all of it without a
+        collective (not sharded); None when the masters are sharded."""
+        if self.sharded:
+            return None
+        out = {}
+        for unit in self.units:
+            for piece in unit.pieces:
+                p = unit.params[piece.param_index]
+                out[id(p)] = piece.master.detach().view_as(p)
+        return out
+
+    @torch.no_grad()
+    def load_masters(self, values: dict[int, torch.Tensor]) -> None:
+        """Set the masters from full-precision values, keyed by id(param); then refresh the
+        parameters from them (no collective: every rank was given the same values)."""
+        for unit in self.units:
+            unit.load_master([values.get(id(p)) for p in unit.params])
+            if unit.flat is not None and not unit.master_is_view:
+                for p, offset in zip(unit.params, unit.bucket.offsets):
+                    v = values.get(id(p))
+                    if v is not None:
+                        unit.flat[offset:offset + p.numel()].copy_(v.reshape(-1))
+            unit.mark_cache_current()
+
+
+class _Both:
+    """Two handles waited for as one."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def is_completed(self) -> bool:
+        return self.a.is_completed() and self.b.is_completed()
+
+    def wait(self) -> bool:
+        self.a.wait()
+        self.b.wait()
+        return True

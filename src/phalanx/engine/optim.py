@@ -1,0 +1,296 @@
+"""Adopting the user's optimizer: its params become the master pieces of this rank's shards.
+
+The optimizer keeps its class, hyper-parameters and param groups; only the tensors in its
+groups change (flat.py: one piece per parameter overlapping the owned slice), and `step`,
+`zero_grad`, `state_dict` and `load_state_dict` are routed through the engine, as instance
+attributes so the class stays the user's. That is done only when masters differ from the
+parameters (sharded optimizer state or low-precision compute); under fp32 ddp the optimizer is
+left exactly as built.
+
+Sharding the optimizer is exact for optimizers whose update of each element depends only on
+that element's gradient, its own state and the group's hyper-parameters, which is why others
+are refused rather than silently stepped differently.
+
+[Note: the optimizer's state_dict]
+`optimizer.state_dict()` has the format of a single process: state keyed by the position of
+each parameter in the param groups as the user built them, tensors of the parameter's shape.
+Where each rank holds the whole state (ddp, any precision) that needs no collective. Where the
+state is sharded (zero1, zero2) it does, and `optimizer.state_dict()` is typically called on
+one rank only (rank 0 saves), so it raises and names `px.optimizer_state_dict(optimizer)`, which
+every rank calls. `optimizer.load_state_dict()` takes the single-process format under every
+strategy, precision and world size: each rank keeps the slices of its pieces.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+__all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict",
+           "route_torch_clip"]
+
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name) for name in
+    ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
+     "RMSprop", "Rprop") if hasattr(torch.optim, name))
+
+_ADAPTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def optimizer_groups(optimizer, module) -> dict:
+    """Map each trainable parameter the optimizer holds to its param group index, refusing
+    parameters that are not the model's: an optimizer built over another model's parameters,
+    or a copy's, would step tensors that data parallelism never averages. Frozen parameters
+    of the model may be in the optimizer (it skips them, having no gradient)."""
+    model_params = {id(p) for p in module.parameters()}
+    group_of = {}
+    for g, param_group in enumerate(optimizer.param_groups):
+        for p in param_group["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not a parameter of the model; "
+                    "build the optimizer over model.parameters() of the model you prepare")
+            if p.requires_grad:
+                group_of[p] = g
+    return group_of
+
+
+class OptimizerAdapter:
+    def __init__(self, optimizer, engine, module):
+        self.optimizer = optimizer
+        self.engine = engine
+        group_of = optimizer_groups(optimizer, module)
+        self.adopted = engine.adopt
+        # The groups as the user built them: what a single process's state_dict indexes.
+        self.original = [list(g["params"]) for g in optimizer.param_groups]
+        _ADAPTERS[optimizer] = self
+        if not self.adopted:
+            return
+        _check_elementwise(optimizer)
+        missing = [p for p in engine.params if p not in group_of]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameter(s) of the model are not in the optimizer; "
+                "add them, or set requires_grad=False on the ones you do not train")
+        self.pieces_of: dict[int, list] = {}
+        for unit in engine.units:
+            for piece in unit.pieces:
+                self.pieces_of.setdefault(id(unit.params[piece.param_index]), []).append(piece)
+        for g, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [piece.master for unit in engine.units for piece in unit.pieces
+                                     if group_of[unit.params[piece.param_index]] == g]
+        self._masters = {id(m) for g in optimizer.param_groups for m in g["params"]}
+        _init_state_for_masters(optimizer)
+        # Plain functions bound to the optimizer rather than this object's methods: an LR
+        # scheduler created later re-binds `step.__func__` to the optimizer, which must still
+        # land here.
+        self._user = {name: getattr(optimizer, name)
+                      for name in ("step", "zero_grad", "state_dict", "load_state_dict")}
+        adapter = self
+        optimizer.step = types.MethodType(lambda opt, closure=None: adapter.step(closure),
+                                          optimizer)
+        optimizer.zero_grad = types.MethodType(
+            lambda opt, set_to_none=True: adapter.zero_grad(set_to_none), optimizer)
+        optimizer.state_dict = types.MethodType(lambda opt: adapter.state_dict(), optimizer)
+        optimizer.load_state_dict = types.MethodType(
+            lambda opt, state_dict: adapter.load_state_dict(state_dict), optimizer)
+
+    # -- step -----------------------------------------------------------------------------
+    def step(self, closure=None):
+        for param_group in self.optimizer.param_groups:
+            for p in param_group["params"]:
+                if id(p) not in self._masters:
+                    raise RuntimeError(
+                        "the optimizer holds a parameter that was added after px.prepare; "
+                        "add every parameter to the optimizer before calling px.prepare")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = self.engine.step_units(self._user["step"])
+        if not stepped and self.engine.loss_scaler is not None:
+            self.zero_grad()  # overflowed gradients are of no use to a later step
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._user["zero_grad"](set_to_none=set_to_none)
+        self.engine.zero_grad(set_to_none)
+        for p in self.engine.params:
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    # -- state_dict ---------------------------------------------------------------------------
+    def _local_parts(self) -> dict[int, list]:
+        """position (single-process index) -> [(start, end, {key: value})] for this rank."""
+        parts: dict[int, list] = {}
+        state = self.optimizer.state
+        for index, p in enumerate(q for group in self.original for q in group):
+            for piece in self.pieces_of.get(id(p), []):
+                s = state.get(piece.master)
+                if not s:
+                    continue
+                entry = {}
+                for key, value in s.items():
+                    per_element = (isinstance(value, torch.Tensor) and key != "step"
+                                   and value.shape == piece.master.shape)
+                    entry[key] = ("elements", value.detach().reshape(-1).clone()) if per_element \
+                        else ("whole", value.clone() if isinstance(value, torch.Tensor) else value)
+                parts.setdefault(index, []).append((piece.start, piece.end, entry))
+        return parts
+
+    def _assemble(self, all_parts: list[dict]) -> dict:
+        params = [q for group in self.original for q in group]
+        state = {}
+        for index, p in enumerate(params):
+            pieces = [piece for parts in all_parts for piece in parts.get(index, [])]
+            if not pieces:
+                continue
+            out = {}
+            for key in pieces[0][2]:
+                kind, value = pieces[0][2][key]
+                if kind == "whole":
+                    out[key] = value
+                    continue
+                full = torch.zeros(p.numel(), dtype=value.dtype, device=value.device)
+                for start, end, entry in pieces:
+                    full[start:end].copy_(entry[key][1].to(full.device))
+                out[key] = full.view(p.shape)
+            state[index] = out
+        groups = []
+        user_groups = self._user["state_dict"]()["param_groups"]
+        position = 0
+        for g, group in enumerate(self.original):
+            groups.append({**user_groups[g], "params": list(range(position, position + len(group)))})
+            position += len(group)
+        return {"state": state, "param_groups": groups}
+
+    def state_dict(self) -> dict:
+        """See [Note: the optimizer's state_dict]."""
+        if self.engine.sharded:
+            raise RuntimeError(
+                f"optimizer.state_dict() under {self.engine.policy.name!r}: the optimizer state is "
+                "sharded over the ranks, so the state a single process would have needs every "
+                "rank. Call px.optimizer_state_dict(optimizer) on every rank (it returns that "
+                "state on each); optimizer.load_state_dict() takes it under any strategy")
+        return self._assemble([self._local_parts()])
+
+    def full_state_dict(self) -> dict:
+        """The single-process state on every rank; a collective under sharding."""
+        if not self.adopted:
+            return self.optimizer.state_dict()
+        local = self._local_parts()
+        if not self.engine.sharded:
+            return self._assemble([local])
+        return self._assemble(self.engine.comm.all_gather_object(local, tag="optimizer state"))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.original):
+            raise ValueError(f"the saved optimizer state has {len(saved_groups)} param groups, "
+                             f"this optimizer {len(self.original)}")
+        params = [q for group in self.original for q in group]
+        saved_state = state_dict["state"]
+        state, groups, position = {}, [], 0
+        piece_index = {id(m): i for i, m in enumerate(
+            m for g in self.optimizer.param_groups for m in g["params"])}
+        for index, p in enumerate(params):
+            s = saved_state.get(index, saved_state.get(str(index)))
+            if s is None:
+                continue
+            for piece in self.pieces_of.get(id(p), []):
+                entry = {}
+                for key, value in s.items():
+                    if isinstance(value, torch.Tensor) and key != "step" and value.shape == p.shape:
+                        value = value.reshape(-1)[piece.start:piece.end].view_as(piece.master)
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                state[piece_index[id(piece.master)]] = entry
+        for g, group in enumerate(self.optimizer.param_groups):
+            groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"},
+                           "params": list(range(position, position + len(group["params"])))})
+            position += len(group["params"])
+        self._user["load_state_dict"]({"state": state, "param_groups": groups})
+
+
+def optimizer_state_dict(optimizer) -> dict:
+    """`px.optimizer_state_dict(optimizer)`: the optimizer's state in a single process's format,
+    on every rank. A collective under zero1/zero2: every rank must call it."""
+    adapter = _ADAPTERS.get(optimizer)
+    if adapter is None:
+        return optimizer.state_dict()
+    return adapter.full_state_dict()
+
+
+def _check_elementwise(optimizer) -> None:
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(
+            f"{type(optimizer).__name__} is not an optimizer whose update is element-wise, so "
+            f"sharding or mixed precision would change its update; use one of {names}, or "
+            "strategy='ddp' with precision='fp32'")
+    for state in optimizer.state.values():
+        step = state.get("step", 0)
+        if float(step) > 0 or (state and "step" not in state):
+            raise ValueError("the optimizer has already stepped; call px.prepare before the first "
+                             "optimizer.step(), and load a saved optimizer state after it")
+
+
+def _init_state_for_masters(optimizer) -> None:
+    """Drop the state an optimizer made for the model's parameters at construction and make it
+    for the masters instead (Adagrad creates its accumulators in __init__)."""
+    optimizer.state.clear()
+    if isinstance(optimizer, torch.optim.Adagrad):
+        for group in optimizer.param_groups:
+            for m in group["params"]:
+                optimizer.state[m] = {
+                    "step": torch.tensor(0.0),
+                    "sum": torch.full_like(m, group["initial_accumulator_value"],
+                                           memory_format=torch.preserve_format),
+                }
+
+
+# -- torch.nn.utils.clip_grad_norm_ on a prepared model's parameters -------------------------
+_CLIP_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_original_clip = {}
+
+
+def route_torch_clip(engine) -> None:
+    """Make `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` see the truth.
+
+    Where the model's `.grad` are not the gradients the optimizer steps on (zero2 keeps only
+    the owned shard, so every `.grad` is None; fp16 keeps them loss-scaled), torch's clip would
+    return 0 or a scaled norm and clip nothing. Ported loops call it, so for the parameters of
+    such a model it is routed to the engine's clip (the same as `px.clip_grad_norm_`); for any
+    other parameters torch's own function runs unchanged.
+    """
+    for p in engine.params:
+        _CLIP_ENGINES[p] = engine
+    if _original_clip:
+        return
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_mod
+
+    original = clip_mod.clip_grad_norm_
+    _original_clip["fn"] = original
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                        foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        engines = {id(e): e for e in (_CLIP_ENGINES.get(p) for p in params) if e is not None}
+        if not engines:
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        (engine,) = engines.values() if len(engines) == 1 else (None,)
+        given = {id(p) for p in params}
+        if engine is None or not all(id(p) in given for p in engine.params):
+            raise RuntimeError(
+                "torch.nn.utils.clip_grad_norm_ was given some but not all parameters of a model "
+                "prepared with sharded gradients or fp16, whose gradients live in phalanx's "
+                "shards; clip the whole model with px.clip_grad_norm_(model, max_norm)")
+        return engine.clip_grad_norm_(max_norm, norm_type)
+
+    clip_grad_norm_.__doc__ = original.__doc__
+    clip_mod.clip_grad_norm_ = clip_grad_norm_
+    nn_utils.clip_grad_norm_ = clip_grad_norm_

@@ -1,0 +1,92 @@
+"""Which parameters form a unit: decided here, once, for the engine and the planner alike.
+
+A unit is the run of parameters whose gradients are reduced by one collective and whose flat
+buffer is sharded, gathered and stepped together. Units follow the module tree: each repeated
+block (a child of the model's largest `nn.ModuleList` holding more than one module: transformer
+layers, ResNet stages) starts a unit of its own, so a unit never mixes two layers, and what sits
+outside the blocks (embeddings, the head, norms) is grouped between them. Within that, a size
+cap in bytes of the compute dtype splits large runs: the first unit (the last parameters of the
+model, whose gradients arrive first in backward) is capped at 1 MiB so its collective starts
+early; the others at `bucket_mb`. A parameter larger than the cap is a unit of its own.
+
+Parameters are taken in reverse registration order, the order backward about produces them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["find_blocks", "plan_units", "module_units", "unit_caps", "FIRST_UNIT_MIB"]
+
+FIRST_UNIT_MIB = 1.0
+
+
+def find_blocks(module: nn.Module) -> list[nn.Module]:
+    """The children of the ModuleList holding the most parameters: the repeated layers."""
+    best, best_params = [], 0
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) > 1:
+            n = sum(p.numel() for p in sub.parameters())
+            if n > best_params:
+                best, best_params = list(sub), n
+    return best
+
+
+def unit_caps(bucket_mb: float, itemsize: int) -> tuple[int, int]:
+    """(first cap, cap) in elements of `itemsize` bytes."""
+    cap = max(1, int(bucket_mb * 2**20) // itemsize)
+    first = min(cap, max(1, int(FIRST_UNIT_MIB * 2**20) // itemsize))
+    return first, cap
+
+
+def plan_units(entries, first_cap: int, cap: int) -> list[list[int]]:
+    """Cut `entries`, a sequence of `(numel, block, key)` in backward order, into units.
+
+    `block` is the repeated block an entry belongs to (None outside blocks): a change of block
+    closes the unit. `key` (dtype, device) must agree within a unit. Returns lists of indices
+    into `entries`.
+    """
+    units: list[list[int]] = []
+    current: list[int] = []
+    size, limit, where = 0, first_cap, None
+    for i, (numel, block, key) in enumerate(entries):
+        here = (block, key)
+        if current and (here != where or size + numel > limit):
+            units.append(current)
+            current, size, limit = [], 0, cap
+        current.append(i)
+        size += numel
+        where = here
+    if current:
+        units.append(current)
+    return units
+
+
+def module_units(module: nn.Module, params: list[torch.Tensor], itemsize: int,
+                 bucket_mb: float) -> list[list[torch.Tensor]]:
+    """The units of `params` (trainable parameters of `module`, in registration order), for a
+    compute dtype of `itemsize` bytes."""
+    block_of = {}
+    for b, block in enumerate(find_blocks(module)):
+        for p in block.parameters():
+            block_of.setdefault(p, b)
+    ordered = list(reversed(params))
+    entries = [(p.numel(), block_of.get(p), (p.dtype, p.device)) for p in ordered]
+    first, cap = unit_caps(bucket_mb, itemsize)
+    return [[ordered[i] for i in unit] for unit in plan_units(entries, first, cap)]
+
+
+def unit_numels(numels, blocks, itemsize: int, bucket_mb: float) -> list[int]:
+    """Elements per unit for the planner: `numels` and `blocks` per trainable parameter in
+    registration order (blocks may be None where unknown)."""
+    blocks = blocks if blocks is not None else [None] * len(numels)
+    entries = [(n, b, None) for n, b in zip(reversed(numels), reversed(blocks))]
+    first, cap = unit_caps(bucket_mb, itemsize)
+    return [sum(entries[i][0] for i in unit) for unit in plan_units(entries, first, cap)] or [0]
+
+
+def _prod(shape) -> int:
+    return math.prod(shape)

@@ -1,0 +1,80 @@
+"""Precision in one place: compute, communication and output dtypes, and fp16's loss scaler.
+
+    precision  parameters in forward/backward   masters and optimizer state   loss scaling
+    fp32       the parameters' own dtype        the parameters themselves     none
+    bf16       bfloat16                         the parameters' dtype (fp32)  none
+    fp16       float16                          the parameters' dtype (fp32)  dynamic
+
+("fp32" means no low precision: an fp64 model stays fp64.) Under bf16/fp16, floating inputs
+are cast to the compute dtype on the way in and floating outputs to fp32 on the way out, as
+PyTorch's FSDP2 `MixedPrecisionPolicy(cast_forward_inputs=True, output_dtype=float32)` does.
+
+What is cast, and why:
+- trainable parameters: their flat buffers are in the compute dtype (engine/flat.py);
+- frozen parameters: cast too, since they meet the trainable ones in the same layers (a frozen
+  embedding feeding bf16 matmuls); their low bits are not kept;
+- buffers: they keep their dtype (a rotary embedding's `inv_freq` is kept in fp32 on purpose:
+  in bf16 its angles at position 4096 are wrong by up to 0.7 in cos), except the buffers of a
+  module that itself holds cast parameters, such as BatchNorm, whose kernels need one dtype for
+  weights and running statistics (measured: torch 2.13 CPU batch_norm raises "expected scalar
+  type BFloat16 but found Float" with bf16 weights and fp32 running statistics). FSDP2 casts no
+  buffers at all; autocast casts nothing in place.
+
+`comm_dtype` compresses what gradients travel as; the mean lands back in the gradients' own
+dtype. None sends the gradients' dtype (the compute dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .loss_scaling import DynamicLossScaler
+
+__all__ = ["Precision", "PRECISIONS", "COMM_DTYPES", "make_precision", "cast_model"]
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMM_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+               torch.bfloat16: torch.bfloat16, torch.float16: torch.float16,
+               torch.float32: torch.float32}
+
+
+@dataclass(eq=False)
+class Precision:
+    name: str
+    compute_dtype: torch.dtype | None   # None: each parameter's own dtype
+    comm_dtype: torch.dtype | None      # None: the gradients' own dtype
+    loss_scaler: DynamicLossScaler | None
+
+    @property
+    def low(self) -> bool:
+        return self.compute_dtype is not None
+
+    def cast_input(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.compute_dtype) if self.low and t.is_floating_point() else t
+
+    def cast_output(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float() if self.low and t.is_floating_point() else t
+
+
+def make_precision(name: str, comm_dtype) -> Precision:
+    compute = PRECISIONS[name]
+    return Precision(name, compute, COMM_DTYPES[comm_dtype],
+                     DynamicLossScaler() if name == "fp16" else None)
+
+
+@torch.no_grad()
+def cast_model(module: torch.nn.Module, precision: Precision) -> None:
+    """Cast frozen parameters, and the buffers of modules holding cast parameters (see above)."""
+    if not precision.low:
+        return
+    for sub in module.modules():
+        own = list(sub.parameters(recurse=False))
+        for p in own:
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(precision.compute_dtype)
+        if any(p.is_floating_point() for p in own):
+            for name, b in sub.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point():
+                    setattr(sub, name, b.to(precision.compute_dtype))

@@ -1,0 +1,134 @@
+"""The module `px.prepare` returns: the user's model plus what happens around each forward.
+
+Around the user's forward it keeps buffers equal across ranks (rank 0's, broadcast before each
+forward that records a graph, unless `broadcast_buffers=False`), applies the precision policy
+(precision.py: inputs to the compute dtype, outputs to fp32), and returns every floating output
+through the gate of loss_scaling.py, which tells the engine that backward started and, under
+fp16, scales the gradient exactly once. Everything else (hooks, buckets, the optimizer) belongs
+to the engine it holds, called through the `Engine` protocol (engine/__init__.py).
+
+Buffers are broadcast on a forward with gradients enabled, whatever the module's train/eval
+mode (as DDP keys it): a rank that evaluates under `torch.no_grad()` broadcasts nothing and
+waits for nobody, and a rank left in eval mode by mistake still meets the others.
+
+`state_dict()` is the user's module's, without a `module.` prefix, in the dtypes the model had
+before prepare: under bf16/fp16 the trainable parameters are the fp32 masters' values (exact
+where this rank holds every master: ddp, or one process; under zero1/zero2 each rank holds
+1/N of them, and the values are the compute-dtype parameters, widened), frozen parameters and
+cast buffers are widened back. `load_state_dict()` sets the masters from the given values
+exactly, so under ddp nothing is lost in a save and load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._tree import map_tensors
+from .consistency import broadcast_tensors
+from .loss_scaling import OutputGate
+
+__all__ = ["PreparedModule"]
+
+
+class PreparedModule(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, engine, comm, precision, *,
+                 broadcast_buffers: bool = True, original_dtypes: dict | None = None):
+        super().__init__()
+        self.module = module
+        self._engine = engine
+        self._comm = comm
+        self._precision = precision
+        self._buffers_to_sync = list(module.buffers()) \
+            if broadcast_buffers and comm.world > 1 else []
+        self._trainable = [p for p in module.parameters() if p.requires_grad]
+        self._storage = [p.data_ptr() for p in self._trainable]
+        self._original_dtypes = original_dtypes or {}
+
+    def _check_trainable(self) -> None:
+        """Freezing or unfreezing after prepare would silently desynchronise the ranks (a newly
+        trainable parameter has no hook, so its gradient is never averaged), and a parameter
+        given new storage (`p.data = ...`) is no longer the one phalanx averages: refuse both."""
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) != len(self._trainable) or any(a is not b for a, b in zip(now, self._trainable)):
+            raise RuntimeError(
+                "the set of trainable parameters changed after px.prepare (requires_grad was "
+                "switched, or parameters were added); freeze or unfreeze before px.prepare, or "
+                "prepare a new model")
+        if any(p.data_ptr() != ptr for p, ptr in zip(now, self._storage)):
+            raise RuntimeError(
+                "a parameter was given new storage after px.prepare (`param.data = ...` or a "
+                "module re-created); change values in place (`with torch.no_grad(): "
+                "param.copy_(...)`, or model.load_state_dict) so phalanx keeps averaging it")
+
+    def forward(self, *args, **kwargs):
+        grad = torch.is_grad_enabled()
+        self._engine.before_forward()
+        if grad:
+            self._check_trainable()
+            if self._buffers_to_sync:
+                broadcast_tensors(self._buffers_to_sync, self._comm, tag="buffers")
+        precision = self._precision
+        if precision.low:
+            args, kwargs = map_tensors(precision.cast_input, (args, kwargs))
+        out = self.module(*args, **kwargs)
+        if grad:
+            engine, scaler = self._engine, precision.loss_scaler
+            on_grad = engine.backward_started
+
+            def gate(t):
+                t = precision.cast_output(t)
+                if t.requires_grad and t.is_floating_point():
+                    return OutputGate.apply(t, on_grad, scaler)
+                return t
+            return map_tensors(gate, out)
+        if precision.low:
+            out = map_tensors(precision.cast_output, out)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._engine.zero_grad(set_to_none)
+
+    def no_sync(self):
+        """Same as `px.no_sync(model)`, under the name PyTorch's DDP users reach for."""
+        return self._engine.no_sync()
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch for accumulation micro-steps (False: communicate nothing)."""
+        return self._engine.require_backward_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._engine.require_backward_grad_sync = value
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        sd = self.module.state_dict(*args, destination=destination, prefix=prefix,
+                                    keep_vars=keep_vars)
+        masters = self._engine.master_values() if self._precision.low else None
+        by_id = {id(p): name for name, p in self.module.named_parameters()}
+        for pid, value in (masters or {}).items():
+            key = prefix + by_id[pid]
+            if key in sd:
+                sd[key] = value.detach().clone()
+        for name, dtype in self._original_dtypes.items():
+            key = prefix + name
+            if key in sd and sd[key].dtype != dtype and not keep_vars:
+                sd[key] = sd[key].to(dtype)
+        return sd
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace parameters that phalanx "
+                             "holds in its buffers; load with assign=False (the default)")
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        values = {id(p): state_dict[name] for name, p in self.module.named_parameters()
+                  if p.requires_grad and name in state_dict}
+        self._engine.load_masters(values)
+        return result
