@@ -7,7 +7,7 @@ import torch
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from phalanx.wrapper import map_tensors
+from phalanx._tree import map_tensors
 
 
 @dataclass

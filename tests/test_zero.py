@@ -113,7 +113,7 @@ def _mixed(strategy, precision, steps=8):
         torch.distributed.all_reduce(full)
         losses.append(full.item() / px.world_size())
     params = [p.detach().float() for p in px.unwrap(model).parameters()]
-    skipped = model._loss_scaler.skipped_steps if model._loss_scaler is not None else 0
+    skipped = model.loss_scaler.skipped_steps if model.loss_scaler is not None else 0
     return losses, [p.dtype for p in px.unwrap(model).parameters()], params, skipped
 
 
@@ -168,11 +168,11 @@ def _fp16_overflow_skips_everywhere(strategy):
     if px.rank() == 1:
         x[0, 0] = float("inf")  # only rank 1 overflows
     F.mse_loss(model(x), y).backward()
-    scale_before = model._loss_scaler.scale
+    scale_before = model.loss_scaler.scale
     opt.step()
     opt.zero_grad()
     unchanged = all(torch.equal(a, p) for a, p in zip(before, px.unwrap(model).parameters()))
-    return unchanged, model._loss_scaler.scale / scale_before
+    return unchanged, model.loss_scaler.scale / scale_before
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
@@ -199,7 +199,7 @@ def _resume_from_optimizer_state(strategy):
     model, opt = build()
     run(model, opt, range(3))
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-    saved_opt = copy.deepcopy(opt.state_dict())  # state_dict() shares the live tensors
+    saved_opt = copy.deepcopy(px.optimizer_state_dict(opt))  # state_dict() shares the live tensors
     run(model, opt, range(3, 6))
     straight = [p.detach().clone() for p in px.unwrap(model).parameters()]
 

@@ -102,6 +102,11 @@ class PreparedModule(torch.nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self._engine.require_backward_grad_sync = value
 
+    @property
+    def loss_scaler(self):
+        """fp16's `DynamicLossScaler` (a Stateful: save and load its state_dict), else None."""
+        return self._precision.loss_scaler
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
