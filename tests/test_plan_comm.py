@@ -55,7 +55,7 @@ CASES = [("ddp", "fp32"), ("ddp", "bf16"), ("zero1", "fp32"), ("zero1", "bf16"),
 
 
 def _counted_payload(steps=2, accum=2):
-    from phalanx.collectives import comm_counter
+    from phalanx import collectives
     results = []
     for strategy, precision in CASES:
         model = _model()
@@ -72,10 +72,10 @@ def _counted_payload(steps=2, accum=2):
             opt.zero_grad()
 
         step()  # the first step re-lays buckets (a broadcast): not a steady-state step
-        comm_counter.reset()
+        collectives.reset_counts()
         for _ in range(steps):
             step()
-        results.append({op: b / steps for op, b in comm_counter.by_op.items()})
+        results.append({op: b / steps for op, b in collectives.bytes_by_kind().items()})
     return results
 
 

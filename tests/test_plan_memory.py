@@ -158,8 +158,10 @@ def test_model_states_function_shards_with_ceiling():
 
 
 @pytest.mark.parametrize("compute_bytes", [4, 2])
-def test_unit_layout_matches_the_engines_buckets(compute_bytes):
-    from phalanx.buckets import assign_buckets
+def test_unit_layout_matches_the_engines_units(compute_bytes):
+    """The planner's units from a config are the engine's units of the module built from it,
+    and no unit mixes two transformer layers."""
+    from phalanx.engine.units import find_blocks, module_units
     from phalanx.planner.layout import unit_sizes
     from phalanx.planner.reference_model import ReferenceTransformer
     from phalanx.planner.transformer import shape_from_config
@@ -171,14 +173,14 @@ def test_unit_layout_matches_the_engines_buckets(compute_bytes):
         model = ReferenceTransformer(shape)
     params = list(model.parameters())
     bucket_mb = 0.5
-    # as sharding.Sharded sizes them: caps in bytes of the fp32 parameters, scaled to the
-    # compute dtype
-    cap = int(bucket_mb * 2**20) * 4 // compute_bytes
-    first = min(cap, int(2**20) * 4 // compute_bytes)
-    runs = assign_buckets(list(reversed(params)), cap, first)
+    runs = module_units(model, params, compute_bytes, bucket_mb)
     engine = [sum(p.numel() for p in run) for run in runs]
-    assert unit_sizes(shape.param_shapes(), shape.params(), compute_bytes, bucket_mb) == engine
+    assert unit_sizes(shape.param_shapes(), shape.params(), compute_bytes, bucket_mb,
+                      shape.param_blocks()) == engine
     assert len(engine) > 3
+    layer_of = {p: i for i, block in enumerate(find_blocks(model)) for p in block.parameters()}
+    for run in runs:
+        assert len({layer_of.get(p) for p in run}) == 1
 
 
 def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CollectiveRecord", "Handle", "default_comm", "close_all", "comm_device"]
+__all__ = ["Comm", "CollectiveRecord", "Handle", "default_comm", "close_all", "comm_device",
+           "bytes_by_kind", "reset_counts"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -280,3 +281,18 @@ def close_all() -> None:
     for comm in list(_live):
         comm.close()
     _default.clear()
+
+
+def bytes_by_kind() -> dict[str, int]:
+    """Payload bytes by collective kind, summed over every live `Comm` of this process (what
+    the planner's communication figures are checked against)."""
+    total: dict[str, int] = defaultdict(int)
+    for comm in list(_live):
+        for kind, n in comm.bytes_by_kind.items():
+            total[kind] += n
+    return dict(total)
+
+
+def reset_counts() -> None:
+    for comm in list(_live):
+        comm.reset_counts()

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-__all__ = ["GradBucket", "BufferPool", "assign_buckets"]
+__all__ = ["GradBucket", "BufferPool"]
 
 
 class BufferPool:
@@ -122,35 +122,3 @@ class GradBucket:
     def __repr__(self):
         return (f"GradBucket({self.index}, {len(self.params)} params, {self.numel} elements, "
                 f"{self.dtype})")
-
-
-def assign_buckets(params, cap_bytes: int, first_cap_bytes: int, key=None):
-    """Split `params` (in the order their gradients are expected) into lists for buckets.
-
-    Parameters only share a bucket when `key(p)` agrees (dtype, device, optimizer group...).
-    The first bucket is small, so the first collective starts early in backward; the others
-    are capped at `cap_bytes`. A parameter larger than the cap gets a bucket of its own.
-    """
-    key = key or (lambda p: (p.dtype, p.device))
-    open_buckets: dict = {}
-    done: list[tuple[int, list]] = []  # (position of first param, params)
-    caps_used = 0
-    for position, p in enumerate(params):
-        k = key(p)
-        entry = open_buckets.get(k)
-        size = p.numel() * p.element_size()
-        if entry is not None:
-            start, members, nbytes, cap = entry
-            if nbytes + size > cap:
-                done.append((start, members))
-                entry = None
-        if entry is None:
-            cap = first_cap_bytes if caps_used == 0 else cap_bytes
-            caps_used += 1
-            entry = (position, [], 0, cap)
-        start, members, nbytes, cap = entry
-        members.append(p)
-        open_buckets[k] = (start, members, nbytes + size, cap)
-    done.extend((start, members) for start, members, _, _ in open_buckets.values())
-    done.sort(key=lambda item: item[0])
-    return [members for _, members in done]

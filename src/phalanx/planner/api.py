@@ -111,7 +111,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     state_elements = optimizer_state_elements(optimizer, desc.trainable_params,
                                               desc.trainable_shapes, nominal)
     reduce_scatter = backend == "nccl"
-    units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight, bucket_mb)
+    units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight, bucket_mb,
+                        desc.trainable_blocks)
     largest_unit = max(units_)
     largest_param = (max((math.prod(s) for s in desc.trainable_shapes), default=0)
                      if desc.trainable_shapes is not None else largest_unit)

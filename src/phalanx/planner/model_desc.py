@@ -37,6 +37,7 @@ class ModelDesc:
     params: int                      # unique parameters (tied weights once)
     trainable_params: int            # those with requires_grad: they get gradients and state
     trainable_shapes: list[tuple[int, ...]] | None  # module order; None for a bare count
+    trainable_blocks: list | None = None  # the repeated block of each (None outside), if known
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     make_input: Callable[[int, int], tuple] | None = None
@@ -76,7 +77,8 @@ def from_config(config) -> ModelDesc:
     shapes = shape.param_shapes()
     name = shape.name if shape.name != "transformer" else os.path.basename(source)
     return ModelDesc(name=name, source="config", params=shape.params(),
-                     trainable_params=shape.params(), trainable_shapes=shapes, transformer=shape)
+                     trainable_params=shape.params(), trainable_shapes=shapes,
+                     trainable_blocks=shape.param_blocks(), transformer=shape)
 
 
 def _default_input(module: nn.Module) -> Callable[[int, int], tuple]:
@@ -118,6 +120,17 @@ def input_from_shape(spec, dtype: str = "float32") -> Callable[[int, int], tuple
     return make
 
 
+def _blocks_of(module: nn.Module, params) -> list:
+    """The repeated block (index) each parameter sits in, as the engine's units see it."""
+    from ..engine.units import find_blocks
+
+    block_of = {}
+    for b, block in enumerate(find_blocks(module)):
+        for p in block.parameters():
+            block_of.setdefault(p, b)
+    return [block_of.get(p) for p in params]
+
+
 def from_module(module: nn.Module, name: str | None = None,
                 make_input: Callable[[int, int], tuple] | None = None) -> ModelDesc:
     if not isinstance(module, nn.Module):
@@ -127,7 +140,8 @@ def from_module(module: nn.Module, name: str | None = None,
     desc = ModelDesc(name=name or type(module).__name__, source="module",
                      params=sum(p.numel() for p in params),
                      trainable_params=sum(p.numel() for p in trainable),
-                     trainable_shapes=[tuple(p.shape) for p in trainable], module=module)
+                     trainable_shapes=[tuple(p.shape) for p in trainable],
+                     trainable_blocks=_blocks_of(module, trainable), module=module)
     try:
         desc.make_input = make_input or _default_input(module)
     except ValueError as exc:

@@ -26,6 +26,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..engine.units import find_blocks
+
 __all__ = ["TraceResult", "trace_module", "find_blocks"]
 
 
@@ -36,17 +38,6 @@ class TraceResult:
     loss_transient_bytes: int  # the loss's gradients at the start of backward
     forward_flops: float
     blocks: int               # repeated blocks found (0: checkpointing not modelled)
-
-
-def find_blocks(module: nn.Module) -> list[nn.Module]:
-    """The children of the ModuleList holding the most parameters: the repeated layers."""
-    best, best_params = [], 0
-    for sub in module.modules():
-        if isinstance(sub, nn.ModuleList) and len(sub) > 1:
-            n = sum(p.numel() for p in sub.parameters())
-            if n > best_params:
-                best, best_params = list(sub), n
-    return best
 
 
 def _to_meta(x, dtype):

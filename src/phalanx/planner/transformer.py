@@ -117,6 +117,13 @@ class TransformerShape:
         """Every parameter's shape, in module order."""
         return self._before_layers() + self.layer_param_shapes() * self.layers + self._after_layers()
 
+    def param_blocks(self) -> list:
+        """The layer each parameter of `param_shapes()` sits in (None outside the layers)."""
+        per_layer = len(self.layer_param_shapes())
+        return ([None] * len(self._before_layers())
+                + [i for i in range(self.layers) for _ in range(per_layer)]
+                + [None] * len(self._after_layers()))
+
     def layer_params(self) -> int:
         return sum(math.prod(s) for s in self.layer_param_shapes())
 
