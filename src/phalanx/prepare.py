@@ -62,7 +62,7 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype):
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
-            broadcast_buffers: bool = True):
+            broadcast_buffers: bool = True, comm: Comm | None = None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
@@ -72,6 +72,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     comm_dtype: torch.bfloat16 / torch.float16 to compress gradient communication.
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
     broadcast_buffers: keep buffers equal to rank 0's before each forward with gradients.
+    comm: the `phalanx.collectives.Comm` to communicate through (default: one over the job's
+        process group); `Comm(group, prefer="reduce_scatter")` picks primitives by hand.
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
@@ -81,7 +83,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
     runtime.init()
-    comm = Comm(runtime.default_group())
+    comm = comm if comm is not None else Comm(runtime.default_group())
     model.to(runtime.device())
     if sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
