@@ -1,6 +1,8 @@
 """Evaluation and inference on real processes: gather_for_metrics returns the whole dataset
 once, map_batches returns every result in order, and bad input fails on every rank."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,3 +145,73 @@ def test_bad_input_is_a_clear_error_on_every_rank():
         for key, text in expected.items():
             assert errors[key] is not None and text in errors[key], (key, errors[key])
     assert "KeyError: 'broken item'" in results[0][0]["fn fails"]
+
+
+def _new_records(comm, fn, *args, **kwargs):
+    """`fn`'s result and the (kind, tag, bytes) of the collectives it added to `comm`'s record."""
+    before = comm.seq
+    result = fn(*args, **kwargs)
+    return result, [(r.kind, r.tag, r.nbytes) for r in comm.records if r.seq > before]
+
+
+def _ranks_through_the_comm():
+    from torch import nn
+
+    from phalanx.collectives import Comm, default_comm
+    from phalanx.sync_batchnorm import convert_sync_batchnorm
+
+    comm, r, seen = default_comm(), px.rank(), {}
+    seen["gather"] = _new_records(comm, px.gather, torch.ones(r + 1, 3))[1]
+    seen["gather objects"] = _new_records(comm, px.gather, {"rank": r})[1]
+    loader = px.data_loader(Samples(5), 2, shuffle=False)
+    batch = next(iter(loader))
+    seen["gather_for_metrics"] = _new_records(
+        comm, px.gather_for_metrics, (batch["x"], batch["name"]), loader)[1]
+    seen["map_batches"] = _new_records(comm, px.map_batches, lambda b: b, list(range(5)), 2)[1]
+    seen["map_batches main"] = _new_records(comm, px.map_batches, lambda b: b, list(range(5)), 2,
+                                            main_only=True)[1]
+    count = torch.tensor(float(r + 3))
+    loss = torch.tensor(2.0)
+    seen["global_mean"] = _new_records(comm, lambda: [px.global_mean(loss, count)
+                                                      for _ in range(3)])[1]
+    seen["count untouched"] = vars(count) == {}  # no cache written on the user's tensor
+    own = Comm(dist.group.WORLD)  # a Comm the caller holds: its record, not the default one
+    seen["own comm"] = (_new_records(comm, px.gather, torch.ones(2), own)[1],
+                        [(x.kind, x.tag) for x in own.records])
+
+    layer = convert_sync_batchnorm(nn.BatchNorm1d(4))
+    x = torch.randn(3, 4).requires_grad_()
+    default_before = comm.seq
+    layer(x).sum().backward()
+    seen["sync_batchnorm"] = [(x.kind, x.tag, x.nbytes) for x in layer.comm.records]
+    seen["sync_batchnorm on default"] = comm.seq - default_before
+    seen["copy"] = copy.deepcopy(layer).comm is None and layer.comm is not None
+    return seen
+
+
+def test_every_data_collective_and_sync_batchnorm_go_through_a_comm():
+    """Each collective is in a Comm's record, with its tag and its bytes: one that went to
+    torch.distributed directly would be missing here."""
+    results = run_ranks(_ranks_through_the_comm, 2, timeout=60)
+    for seen in results:
+        # meta then data; rank 1 holds 2 rows, so both ranks gather 2 x (2 x 3) floats
+        assert seen["gather"] == [("all_gather", "gather", 2 * 18 * 8),
+                                  ("all_gather", "gather", 2 * 2 * 3 * 4)]
+        assert [(k, t) for k, t, _ in seen["gather objects"]] == [("all_gather_object", "gather")]
+        assert [(k, t) for k, t, _ in seen["gather_for_metrics"]] == [
+            ("all_gather", "gather_for_metrics"), ("all_gather", "gather_for_metrics"),
+            ("all_gather_object", "gather_for_metrics")]
+        assert [(k, t) for k, t, _ in seen["map_batches"]] == [
+            ("all_gather_object", "map_batches:status"), ("all_gather_object", "map_batches")]
+        assert [(k, t) for k, t, _ in seen["map_batches main"]] == [
+            ("all_gather_object", "map_batches:status"), ("gather_object", "map_batches")]
+        assert seen["global_mean"] == [("all_reduce", "global_mean", 8)]  # once for 3 calls
+        assert seen["count untouched"]
+        assert seen["own comm"] == ([], [("all_gather", "gather"), ("all_gather", "gather")])
+        # one gather of [mean (4), var (4), count] per forward, one reduce of 2 x 4 per backward
+        assert seen["sync_batchnorm"] == [("all_gather", "sync_batchnorm:stats", 2 * 9 * 4),
+                                          ("all_reduce", "sync_batchnorm:grads", 8 * 4)]
+        assert seen["sync_batchnorm on default"] == 0
+        assert seen["copy"]
+        for key in ("gather objects", "gather_for_metrics", "map_batches", "map_batches main"):
+            assert all(nbytes > 0 for _, _, nbytes in seen[key]), key

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import phalanx as px
-import phalanx.sync_batchnorm as sbn
+from phalanx.collectives import Comm
 from phalanx.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from phalanx.testing import RanksFailed, run_ranks
 
@@ -60,11 +60,15 @@ def _rank_slice(sizes):
     return slice(start, start + sizes[px.rank()])
 
 
-def _counting(fn, counts, key):
-    def wrapped(*args, **kwargs):
-        counts[key] += 1
-        return fn(*args, **kwargs)
-    return wrapped
+def _collectives(model):
+    """How many of each synchronized BatchNorm collective the model's layers have recorded."""
+    counts = {"gather": 0, "reduce": 0}
+    tags = {"sync_batchnorm:stats": "gather", "sync_batchnorm:grads": "reduce"}
+    for m in model.modules():
+        if isinstance(m, SyncBatchNorm) and m.comm is not None:
+            for record in m.comm.records:
+                counts[tags[record.tag]] += 1
+    return counts
 
 
 def _forbidden(*_args, **_kwargs):
@@ -78,9 +82,6 @@ def _train_on_ranks(kind, sizes, dtype, convert):
     if convert:
         model = convert_sync_batchnorm(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    counts = {"gather": 0, "reduce": 0}
-    sbn._all_gather = _counting(sbn._all_gather, counts, "gather")
-    sbn._all_reduce = _counting(sbn._all_reduce, counts, "reduce")
     steps = []
     for step in range(STEPS):
         x, target = _batch(kind, step, total, dtype)
@@ -95,9 +96,10 @@ def _train_on_ranks(kind, sizes, dtype, convert):
         opt.step()
         opt.zero_grad()
         steps.append((out.detach(), x.grad, grads))
-    collectives = dict(counts)
+    collectives = _collectives(model)
     model.eval()
-    sbn._all_gather = sbn._all_reduce = _forbidden
+    for name in ("all_gather_into", "all_gather_list", "all_reduce", "broadcast"):
+        setattr(Comm, name, _forbidden)
     x, _ = _batch(kind, STEPS, total, dtype)
     with torch.no_grad():
         eval_out = model(x[_rank_slice(sizes)])

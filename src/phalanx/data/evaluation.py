@@ -21,8 +21,8 @@ import collections.abc as abc
 
 import torch
 
-from .. import runtime
-from .gather import gather
+from ..collectives import Comm, default_comm
+from .gather import gather_with
 from .loader import DistributedLoader
 
 __all__ = ["gather_for_metrics"]
@@ -33,7 +33,8 @@ def gather_for_metrics(value, loader):
 
     `value` is a tensor whose first dimension is the batch (0-d tensors are stacked, one per
     rank), a list of per-sample objects (lists are concatenated), or a tuple / dict / named
-    tuple of those, gathered field by field.
+    tuple of those, gathered field by field. The collectives go through the job's default
+    `Comm` (the loader splits the data over the whole job), tagged "gather_for_metrics".
     """
     if not isinstance(loader, DistributedLoader):
         raise TypeError(
@@ -44,21 +45,25 @@ def gather_for_metrics(value, loader):
         raise ValueError(
             "px.gather_for_metrics over a loader with drop_last=True would miss the last "
             "samples of the dataset: build the evaluation loader with drop_last=False")
-    return _gather_cat(value, runtime.default_group())
+    return _gather_cat(value, default_comm())
 
 
-def _gather_cat(value, group):
+def _gather(value, comm: Comm) -> list:
+    return gather_with(value, comm, tag="gather_for_metrics")
+
+
+def _gather_cat(value, comm: Comm):
     if isinstance(value, torch.Tensor):
-        parts = gather(value, group)
+        parts = _gather(value, comm)
         return torch.stack(parts) if value.dim() == 0 else torch.cat(parts)
     if isinstance(value, abc.Mapping):
-        return type(value)({k: _gather_cat(v, group) for k, v in value.items()})
+        return type(value)({k: _gather_cat(v, comm) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_gather_cat(v, group) for v in value))
+        return type(value)(*(_gather_cat(v, comm) for v in value))
     if isinstance(value, tuple):
-        return tuple(_gather_cat(v, group) for v in value)
+        return tuple(_gather_cat(v, comm) for v in value)
     if isinstance(value, list):
-        return [item for part in gather(value, group) for item in part]
+        return [item for part in _gather(value, comm) for item in part]
     raise TypeError(
         f"px.gather_for_metrics gathers tensors, lists, and tuples or dicts of them; got "
         f"{type(value).__name__} (for any other object use px.gather)")

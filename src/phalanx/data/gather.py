@@ -4,6 +4,10 @@ Tensors travel as tensors (one all-gather), padded along the first dimension to 
 and cut back after, so ranks may hold different numbers of rows; their other dimensions and
 dtype must agree. Anything else travels pickled (`all_gather_object`). In a world of one no
 process group is needed: the result is `[value]`.
+
+Every collective goes through a `Comm` (`phalanx.collectives`): the job's default one
+(`default_comm()`), or one over the group the caller names, so each gather is in that Comm's
+record under its tag.
 """
 
 from __future__ import annotations
@@ -11,23 +15,20 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.distributed as dist
 
-from .. import runtime
+from ..collectives import Comm, default_comm
 
-__all__ = ["gather", "all_gather_objects", "comm_device"]
-
-
-def comm_device(group) -> torch.device:
-    """The device a collective on `group` works on: this rank's GPU for NCCL, else the CPU."""
-    return runtime.device() if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+__all__ = ["gather", "resolve_comm"]
 
 
-def all_gather_objects(obj, group) -> list:
-    """Every rank's picklable `obj`, in rank order."""
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def resolve_comm(group=None) -> Comm:
+    """The `Comm` that a data helper issues its collectives through: the job's default Comm
+    for `group=None`, `group` itself when it is a Comm, else a Comm over that process group."""
+    if group is None:
+        return default_comm()
+    if isinstance(group, Comm):
+        return group
+    return Comm(group)
 
 
 def gather(value, group=None) -> list:
@@ -36,14 +37,18 @@ def gather(value, group=None) -> list:
         rows = px.gather(predictions)        # [rank 0's tensor, rank 1's tensor, ...]
         everything = torch.cat(rows)
 
-    `group` defaults to the job's process group.
+    `group` defaults to the job's process group; a process group or a `Comm` may be given.
     """
-    group = runtime.default_group() if group is None else group
-    if group is None:
+    return gather_with(value, resolve_comm(group), tag="gather")
+
+
+def gather_with(value, comm: Comm, tag: str) -> list:
+    """`gather` through `comm`, its collectives recorded under `tag`."""
+    if comm.group is None:
         return [value]
     if isinstance(value, torch.Tensor):
-        return _gather_tensor(value, group)
-    return all_gather_objects(value, group)
+        return _gather_tensor(value, comm, tag)
+    return comm.all_gather_object(value, tag=tag)
 
 
 _MAX_DIMS = 16
@@ -55,12 +60,9 @@ def _describe(t: torch.Tensor, device) -> torch.Tensor:
     return torch.tensor([zlib.crc32(str(t.dtype).encode()), t.dim()] + dims, device=device)
 
 
-def _gather_tensor(t: torch.Tensor, group) -> list:
-    device = comm_device(group)
-    meta = _describe(t, device)
-    metas = [torch.empty_like(meta) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(metas, meta, group=group)
-    metas = [m.tolist() for m in metas]
+def _gather_tensor(t: torch.Tensor, comm: Comm, tag: str) -> list:
+    device = comm.device
+    metas = [m.tolist() for m in comm.all_gather_list(_describe(t, device), tag=tag)]
     shapes = [tuple(m[2:2 + min(m[1], _MAX_DIMS)]) for m in metas]
     # Every rank sees every shape, so every rank raises the same error: none is left waiting.
     if len({m[0] for m in metas}) > 1:
@@ -80,10 +82,8 @@ def _gather_tensor(t: torch.Tensor, group) -> list:
     longest = max(lengths)
     if x.shape[0] < longest:
         x = torch.cat([x, x.new_zeros((longest - x.shape[0],) + tuple(x.shape[1:]))])
-    parts = [torch.empty_like(x) for _ in lengths]
-    dist.all_gather(parts, x, group=group)
     out = []
-    for part, n in zip(parts, lengths):
+    for part, n in zip(comm.all_gather_list(x, tag=tag), lengths):
         part = part[:n].to(t.device, torch.bool if is_bool else t.dtype)
         out.append(part.reshape(()) if scalar else part)
     return out

@@ -7,7 +7,9 @@ by at most one item, so any length works, including fewer items than ranks); eac
 `fn` on its block in batches of `batch_size`, and one gather at the end puts all results back
 in the items' order. Every rank makes exactly the same collectives whatever its share, so an
 uneven split cannot hang. A failure in `fn` on any rank (or a wrong number of results) is
-raised on every rank, naming the rank, instead of leaving the others waiting.
+raised on every rank, naming the rank, instead of leaving the others waiting. The collectives
+go through the job's default `Comm`, tagged "map_batches:status" (the outcome of every rank)
+and "map_batches" (the results).
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ from __future__ import annotations
 import collections.abc as abc
 import traceback
 
-import torch.distributed as dist
-
-from .. import runtime
-from .gather import all_gather_objects
+from ..collectives import default_comm
 from .sampler import check_batch_size, split_evenly
 
 __all__ = ["map_batches"]
@@ -34,10 +33,10 @@ def map_batches(fn, items, batch_size: int, *, main_only: bool = False):
     check_batch_size(batch_size)
     if not isinstance(items, abc.Sequence):
         items = list(items)
-    group = runtime.default_group()
-    world, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    comm = default_comm()
+    world, rank = comm.world, comm.rank
     lo, hi = split_evenly(len(items), world, rank)
-    if group is None:
+    if comm.group is None:
         return _run(fn, items, lo, hi, batch_size)
 
     try:
@@ -45,7 +44,7 @@ def map_batches(fn, items, batch_size: int, *, main_only: bool = False):
     except Exception as exc:  # reported to every rank below, then raised here with its cause
         results, status = None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         error = exc
-    statuses = all_gather_objects((len(items), status), group)
+    statuses = comm.all_gather_object((len(items), status), tag="map_batches:status")
     lengths = {n for n, _ in statuses}
     failed = {r: s for r, (_, s) in enumerate(statuses) if s is not None}
     if failed:
@@ -58,10 +57,9 @@ def map_batches(fn, items, batch_size: int, *, main_only: bool = False):
         raise ValueError(f"px.map_batches: ranks passed different numbers of items "
                          f"{[n for n, _ in statuses]}; every rank must pass the same items")
     if main_only:
-        parts = [None] * world if rank == 0 else None
-        dist.gather_object(results, parts, dst=dist.get_global_rank(group, 0), group=group)
+        parts = comm.gather_object(results, dst=0, tag="map_batches")
         return [r for part in parts for r in part] if rank == 0 else None
-    return [r for part in all_gather_objects(results, group) for r in part]
+    return [r for part in comm.all_gather_object(results, tag="map_batches") for r in part]
 
 
 def _run(fn, items, lo: int, hi: int, batch_size: int) -> list:

@@ -27,24 +27,28 @@ every micro-step of the step before the first backward, so count the step's elem
             px.global_mean(token_losses, count).backward()
     optimizer.step(); optimizer.zero_grad()
 
-The global total is one all-reduce of a single number. When `count` is a tensor, the total is
-remembered on that tensor object, so passing the same tensor to every micro-step of a step
-costs one all-reduce per step (a tensor changed in place is reduced again); a Python number
-is reduced on every call. Every rank must call `global_mean` the same number of times.
+The global total is one all-reduce of a single number, through the job's default `Comm`
+(tagged "global_mean"). When `count` is a tensor, the total is remembered for that tensor object
+(in a table of this module that holds it weakly, so nothing is written on the user's tensor and
+nothing keeps it alive): passing the same tensor to every micro-step of a step costs one
+all-reduce per step (a tensor changed in place is reduced again); a Python number is reduced on
+every call. Every rank must call `global_mean` the same number of times.
 For logging, the mean over ranks of the per-step sum of the returned values is L itself.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+import weakref
 
-from .. import runtime
-from .gather import comm_device
+import torch
+
+from ..collectives import Comm, default_comm
 
 __all__ = ["global_mean"]
 
-_CACHE_ATTR = "_phalanx_global_count"
+# id(count tensor) -> (weak reference to it, its _version, the Comm, the reduced total). An
+# entry goes when its tensor dies; a hit needs the same live object, unchanged, and the same Comm.
+_totals: dict[int, tuple] = {}
 
 
 def global_mean(loss_sum: torch.Tensor, count) -> torch.Tensor:
@@ -57,31 +61,40 @@ def global_mean(loss_sum: torch.Tensor, count) -> torch.Tensor:
     """
     if not isinstance(loss_sum, torch.Tensor):
         raise TypeError(f"px.global_mean: loss_sum must be a tensor, got {type(loss_sum).__name__}")
-    group = runtime.default_group()
-    world = 1 if group is None else dist.get_world_size(group)
-    total = _global_total(count, group)
-    scale = torch.where(total > 0, world / total, torch.zeros_like(total))
+    comm = default_comm()
+    total = _global_total(count, comm)
+    scale = torch.where(total > 0, comm.world / total, torch.zeros_like(total))
     return loss_sum * scale.to(loss_sum.device, loss_sum.dtype)
 
 
-def _global_total(count, group) -> torch.Tensor:
-    """The sum of `count` over ranks as a float64 tensor, cached on a tensor `count`."""
+def _global_total(count, comm: Comm) -> torch.Tensor:
+    """The sum of `count` over ranks as a float64 tensor, remembered for a tensor `count`."""
     if isinstance(count, torch.Tensor):
         if count.numel() != 1:
             raise ValueError(f"px.global_mean: count must hold one number, got shape "
                              f"{tuple(count.shape)}; pass count.sum()")
-        cached = getattr(count, _CACHE_ATTR, None)
-        if cached is not None and cached[0] == count._version:
-            return cached[1]
+        cached = _totals.get(id(count))
+        if (cached is not None and cached[0]() is count and cached[1] == count._version
+                and cached[2] is comm):
+            return cached[3]
         local = count.detach().reshape(()).to(torch.float64)
     elif isinstance(count, (int, float)) and not isinstance(count, bool):
         local = torch.tensor(float(count), dtype=torch.float64)
     else:
         raise TypeError(f"px.global_mean: count must be a number or a one-element tensor, "
                         f"got {type(count).__name__}")
-    if group is not None:
-        local = local.to(comm_device(group)).clone()
-        dist.all_reduce(local, group=group)
+    if comm.group is not None:
+        local = local.to(comm.device).clone()
+        comm.all_reduce(local, op="sum", tag="global_mean")
     if isinstance(count, torch.Tensor):
-        setattr(count, _CACHE_ATTR, (count._version, local))
+        key = id(count)
+        ref = weakref.ref(count, lambda r, key=key: _forget(key, r))
+        _totals[key] = (ref, count._version, comm, local)
     return local
+
+
+def _forget(key: int, ref) -> None:
+    """Drop the entry of a count tensor that died (unless its id was already reused)."""
+    entry = _totals.get(key)
+    if entry is not None and entry[0] is ref:
+        del _totals[key]
