@@ -187,17 +187,16 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
     from phalanx.planner.memory import buffer_bytes, peak_bytes
     prec = PRECISIONS["fp32"]
     psi, n, unit = 10**8, 4, 10**6
-    states = model_states("zero1", prec, psi, psi, 2 * psi, n)
-    buffers = buffer_bytes("zero1", prec, psi, n, reduce_scatter=True, comm_bytes=None,
+    # zero1 keeps full gradients, so it all-reduces even where reduce-scatter is preferred
+    z1 = buffer_bytes("zero1", prec, psi, n, reduce_scatter=True, comm_bytes=None,
+                      largest_unit=unit, largest_param=unit)
+    assert z1["comm_copies"] == z1["grad_shard"] == z1["grad_pool"] == 0
+    states = model_states("zero2", prec, psi, psi, 2 * psi, n)
+    buffers = buffer_bytes("zero2", prec, psi, n, reduce_scatter=True, comm_bytes=None,
                            largest_unit=unit, largest_param=unit)
-    # reduce-scatter: the received shards live until the end of backward, and the reduced shard
-    # is then kept apart from the bucket (whose other slices hold unreduced gradients)
-    assert buffers["comm_copies"] == 4 * psi // n
-    assert buffers["grad_shard"] == 4 * psi // n
-    assert buffers["grad_pool"] == buffers["comm_buffers"] == 0
-    kept = buffers["grad_shard"]
-    assert peak_bytes(states.total, buffers, 10**6, 0) == (states.total + kept + 4 * psi // n,
-                                                           "end of backward")
+    # reduce-scatter: the received shards of the two buckets in flight
+    assert buffers["comm_copies"] == 4 * 2 * unit // n
+    kept = buffers["grad_pool"]
     assert peak_bytes(states.total, buffers, 10**9, 0) == (
         states.total + kept + 10**9 + 4 * unit, "backward start")
     assert peak_bytes(states.total, buffers, 0, 2 * 10**9) == (

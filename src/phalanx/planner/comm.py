@@ -59,7 +59,10 @@ def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
     reduce = "reduce_scatter" if reduce_scatter else "all_reduce"
     if strategy == "ddp":
         return [Collective("all_reduce", grad_bytes, "backward")]
-    if strategy in ("zero1", "zero2"):
+    if strategy == "zero1":  # full gradients: all-reduced (engine/policy.py)
+        return [Collective("all_reduce", grad_bytes, "backward"),
+                Collective("all_gather", param_bytes, "after_step")]
+    if strategy == "zero2":
         return [Collective(reduce, grad_bytes, "backward"),
                 Collective("all_gather", param_bytes, "after_step")]
     if strategy == "zero3":
@@ -72,7 +75,7 @@ def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
 @dataclass(frozen=True)
 class StepTime:
     comm_bytes: float        # wire bytes per rank per step
-    payload_by_op: dict      # op -> payload bytes per step (what phalanx's comm_counter counts)
+    payload_by_op: dict      # op -> payload bytes per step (what phalanx's Comm records count)
     comm_s: float
     compute_s: float
     step_s: float            # with overlap

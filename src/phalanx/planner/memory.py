@@ -13,7 +13,7 @@ K = 12, so ddp costs 16 Psi. Pure fp32 Adam: w = g = 4 and K = 8 (the fp32 weigh
 master). "bf16" keeps everything, moments included, in bf16: 2 + 2 + 4 = 8 Psi.
 
 [Note: Engine buffers]
-`buffers_bytes` is what phalanx's engine (sharding.py, replicate.py, reducer.py, buckets.py)
+`buffers_bytes` is what phalanx's engine (engine/flat_engine.py, flat.py, reducer.py, buckets.py)
 holds beyond those model states, modelled from its code and checked against the engine by
 tests/test_plan_memory.py and against measured peaks by benchmarks/plan_vs_measured.py.
 The reduced gradients themselves are the formula's g: they stay in the compute dtype, as the
@@ -25,7 +25,8 @@ separate fp32 gradient between steps.
 - comm_buffers: with a `comm_dtype` other than the compute dtype, the sharded engine keeps one
   low-precision copy of every unit. Kept.
 - comm_copies: what exists until a bucket's collective is finished: fp32 ddp's compressed
-  copies (every bucket, at the end of backward) and the shards reduce-scatter receives.
+  copies (every bucket, at the end of backward) and the shards reduce-scatter receives (zero2
+  on NCCL; zero1 keeps full gradients and all-reduces).
 - grad_staging: autograd makes each parameter's gradient as a fresh tensor, which the engine
   then copies into its bucket; the largest parameter's gradient exists twice for a moment.
 - gathered_params, unit_grads (zero3): two gather units of full parameters (the one in use and
@@ -39,8 +40,10 @@ call at once: one state-sized tensor over everything stepped. Its single-tensor
 implementation, the default on CPU, makes two of the tensor being stepped while the previous
 tensor's last one is still held: up to about three of the largest tensor stepped.
 fp32 ddp steps the model's own parameters in one call. phalanx's flat engine (every other
-strategy and precision) calls the optimizer once per unit, on that unit's master shard alone
-(see [Note: fp32 gradients one unit at a time] in sharding.py, and layout.py for the units);
+strategy and precision) calls the optimizer once per unit, on that unit's master pieces alone
+(see [Note: fp32 gradients one unit at a time] in engine/flat_engine.py, and engine/units.py
+for the units; the single-tensor temporaries are modelled on the unit as one tensor, an upper
+bound, since a unit's pieces are stepped one parameter at a time);
 under mixed precision it first makes that unit's fp32 gradient from the compute-dtype one and
 drops it after the call. Its step's working memory is then the largest, over units, of the
 unit's fp32 gradient (4 bytes per owned element, mixed precision only) plus the optimizer's
@@ -160,8 +163,9 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
                  largest_param: int = 0) -> dict:
     """The engine's working memory by kind (see [Note: Engine buffers]); values in bytes."""
-    sharded = strategy != "ddp" and world > 1
-    reduce_scatter = reduce_scatter and sharded
+    # Only strategies that shard gradients reduce-scatter (zero1 keeps full gradients, so it
+    # all-reduces whatever the backend: engine/policy.py).
+    reduce_scatter = reduce_scatter and strategy in ("zero2", "zero3") and world > 1
     g = precision.grad
     g_full = g * trainable
     compressed = comm_bytes is not None and comm_bytes != precision.weight
@@ -178,13 +182,8 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
         out["comm_buffers"] = comm_bytes * trainable
     elif compressed:
         out["comm_copies"] = comm_bytes * trainable
-    if reduce_scatter:
-        in_flight = trainable if strategy == "zero1" else min(trainable, 2 * largest_unit)
-        out["comm_copies"] += _shard(comm_elem * in_flight, world)
-        if strategy == "zero1":
-            # the reduced shard is kept apart from the bucket, whose other slices still hold
-            # this rank's unreduced gradients (sharding.py, _finish)
-            out["grad_shard"] = _shard(g_full, world)
+    if reduce_scatter:  # the received shards of the (at most two) buckets in flight
+        out["comm_copies"] += _shard(comm_elem * min(trainable, 2 * largest_unit), world)
     return out
 
 
