@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..collectives import Handle
 from .buckets import BufferPool, GradBucket
 
 __all__ = ["FlatUnit", "Piece"]
@@ -69,6 +70,8 @@ class FlatUnit:
         self.flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
         self.pieces: list[Piece] = []
+        self._received: torch.Tensor | None = None  # reduce-scatter's output, until finished
+        self._sent_compressed = False
         if adopt:
             self._lay_out_flat()
         else:  # each parameter is its own master, whole
@@ -139,6 +142,66 @@ class FlatUnit:
                 piece.master.view(-1).copy_(v.reshape(-1)[piece.start:piece.end])
 
     # -- gradients ----------------------------------------------------------------------------
+    def reduce_grad(self, comm, comm_dtype: torch.dtype | None, shard: bool):
+        """Start averaging the unit's bucket over the ranks (asynchronously): all of it, in
+        place, where gradients stay full; to the owned shard where they are sharded (by
+        reduce-scatter or by all-reduce, as the Comm prefers). The used-flags ride along."""
+        bucket = self.bucket
+        buf = bucket.buffer
+        self._sent_compressed = comm_dtype is not None and comm_dtype != buf.dtype
+        if self._sent_compressed:
+            buf = bucket.copy_for_comm(comm_dtype)
+        tag = f"unit[{self.index}]:grads"
+        self._received = None
+        if shard and comm.uses_reduce_scatter:
+            self._received = torch.empty(self.hi - self.lo, dtype=buf.dtype, device=buf.device)
+            grads = comm.reduce_shard(buf[:bucket.padded_numel], self._received, tag=tag)
+            flags = comm.all_reduce(buf[bucket.padded_numel:], async_op=True, tag=tag + ":flags")
+            return Handle(grads.works + flags.works)
+        return comm.all_reduce(buf, async_op=True, tag=tag)
+
+    def finish_grad(self, shard: bool) -> None:
+        """Turn the reduced bucket into what the step reads, once its collective is done.
+
+        See [Note: gradients that never arrived] in reducer.py: under full gradients a parameter
+        still holding an accumulated `.grad` counts as used by itself (its slot is kept, its
+        flag set); sharded gradients leave `.grad` None, so the flags of earlier backwards since
+        zero_grad() are remembered here.
+        """
+        bucket = self.bucket
+        reduced = bucket.comm_buffer if self._sent_compressed \
+            else bucket.buffer
+        used = (reduced[bucket.padded_numel:] > 0).tolist()
+        if shard:
+            if self.reduced is not None:
+                used = [a or b for a, b in zip(self.used, used)]
+            self.used = used
+            owned = self._received if self._received is not None \
+                else reduced[self.lo:self.hi]
+            self._received = None
+            if self.grad_shard is None:
+                self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
+                                              device=owned.device)
+            # A second backward before zero_grad() accumulates, as in one process.
+            if self.reduced is None:
+                self.grad_shard.copy_(owned)
+            else:
+                self.grad_shard.add_(owned)
+            self.reduced = self.grad_shard
+            for p in self.params:
+                p.grad = None
+            bucket.free()
+            return
+        if reduced is not bucket.buffer:
+            bucket.buffer.copy_(reduced)  # the mean, into every element: `.grad` is the mean
+        # The bucket is kept and the parameters keep their views into it, so a second backward
+        # accumulates into it in place (the mean of a sum already equal on every rank plus the
+        # new gradients is that sum plus their mean).
+        self.used = used
+        self.reduced = bucket.grads()[self.lo:self.hi]
+        for i, p in enumerate(self.params):
+            p.grad = bucket.view(i) if used[i] else None
+
     def set_piece_grads(self, grad: torch.Tensor | None) -> None:
         """Point every piece's `.grad` at its slice of `grad` (the owned reduced gradient in the
         master dtype), None for parameters that got no gradient on any rank."""

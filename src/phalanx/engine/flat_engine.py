@@ -72,7 +72,6 @@ class FlatEngine:
                                compute_dtype=compute or run[0].dtype, adopt=self.adopt,
                                pool=self.pool)
                       for i, run in enumerate(runs)]
-        self._out: dict[int, torch.Tensor] = {}
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
                                    max_in_flight=2 if self.shard_grads else None)
@@ -121,61 +120,13 @@ class FlatEngine:
 
     # -- backward ----------------------------------------------------------------------------
     def _launch(self, bucket: GradBucket):
-        unit = self.units[bucket.index]
         if self.world == 1:
             return None
-        buf = bucket.buffer
-        if self.precision.comm_dtype is not None and self.precision.comm_dtype != buf.dtype:
-            buf = bucket.copy_for_comm(self.precision.comm_dtype)
-        tag = f"unit[{unit.index}]:grads"
-        if self.shard_grads and self.comm.uses_reduce_scatter:
-            out = torch.empty(unit.hi - unit.lo, dtype=buf.dtype, device=buf.device)
-            self._out[bucket.index] = out
-            grads = self.comm.reduce_shard(buf[:bucket.padded_numel], out, tag=tag)
-            flags = self.comm.all_reduce(buf[bucket.padded_numel:], async_op=True,
-                                         tag=tag + ":flags")
-            return _Both(grads, flags)
-        return self.comm.all_reduce(buf, async_op=True, tag=tag)
+        return self.units[bucket.index].reduce_grad(self.comm, self.precision.comm_dtype,
+                                                    shard=self.shard_grads)
 
     def _finish(self, bucket: GradBucket) -> None:
-        unit = self.units[bucket.index]
-        comm_buf = bucket.comm_buffer if (self.world > 1 and self.precision.comm_dtype is not None
-                                          and self.precision.comm_dtype != bucket.dtype) else None
-        reduced = comm_buf if comm_buf is not None else bucket.buffer
-        used = (reduced[bucket.padded_numel:] > 0).tolist()
-        # See [Note: gradients that never arrived] in reducer.py. Under full gradients a
-        # parameter still holding an accumulated `.grad` counts as used by itself (its slot is
-        # kept, its flag set); sharded gradients leave `.grad` None, so the flags of earlier
-        # backwards since zero_grad() are remembered here.
-        if self.shard_grads:
-            if unit.reduced is not None:
-                used = [a or b for a, b in zip(unit.used, used)]
-            unit.used = used
-            owned = self._out.pop(bucket.index, None)
-            if owned is None:
-                owned = reduced[unit.lo:unit.hi]
-            if unit.grad_shard is None:
-                unit.grad_shard = torch.empty(unit.hi - unit.lo, dtype=bucket.dtype,
-                                              device=owned.device)
-            # A second backward before zero_grad() accumulates, as in one process.
-            if unit.reduced is None:
-                unit.grad_shard.copy_(owned)
-            else:
-                unit.grad_shard.add_(owned)
-            unit.reduced = unit.grad_shard
-            for p in unit.params:
-                p.grad = None
-            bucket.free()
-            return
-        if comm_buf is not None:
-            bucket.buffer.copy_(comm_buf)  # the mean, into every element: `.grad` is the mean
-        # The bucket is kept and the parameters keep their views into it, so a second backward
-        # accumulates into it in place (the mean of a sum already equal on every rank plus the
-        # new gradients is that sum plus their mean).
-        unit.used = used
-        unit.reduced = bucket.grads()[unit.lo:unit.hi]
-        for i, p in enumerate(unit.params):
-            p.grad = bucket.view(i) if unit.used[i] else None
+        self.units[bucket.index].finish_grad(shard=self.shard_grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget reduced gradients (the prepared model's and the adopted optimizer's
@@ -288,18 +239,3 @@ class FlatEngine:
                     if v is not None:
                         unit.flat[offset:offset + p.numel()].copy_(v.reshape(-1))
             unit.mark_cache_current()
-
-
-class _Both:
-    """Two handles waited for as one."""
-
-    def __init__(self, a, b):
-        self.a, self.b = a, b
-
-    def is_completed(self) -> bool:
-        return self.a.is_completed() and self.b.is_completed()
-
-    def wait(self) -> bool:
-        self.a.wait()
-        self.b.wait()
-        return True
