@@ -55,20 +55,38 @@ class CollectiveRecord:
 
 class Handle:
     """The works of one logical collective, waited for as one; `then` runs after the wait
-    (the copy-out of a kept shard). Has `is_completed()` like a torch Work."""
+    (the copy-out of a kept shard). Has `is_completed()` like a torch Work.
 
-    def __init__(self, works, then=None):
+    For a work whose backend gives no future (gloo's reduce-scatter in torch 2.13 raises
+    "Work::getFuture not implemented"), the record's completion is the first moment the
+    handle saw it complete: when polled by `is_completed()` (the reducer polls in-flight
+    buckets as gradients arrive) or when waited for.
+    """
+
+    def __init__(self, works, then=None, records=()):
         self.works = [w for w in works if w is not None]
         self._then = then
         self._done = False
+        self.records = list(records)
+
+    def _saw_completion(self) -> None:
+        now = None
+        for rec in self.records:
+            if rec.completed is None:
+                now = now or time.perf_counter()
+                rec.completed = now
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self.works)
+        done = self._done or all(w.is_completed() for w in self.works)
+        if done:
+            self._saw_completion()
+        return done
 
     def wait(self) -> bool:
         if not self._done:
             for w in self.works:
                 w.wait()
+            self._saw_completion()
             self._done = True
             if self._then is not None:
                 self._then()
@@ -149,8 +167,8 @@ class Comm:
         if self.group is None:
             return Handle([]) if async_op else None
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
-        self._record("all_reduce", self._nbytes(tensor), tag, work)
-        return Handle([work]) if async_op else None
+        rec = self._record("all_reduce", self._nbytes(tensor), tag, work)
+        return Handle([work], records=[rec]) if async_op else None
 
     def reduce_shard(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = True,
                      tag: str | None = None):
@@ -165,14 +183,14 @@ class Comm:
         if self.uses_reduce_scatter:
             work = _reduce_scatter(out, full, op=dist.ReduceOp.AVG, group=self.group,
                                    async_op=True)
-            self._record("reduce_scatter", self._nbytes(full), tag, work)
-            handle = Handle([work])
+            rec = self._record("reduce_scatter", self._nbytes(full), tag, work)
+            handle = Handle([work], records=[rec])
         else:
             work = dist.all_reduce(full, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
-            self._record("all_reduce", self._nbytes(full), tag, work)
+            rec = self._record("all_reduce", self._nbytes(full), tag, work)
             n = out.numel()
             lo = self.rank * n
-            handle = Handle([work], then=lambda: out.copy_(full[lo:lo + n]))
+            handle = Handle([work], then=lambda: out.copy_(full[lo:lo + n]), records=[rec])
         if not async_op:
             handle.wait()
         return handle
@@ -196,8 +214,8 @@ class Comm:
                                     group=self.group, async_op=True)
                      for r, piece in enumerate(pieces)]
             work = works[-1]
-        self._record("all_gather", nbytes, tag, work)
-        handle = Handle(works)
+        rec = self._record("all_gather", nbytes, tag, work)
+        handle = Handle(works, records=[rec])
         if not async_op:
             handle.wait()
             return None
@@ -219,8 +237,8 @@ class Comm:
             return Handle([]) if async_op else None
         work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group,
                               async_op=async_op)
-        self._record("broadcast", self._nbytes(tensor), tag, work)
-        return Handle([work]) if async_op else None
+        rec = self._record("broadcast", self._nbytes(tensor), tag, work)
+        return Handle([work], records=[rec]) if async_op else None
 
     # -- object collectives and barrier ------------------------------------------------------
     # Object collectives are recorded with 0 bytes: their payload is a pickle that

@@ -157,7 +157,7 @@ class FlatUnit:
             self._received = torch.empty(self.hi - self.lo, dtype=buf.dtype, device=buf.device)
             grads = comm.reduce_shard(buf[:bucket.padded_numel], self._received, tag=tag)
             flags = comm.all_reduce(buf[bucket.padded_numel:], async_op=True, tag=tag + ":flags")
-            return Handle(grads.works + flags.works)
+            return Handle(grads.works + flags.works, records=grads.records + flags.records)
         return comm.all_reduce(buf, async_op=True, tag=tag)
 
     def finish_grad(self, shard: bool) -> None:
