@@ -20,9 +20,11 @@ step count touches it. And the optimizer state is per parameter piece, which is 
 be reassembled into the per-parameter state a single process has (optim.py).
 
 A change made to the parameters behind phalanx's back (`px.unwrap(model).load_state_dict(...)`,
-an in-place edit) bumps the flat buffer's version counter; `sync_master_from_cache()` sees it at
-the next forward or step and takes the new values into the master, rather than overwriting
-them with the stale master.
+an in-place edit, through `.data` too, which no version counter sees) leaves the cache different
+from the master cast to the compute dtype. `sync_master_from_cache()`, run on each unit just
+before it steps, compares the two and takes exactly the changed elements into the master, so
+elements nobody touched keep their full precision. It costs one pass over the owned slice per
+step, unit by unit.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ class FlatUnit:
         else:  # each parameter is its own master, whole
             self.pieces = [Piece(i, 0, p.numel(), p, o, o + p.numel())
                            for i, (p, o) in enumerate(zip(params, self.bucket.offsets))]
-        self._seen_version = self._cache_version()
 
     @property
     def master_is_view(self) -> bool:
@@ -106,19 +107,17 @@ class FlatUnit:
             self.pieces.append(Piece(i, a - offset, b - offset, master, a - self.lo, b - self.lo))
 
     # -- the cache and the truth ---------------------------------------------------------------
-    def _cache_version(self) -> int:
-        return self.flat._version if self.flat is not None else 0
-
-    def mark_cache_current(self) -> None:
-        self._seen_version = self._cache_version()
-
     @torch.no_grad()
     def sync_master_from_cache(self) -> bool:
         """Take values written into the parameters behind phalanx's back into the master."""
-        if self.flat is None or self.master_is_view or self._cache_version() == self._seen_version:
+        if self.flat is None or self.master_is_view:
             return False
-        self.master.copy_(self.flat[self.lo:self.hi])
-        self.mark_cache_current()
+        cache = self.flat[self.lo:self.hi]
+        changed = cache != self.master.to(self.compute_dtype)
+        changed &= ~(cache.isnan() & self.master.isnan())
+        if not bool(changed.any()):
+            return False
+        self.master[changed] = cache[changed].to(self.master_dtype)
         return True
 
     @torch.no_grad()

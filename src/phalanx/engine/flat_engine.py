@@ -94,10 +94,11 @@ class FlatEngine:
         self.reducer.backward_started()
 
     def before_forward(self) -> None:
-        """See [Note: a backward that raised] in reducer.py, and [Note: the shard is the truth]
-        in flat.py."""
+        """See [Note: a backward that raised] in reducer.py."""
         if self.reducer.in_progress():
             if self.reducer.launched_any():
+                self.reducer.drain()
+                self.reducer.abandon()
                 raise RuntimeError(
                     "the previous backward stopped (raised) after this rank had started "
                     "averaging gradients with the other ranks, so its collectives can no longer "
@@ -107,8 +108,6 @@ class FlatEngine:
             for unit in self.units:
                 if unit.bucket.buffer is not None and self.shard_grads and unit.reduced is None:
                     unit.bucket.free()
-        for unit in self.units:
-            unit.sync_master_from_cache()
 
     def _reorder(self, completed: list[GradBucket]) -> None:
         """See [Note: launch order follows readiness] in reducer.py."""
@@ -149,8 +148,6 @@ class FlatEngine:
         unit steps. The optimizer's step hooks therefore run once per unit.
         """
         ready = [u for u in self.units if u.reduced is not None]
-        for unit in self.units:
-            unit.sync_master_from_cache()
         if not ready:
             return False
         unscale = 1.0
@@ -162,6 +159,7 @@ class FlatEngine:
                 return False
         works = []
         for unit in ready:
+            unit.sync_master_from_cache()  # See [Note: the shard is the truth] in flat.py
             grad = unit.reduced
             if grad.dtype != unit.master_dtype or unscale != 1.0:
                 grad = grad.to(unit.master_dtype).mul_(unscale)
@@ -172,8 +170,6 @@ class FlatEngine:
         for work in works:
             if work is not None:
                 work.wait()
-        for unit in self.units:
-            unit.mark_cache_current()
         return True
 
     # -- clipping -------------------------------------------------------------------------------
@@ -220,6 +216,8 @@ class FlatEngine:
         collective (not sharded); None when the masters are sharded."""
         if self.sharded:
             return None
+        for unit in self.units:
+            unit.sync_master_from_cache()
         out = {}
         for unit in self.units:
             for piece in unit.pieces:
@@ -238,4 +236,3 @@ class FlatEngine:
                     v = values.get(id(p))
                     if v is not None:
                         unit.flat[offset:offset + p.numel()].copy_(v.reshape(-1))
-            unit.mark_cache_current()

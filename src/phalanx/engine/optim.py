@@ -253,7 +253,16 @@ def _init_state_for_masters(optimizer) -> None:
 
 
 # -- torch.nn.utils.clip_grad_norm_ on a prepared model's parameters -------------------------
-_CLIP_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# id(param) -> (weakref to the param, weakref to its engine). Not a WeakKeyDictionary: tensors
+# compare element-wise, so a dictionary keyed by them cannot tell two apart safely.
+_CLIP_ENGINES: dict[int, tuple] = {}
+
+
+def _engine_of(p):
+    entry = _CLIP_ENGINES.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
 _original_clip = {}
 
 
@@ -267,7 +276,7 @@ def route_torch_clip(engine) -> None:
     other parameters torch's own function runs unchanged.
     """
     for p in engine.params:
-        _CLIP_ENGINES[p] = engine
+        _CLIP_ENGINES[id(p)] = (weakref.ref(p), weakref.ref(engine))
     if _original_clip:
         return
     import torch.nn.utils as nn_utils
@@ -279,7 +288,7 @@ def route_torch_clip(engine) -> None:
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                         foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        engines = {id(e): e for e in (_CLIP_ENGINES.get(p) for p in params) if e is not None}
+        engines = {id(e): e for e in (_engine_of(p) for p in params) if e is not None}
         if not engines:
             return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
         (engine,) = engines.values() if len(engines) == 1 else (None,)

@@ -99,6 +99,12 @@ class GradReducer:
     def launched_any(self) -> bool:
         return self._next > 0
 
+    def drain(self) -> None:
+        """Wait for the collectives still in flight (so peers that issued them too finish)."""
+        for _, work in self._in_flight:
+            if work is not None:
+                work.wait()
+
     def abandon(self) -> None:
         """Forget a backward that raised before issuing any collective."""
         self._reset_iteration()
