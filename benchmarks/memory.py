@@ -44,12 +44,15 @@ def _state_tensors(model, optimizer):
     yield from module.parameters()
     yield from (p.grad for p in module.parameters() if p.grad is not None)
     engine = model._engine
-    for unit in getattr(engine, "units", []):
-        yield from (t for t in (unit.flat, unit.master, unit.master.grad, unit.grad_shard)
+    for unit in engine.units:
+        yield from (t for t in (unit.flat, unit.master, unit.grad_shard, unit.reduced)
                     if t is not None)
-    for bucket in (engine.reducer.buckets if engine is not None else []):
+        for piece in unit.pieces:  # the optimizer's tensors (under mixed precision their fp32
+            # gradients, made one unit at a time inside the step)
+            yield from (t for t in (piece.master, piece.master.grad) if t is not None)
+    for bucket in engine.reducer.buckets:
         yield from (t for t in (bucket.buffer, bucket.comm_buffer) if t is not None)
-    if getattr(engine, "pool", None) is not None:  # zero2's idle bucket buffers
+    if engine.pool is not None:  # zero2's idle bucket buffers
         yield from engine.pool.tensors()
     for state in optimizer.state.values():
         yield from (t for t in state.values() if torch.is_tensor(t))
@@ -90,8 +93,9 @@ def measure(strategy, precision, bucket_mb):
     # `bucket_mb` in the compute dtype) and, under mixed precision, the fp32 gradient of the one
     # unit being stepped (see [Note: fp32 gradients one unit at a time] in sharding.py).
     engine = model._engine
-    allowance = 3 * engine.pool.numel * engine.pool.tensors()[0].element_size() \
-        if getattr(engine, "pool", None) is not None else 0
+    pool = engine.pool
+    allowance = pool.keep * pool.numel * torch.empty((), dtype=pool.dtype).element_size() \
+        if pool is not None else 0
     if precision != "fp32":
         allowance += 4 * max(u.hi - u.lo for u in engine.units)
     return n_params, max(samples), steady, allowance

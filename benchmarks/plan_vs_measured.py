@@ -8,9 +8,10 @@ training steps.
 CPU: for each model, strategy, precision and world size, real ranks (forked, gloo, one thread
 each) build the model, `px.prepare` it, take one warm-up step, then take two measured steps. The
 memory a rank used is its peak resident set (VmHWM, reset after warm-up) minus its resident set
-before the model was built; the communication is what `phalanx.collectives.comm_counter`
-counted, per step. Both are compared with `px.plan(..., backend="gloo")` for the same setting:
-its total per device (model states, activations, engine buffers) and its payload per step.
+before the model was built; the communication is the payload bytes the collectives layer
+counted (`phalanx.collectives.bytes_by_kind()`, summed over every live `Comm`), per step. Both
+are compared with `px.plan(..., backend="gloo")` for the same setting: its total per device
+(model states, activations, engine buffers) and its payload per step.
 glibc is told to serve large allocations with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors
 leave the resident set at once instead of lingering in the heap.
 
@@ -21,6 +22,12 @@ buffer may only ever serve small buckets, or none, and part of it is never writt
 and not another). The measured peak therefore adds the pool's pages that are still not resident
 after the run (mincore(2)): memory the engine allocated for the whole run, and the planner's
 figure for a device.
+
+Two things a CPU run has that the plan (made for GPUs) does not model: a bf16 matmul on CPU
+(oneDNN) makes an fp32 scratch the size of its output, so the backward of a large bf16 weight
+(a language-model head) briefly holds its gradient in fp32 as well; and a few MB of small
+tensors, Python objects and gloo scratch. Where the peak is at the start of backward (bf16
+zero1/zero2 here) the first shows as measured above planned.
 
 GPU: one process, the same comparison against `torch.cuda.max_memory_allocated()`, activations
 included, for a GPT-2-small-size and a ~1B-parameter transformer in bf16 mixed precision.
@@ -154,7 +161,7 @@ def _train(name, strategy, precision, data, tiny=False):
 
 
 def _measure_rank(name, strategy, precision, batch, seq, steps):
-    from phalanx.collectives import comm_counter
+    from phalanx.collectives import bytes_by_kind, reset_counts
     torch.manual_seed(px.rank())
     # The same layers at a tiny size first: the kernels' code is paged in and gloo's threads
     # and buffers are set up before the baseline is taken, so the difference is the model's.
@@ -166,13 +173,13 @@ def _measure_rank(name, strategy, precision, batch, seq, steps):
     step, model = _train(name, strategy, precision, data)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak to the current resident set
-    comm_counter.reset()
+    reset_counts()
     for x, y in data[1:]:
         step(x, y)
     pool = getattr(model._engine, "pool", None)
     return {"peak": _status_kb("VmHWM") - before,
             "unwritten": _unwritten_bytes(pool.tensors()) if pool is not None else 0,
-            "comm": {op: b / steps for op, b in comm_counter.by_op.items()}}
+            "comm": {op: b / steps for op, b in bytes_by_kind().items()}}
 
 
 def _plan_for(name, world, strategy, precision, batch, seq, gpu=False):
