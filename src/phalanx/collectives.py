@@ -25,6 +25,7 @@ algorithm, which the planner accounts for.
 
 from __future__ import annotations
 
+import pickle
 import time
 import weakref
 from collections import defaultdict, deque
@@ -241,26 +242,48 @@ class Comm:
         return Handle([work], records=[rec]) if async_op else None
 
     # -- object collectives and barrier ------------------------------------------------------
-    # Object collectives are recorded with 0 bytes: their payload is a pickle that
-    # torch.distributed makes internally, and pickling again only to count it would double the
-    # cost of large results (map_batches).
+    # Objects travel as pickles in byte tensors, as torch.distributed's object collectives
+    # do, but made here so that the record holds the bytes that really moved: one all-gather
+    # of the pickles' lengths, then one of the pickles padded to the longest; both are one
+    # record, whose bytes count the lengths and every rank's padded pickle.
     def all_gather_object(self, obj, tag: str | None = None) -> list:
         """Every rank's picklable `obj`, in rank order."""
         if self.group is None:
             return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        self._record("all_gather_object", 0, tag, None)  # bytes not counted: see below
-        return out
+        payload, sizes = self._pickle_and_sizes(obj, tag)
+        longest = int(max(sizes))
+        parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
+                 for _ in range(self.world)]
+        dist.all_gather(parts, _padded(payload, longest), group=self.group)
+        self._record("all_gather_object", (8 + longest) * self.world, tag, None)
+        return [_unpickle(part, size) for part, size in zip(parts, sizes)]
 
     def gather_object(self, obj, dst: int = 0, tag: str | None = None) -> list | None:
-        """Every rank's `obj` on rank `dst` (None elsewhere)."""
+        """Every rank's `obj` on rank `dst` (a rank of this group; None elsewhere)."""
         if self.group is None:
             return [obj]
-        out = [None] * self.world if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, dst), group=self.group)
-        self._record("gather_object", 0, tag, None)
-        return out
+        payload, sizes = self._pickle_and_sizes(obj, tag)
+        longest = int(max(sizes))
+        parts = None
+        if self.rank == dst:
+            parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
+                     for _ in range(self.world)]
+        dist.gather(_padded(payload, longest), parts, dst=dist.get_global_rank(self.group, dst),
+                    group=self.group)
+        self._record("gather_object", (8 + longest) * self.world, tag, None)
+        if parts is None:
+            return None
+        return [_unpickle(part, size) for part, size in zip(parts, sizes)]
+
+    def _pickle_and_sizes(self, obj, tag: str | None) -> tuple[torch.Tensor, list[int]]:
+        """This rank's pickle as a byte tensor, and every rank's pickle length."""
+        device = comm_device(self.group)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.world)]
+        dist.all_gather(sizes, size, group=self.group)
+        return payload, [int(s.item()) for s in sizes]
 
     def barrier(self, tag: str | None = None) -> None:
         if self.group is None:
@@ -270,6 +293,18 @@ class Comm:
         else:
             dist.barrier(group=self.group)
         self._record("barrier", 0, tag, None)
+
+
+def _padded(payload: torch.Tensor, length: int) -> torch.Tensor:
+    if payload.numel() == length:
+        return payload
+    out = torch.zeros(length, dtype=torch.uint8, device=payload.device)
+    out[:payload.numel()] = payload
+    return out
+
+
+def _unpickle(part: torch.Tensor, size: int):
+    return pickle.loads(part[:size].cpu().numpy().tobytes())
 
 
 _default: dict = {}

@@ -15,12 +15,15 @@ device). Everything else receives its process group explicitly.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from . import collectives
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
@@ -111,13 +114,46 @@ def _pick_device(local_rank: int, backend: str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_timeout(timeout) -> datetime.timedelta:
+    """`timeout` as a timedelta, or a TypeError/ValueError that names the option."""
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"px.init(timeout=...) takes a number of seconds (int or float), got "
+                        f"{type(timeout).__name__} {timeout!r}; for example timeout=600")
+    try:
+        if math.isfinite(seconds) and seconds > 0:
+            return datetime.timedelta(seconds=seconds)
+    except OverflowError:  # beyond what a timedelta holds (about 2.7 million years)
+        pass
+    raise ValueError(f"px.init(timeout={timeout!r}): the timeout bounds every collective and "
+                     "must be a positive, finite number of seconds; for example timeout=600 "
+                     "(the default)")
+
+
+def _check_backend(backend) -> None:
+    if backend is None:
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"px.init(backend=...) takes a name such as 'gloo' or 'nccl', or None "
+                        f"to choose; got {type(backend).__name__} {backend!r}")
+    if backend.lower() == "nccl" and not torch.cuda.is_available():
+        raise ValueError("px.init(backend='nccl'): NCCL needs CUDA GPUs, and this process sees "
+                         "none (torch.cuda.is_available() is False); use backend='gloo', the "
+                         "CPU backend, or leave backend=None to pick the one that fits")
+
+
 def init(backend: str | None = None, timeout: float = 600.0) -> None:
     """Join the job's process group (idempotent). With no launcher, a world of one.
 
-    `backend=None` picks NCCL when CUDA is available and gloo otherwise. `timeout` (seconds)
-    bounds every collective, so a rank that died turns into an error, not a hang.
+    `backend=None` picks NCCL when CUDA is available and gloo otherwise. `timeout` (seconds, or
+    a `datetime.timedelta`) bounds every collective, so a rank that died turns into an error, not a hang.
     If a process group already exists (a test harness or the user made one), it is adopted.
     """
+    timeout = _check_timeout(timeout)
+    _check_backend(backend)
     if _state.initialized:
         return
     if dist.is_available() and dist.is_initialized():
@@ -154,7 +190,7 @@ def init(backend: str | None = None, timeout: float = 600.0) -> None:
             init_method="env://",
             rank=env.rank,
             world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=timeout,
             **kwargs,
         )
         _state.owns_group = True
@@ -209,25 +245,32 @@ def default_group():
 def barrier() -> None:
     """Wait until every rank gets here. A no-op in a world of one."""
     if is_distributed():
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[_state.device.index])
-        else:
-            dist.barrier()
+        collectives.default_comm().barrier(tag="px.barrier")
 
 
 def shutdown() -> None:
-    """Leave the process group. Safe to call twice and in a world of one.
+    """Leave the process group and end it. Safe to call twice and in a world of one.
 
     Ranks first meet at a barrier, so no rank tears its connections down while another still
-    talks to it; that ordering is what keeps gloo from aborting a peer at exit.
+    talks to it; that ordering is what keeps gloo from aborting a peer at exit. Then every
+    `Comm` (a prepared model's engine holds one) drops its reference to the group before the
+    group is destroyed, so the group really ends here, with its native threads, and is not
+    left for interpreter finalisation to free (where gloo's threads can abort the process;
+    pytorch/pytorch#179291). A group that the script already destroyed is left alone.
     """
     if not _state.initialized:
         return
     try:
-        if _state.owns_group and dist.is_initialized():
+        if _state.owns_group and dist.is_available() and dist.is_initialized():
             try:
                 barrier()
             finally:
-                dist.destroy_process_group()
+                _end_group()
     finally:
         _state.__init__()
+
+
+def _end_group() -> None:
+    collectives.close_all()
+    if dist.is_initialized():  # the barrier's failure may have taken it down already
+        dist.destroy_process_group()

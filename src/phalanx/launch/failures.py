@@ -1,0 +1,175 @@
+"""From failed workers to the message the user reads.
+
+The agent hands over one `ProcessFailure` per failed rank: exit code (negative for a signal),
+local rank, and the worker's error file when it wrote one (worker.py writes it for a Python
+exception or a non-zero `sys.exit`). For a worker that died without one (a native abort, a
+signal, `os._exit`) the cause is read back from its stderr log instead.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+
+__all__ = ["failure_report", "restart_line", "attempt_summary", "native_cause"]
+
+# Lines of a failed rank's traceback repeated in the final message (the whole traceback is
+# already on stderr, prefixed with the rank).
+TRACEBACK_LINES = 12
+
+# Lines of a native crash's stderr that name its cause: a C++ exception that reached
+# std::terminate (its type, then its `what()`), gloo's and c10's failed checks, and
+# faulthandler's "Fatal Python error" when it says more than the signal's name.
+_CAUSE = re.compile(
+    r"terminate called|what\(\):|EnforceNotMet|enforce fail|collective mismatch"
+    r"|uncaught exception of type"
+    r"|Fatal Python error: (?!(Aborted|Segmentation fault|Bus error|Floating point exception"
+    r"|Illegal instruction)\s*$)")
+# faulthandler's header of one thread's Python stack, and its frames.
+_STACK_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*\(most recent call first\):")
+_STACK_FRAME = re.compile(r'^\s+File "')
+# Frames that are the launcher's, not the user's: runpy's and this package's worker.
+_OWN_FRAME = re.compile(r'File "(<frozen runpy>|[^"]*[/\\]phalanx[/\\]launch[/\\][^"]*)"')
+
+
+def failure_report(failures: dict, log_dir: str, earlier: list[str] = ()) -> str:
+    """One message: the first failed rank, how it ended, the end of its traceback, the others,
+    and, after restarts, what ended each earlier attempt."""
+    ordered = _ordered(failures, log_dir)
+    rank, failure = ordered[0]
+    headline, lines = _failure_detail(failure, log_dir)
+    text = f"phalanx run: error: rank {rank} {how_it_ended(failure.exitcode)}"
+    text += f": {headline}" if headline else ""
+    text += "".join("\n  | " + line for line in lines)
+    also = [f"rank {r} ({how_it_ended(f.exitcode)})" for r, f in ordered[1:] if not _stopped(f)]
+    if also:
+        text += "\n  also failed: " + ", ".join(also)
+    halted = [str(r) for r, f in ordered[1:] if _stopped(f)]
+    if halted:
+        text += f"\n  stopped: rank{'s' if len(halted) > 1 else ''} {', '.join(halted)}"
+    if earlier:
+        total = len(earlier) + 1
+        text += f"\n  that was attempt {total} of {total}; the earlier ones ended:"
+        text += "".join(f"\n    attempt {i}: {summary}" for i, summary in enumerate(earlier, 1))
+    return text
+
+
+def restart_line(failures: dict, log_dir: str, attempt: int, attempts: int) -> str:
+    """The line printed when the agent restarts the workers: who failed, how, which attempt."""
+    return (f"phalanx run: {attempt_summary(failures, log_dir)}; restarting workers "
+            f"(attempt {attempt} of {attempts})")
+
+
+def attempt_summary(failures: dict, log_dir: str) -> str:
+    """'rank 1 exited with code 3: sys.exit(3)': the first failure of one attempt."""
+    if not failures:
+        return "the workers stopped answering (unhealthy)"
+    rank, failure = _ordered(failures, log_dir)[0]
+    headline, _ = _failure_detail(failure, log_dir)
+    return f"rank {rank} {how_it_ended(failure.exitcode)}" + (f": {headline}" if headline else "")
+
+
+def how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
+
+
+def native_cause(stderr: str) -> tuple[str, list[str]]:
+    """The cause of a native crash from the worker's stderr: (headline, lines to show).
+
+    Python prints nothing useful for a process that aborts in C++; what names the cause is the
+    runtime's "terminate called after throwing an instance of 'gloo::EnforceNotMet'" and the
+    exception's "what(): ... Is there a distributed collective mismatch in your code?", which
+    come before faulthandler's stacks and its long "Extension modules:" line. The headline is
+    the first such line, the lines are the others, then one Python stack without the
+    launcher's frames. With no cause line, the end of stderr without the module list.
+    """
+    lines = stderr.rstrip().splitlines()
+    causes = list(dict.fromkeys(line.strip() for line in lines if _CAUSE.search(line)))
+    stack = _python_stack(lines)
+    if not causes and not stack:
+        kept = [line for line in lines if not line.startswith("Extension modules:")]
+        return "", kept[-TRACEBACK_LINES:]
+    headline, rest = (causes[0], causes[1:]) if causes else ("", [])
+    room = max(TRACEBACK_LINES - len(rest), 4)
+    return headline, rest + stack[:room]
+
+
+def _python_stack(lines: list[str]) -> list[str]:
+    """The stack faulthandler printed for the crashing thread (or, when the crash came from a
+    thread without Python, for the main thread, which it lists last), without the launcher's
+    frames."""
+    blocks, block = [], None
+    for line in lines:
+        if _STACK_HEADER.match(line):
+            block = [line]
+            blocks.append(block)
+        elif block is not None and _STACK_FRAME.match(line):
+            block.append(line)
+        else:
+            block = None  # a block is its header and the frame lines right after it
+    if not blocks:
+        return []
+    current = [b for b in blocks if b[0].startswith("Current thread")]
+    header, *frames = (current or blocks[-1:])[0]
+    return [header] + [f for f in frames if not _OWN_FRAME.search(f)]
+
+
+def _stopped(failure) -> bool:
+    return failure.exitcode == -signal.SIGTERM
+
+
+def _ordered(failures: dict, log_dir: str) -> list:
+    """Failed ranks, first failure first.
+
+    The agent knows every failed rank but orders them by a timestamp in whole seconds, and it
+    counts the ranks it stopped itself (SIGTERM) as failures too. The first failure is found
+    here from the worker's own error file (a precise time, written by worker.py), or for a
+    rank that died without one (a signal, os._exit) from when its stderr was last written;
+    ranks ended by SIGTERM come last, since the agent sends that to the survivors.
+    """
+    return sorted(failures.items(), key=lambda item: (
+        _stopped(item[1]), _failure_time(item[1], log_dir), item[0]))
+
+
+def _error_info(failure) -> dict:
+    message = (failure.error_file_data or {}).get("message")
+    return message if isinstance(message, dict) else {}
+
+
+def _stderr_log(failure, log_dir: str) -> str | None:
+    """The newest stderr log of this local rank (the agent keeps one per restart attempt)."""
+    pattern = os.path.join(glob.escape(log_dir), "*", "attempt_*", str(failure.local_rank),
+                           "stderr.log")
+    paths = glob.glob(pattern)
+    return max(paths, key=os.path.getmtime) if paths else None
+
+
+def _failure_time(failure, log_dir: str) -> float:
+    precise = _error_info(failure).get("extraInfo", {}).get("time")
+    if precise is not None:
+        return float(precise)
+    path = _stderr_log(failure, log_dir)
+    return os.path.getmtime(path) if path else float(failure.timestamp)
+
+
+def _failure_detail(failure, log_dir: str) -> tuple[str, list[str]]:
+    """The failure's one-line cause and the last lines of its traceback (or of its stderr)."""
+    info = _error_info(failure)
+    headline = (str(info.get("message", "")).strip().splitlines() or [""])[0]
+    callstack = info.get("extraInfo", {}).get("py_callstack", "")
+    if callstack.strip():
+        return headline, callstack.rstrip().splitlines()[-TRACEBACK_LINES:]
+    path = _stderr_log(failure, log_dir)
+    if not path:
+        return headline, []
+    with open(path, errors="replace") as f:
+        cause, lines = native_cause(f.read())
+    return headline or cause, lines

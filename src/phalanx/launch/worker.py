@@ -1,0 +1,156 @@
+"""The worker's entry point: `python -m phalanx.launch.worker [-m] TARGET ARGS...`, started by
+the agent once per rank.
+
+It runs the user's script or module as `__main__`, leaves an error file when it fails, and
+then leaves the process without interpreter finalisation: see [Note: leaving without
+finalisation].
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import faulthandler
+import gc
+import io
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+
+__all__ = ["run", "leave"]
+
+# The file objects that hold written data in Python until flushed.
+_BUFFERED_FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def run(argv: list[str]) -> tuple[int, object]:
+    """Run the user's script or module as `__main__`, leaving an error file if it fails.
+
+    Returns the exit status and what must stay alive until the process ends: the script's
+    globals (or the exception, whose frames hold them).
+
+    The agent gives each worker an error file (TORCHELASTIC_ERROR_FILE) in the JSON layout of
+    torch.distributed.elastic's `record`; it is written here rather than through `record` to
+    add a sub-second time (which rank failed first), to record non-zero sys.exit() codes,
+    and to leave this wrapper's frames out of the traceback.
+    """
+    faulthandler.enable(all_threads=True)  # a crash in C code still prints Python stacks
+    is_module = argv[:1] == ["-m"]
+    target, script_args = (argv[1], argv[2:]) if is_module else (argv[0], argv[1:])
+    sys.argv = [target, *script_args]
+    if not is_module and not getattr(sys.flags, "safe_path", False):
+        # `python -m` put the cwd first on the path; `python script.py` puts the script's
+        # directory there instead.
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+    try:
+        if is_module:
+            return 0, runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return 0, runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code in (None, 0):
+            return 0, exc
+        headline = f"sys.exit({code!r})" if isinstance(code, int) else str(code)
+        _record_failure(exc.with_traceback(_user_frames(exc.__traceback__)), headline)
+        if isinstance(code, int):
+            return code, exc
+        print(code, file=sys.stderr)  # what Python does with sys.exit("message")
+        return 1, exc
+    except BaseException as exc:
+        exc = exc.with_traceback(_user_frames(exc.__traceback__))
+        _record_failure(exc, f"{type(exc).__name__}: {exc}")
+        _print_exception(exc)  # for Ctrl-C too: where each rank was is worth seeing
+        return (128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1), exc
+
+
+def leave(code: int) -> None:
+    """[Note: leaving without finalisation]
+
+    End the worker as a normal exit would (wait for the script's non-daemon threads, run the
+    `atexit` handlers, flush every stream), then `os._exit(code)` instead of letting the
+    interpreter finalise.
+
+    Finalisation tears down modules and frees objects in no particular order while native
+    threads still run. A gloo process group that is still alive at that point (the script
+    did not call `px.shutdown()`, or something still holds the group) has worker threads that
+    hold work objects with Python tensors; freeing those during finalisation aborts the
+    process ("terminate called without an active exception", SIGABRT) in a few runs in a
+    hundred of an ordinary script (pytorch/pytorch#179291). Nothing useful happens in
+    finalisation once the handlers have run and the streams are flushed, so it is skipped.
+    """
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush_open_files()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):  # what C and C++ code wrote through stdio
+        ctypes.CDLL(None).fflush(None)
+    os._exit(code & 0xFF)  # as the OS truncates a normal exit status: sys.exit(-1) is 255
+
+
+def _flush_open_files() -> None:
+    """Flush every open Python file, as finalisation would when it frees them (a script may
+    leave a log file open without closing it)."""
+    # type(obj), not isinstance: isinstance reads `obj.__class__`, which some objects (torch's
+    # deprecated `reduce_op`) answer with a warning.
+    for obj in gc.get_objects():
+        if issubclass(type(obj), _BUFFERED_FILES):
+            with contextlib.suppress(Exception):
+                if not obj.closed:
+                    obj.flush()
+
+
+def _user_frames(tb):
+    """The traceback from the user's first frame on, without runpy's and this module's."""
+    start = tb
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_globals.get("__name__") == "runpy"):
+        tb = tb.tb_next
+    return tb if tb is not None else start
+
+
+def _print_exception(exc: BaseException) -> None:
+    """Print `exc` through sys.excepthook, as Python does with an uncaught exception.
+
+    torch.distributed's hook puts "[rankN]: " before every line; the launcher already does,
+    so that prefix is taken off here rather than printed twice.
+    """
+    buffer = io.StringIO()
+    with contextlib.redirect_stderr(buffer):
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    prefix = f"[rank{os.environ.get('RANK', '')}]: "
+    lines = buffer.getvalue().split("\n")
+    sys.stderr.write("\n".join(line.removeprefix(prefix) for line in lines))
+    sys.stderr.flush()
+
+
+def _record_failure(exc: BaseException, headline: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {"message": {"message": headline, "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(exc)),
+        "timestamp": str(int(now)),  # what the agent reads: whole seconds
+        "time": now,
+    }}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the traceback is still on stderr
+
+
+if __name__ == "__main__":
+    status, keep_alive = run(sys.argv[1:])  # the script's objects live until the process ends
+    leave(status)
