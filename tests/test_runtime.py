@@ -1,10 +1,13 @@
 """The runtime reads launcher environments and runs as a world of one without any."""
 
+import datetime
 import subprocess
 import sys
 
 import pytest
+import torch
 
+import phalanx as px
 from phalanx.runtime import _first_slurm_host, read_launch_env
 
 
@@ -51,3 +54,36 @@ def test_plain_python_script_runs_as_one_process(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "rank 0 of 1 cpu True" in out.stdout
+
+
+# Item 14 of the issue "Defects found by running real training code": init's options checked.
+@pytest.mark.parametrize("timeout,error,words", [
+    (0, ValueError, "positive, finite number of seconds"),
+    (-5, ValueError, "positive, finite number of seconds"),
+    (float("inf"), ValueError, "positive, finite number of seconds"),
+    (float("nan"), ValueError, "positive, finite number of seconds"),
+    ("20", TypeError, "takes a number of seconds"),
+    (True, TypeError, "takes a number of seconds"),
+])
+def test_init_names_a_bad_timeout(timeout, error, words):
+    with pytest.raises(error, match=r"px\.init\(timeout=") as caught:
+        px.init(timeout=timeout)
+    assert words in str(caught.value)
+    assert not px.runtime._state.initialized  # nothing was joined
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_init_nccl_without_a_gpu_says_so():
+    with pytest.raises(ValueError, match="NCCL needs CUDA GPUs.*backend='gloo'"):
+        px.init(backend="nccl")
+    with pytest.raises(TypeError, match="takes a name such as 'gloo'"):
+        px.init(backend=3)
+
+
+@pytest.mark.parametrize("timeout", [30, 2.5, datetime.timedelta(minutes=1)])
+def test_init_takes_seconds_or_a_timedelta(timeout):
+    px.init(timeout=timeout)
+    try:
+        assert px.world_size() == 1
+    finally:
+        px.shutdown()

@@ -1,4 +1,4 @@
-"""Rank 1 fails on the first attempt only; later attempts succeed.
+"""Rank 1 fails (sys.exit(3)) on the first attempt only, or on every attempt with `--always`.
 
 The elastic agent counts restarts in TORCHELASTIC_RESTART_COUNT, so with `--max-restarts 1`
 the job succeeds on its second attempt and every rank prints `ATTEMPT rank=R restart=1`.
@@ -10,8 +10,9 @@ import sys
 import phalanx as px
 
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+always = "--always" in sys.argv  # fail on every attempt
 px.init()
-if restart == 0 and px.rank() == 1:
+if (restart == 0 or always) and px.rank() == 1:
     sys.exit(3)
 px.barrier()
 print(f"ATTEMPT rank={px.rank()} restart={restart}")
