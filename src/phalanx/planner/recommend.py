@@ -11,14 +11,17 @@ def recommend(plans, memory, headroom, units, world, zero3_total, activations, c
     """(strategy or None, reason). `plans` are StrategyPlans in order ddp, zero1, zero2, zero3;
     `zero3_total(n)` is zero3's peak per device at world size n.
 
-    The cheapest strategy is the lowest stage that fits with headroom: each stage up shards
-    more and communicates as much or more (zero3 1.5x), and adds latency to the step."""
+    The cheapest strategy is the one that fits with headroom and communicates least, the lower
+    stage on a tie (each stage up adds latency to the step). With the engine's layout that is
+    ddp when it fits, else zero2: zero1 keeps full gradients, so it all-reduces them and then
+    gathers the update (3x the gradients' bytes where zero2 moves 2x), and zero2 also needs
+    less memory; zero3 gathers the parameters again in backward (3x)."""
     fitting = [n for n, p in plans.items() if p.fits_with_headroom]
     limit = (1 - headroom) * memory
     if fitting:
-        best = fitting[0]
-        p = plans[best]
         order = list(plans)
+        best = min(fitting, key=lambda n: (plans[n].comm_bytes_per_step, order.index(n)))
+        p = plans[best]
         too_big = [n for n in order[:order.index(best)] if not plans[n].fits_with_headroom]
         reason = ""
         if too_big:
@@ -26,8 +29,9 @@ def recommend(plans, memory, headroom, units, world, zero3_total, activations, c
                                 for n in too_big)
                       + f", more than {1 - headroom:.0%} of {format_bytes(memory, units)}; ")
         reason += (f"{best} needs {format_bytes(p.total_bytes, units)} per device "
-                   f"({p.total_bytes / memory:.0%} of memory): the lowest ZeRO stage that fits "
-                   f"with {headroom:.0%} headroom, so the least communication")
+                   f"({p.total_bytes / memory:.0%} of memory) and, of the strategies that fit "
+                   f"with {headroom:.0%} headroom, communicates least "
+                   f"({format_bytes(p.comm_bytes_per_step, units)} per device per step)")
         return best, reason
     z3 = plans["zero3"]
     reason = (f"no strategy fits in {format_bytes(limit, units)} ({1 - headroom:.0%} of "
