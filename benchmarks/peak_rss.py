@@ -238,9 +238,9 @@ def measure_all(args) -> list[dict]:
 
 def print_table(rows, title: str, phases: bool) -> None:
     print(f"\n{title}")
-    print(f"| config | formula MB | buffers MB | activations MB | rise MB (per rank) | "
-          f"rise/formula | rise/(formula+buffers) | rise/(formula+buffers+activations) | "
-          f"excess MB | held after the steps MB | of the rise, file pages MB |")
+    print("| config | formula MB | buffers MB | activations MB | rise MB (per rank) | "
+          "rise/formula | rise/(formula+buffers) | rise/(formula+buffers+activations) | "
+          "excess MB | held after the steps MB | of the rise, file pages MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fb = r["formula"] + r["buffers"]

@@ -14,7 +14,6 @@ Parameters are taken in reverse registration order, the order backward about pro
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
@@ -87,6 +86,3 @@ def unit_numels(numels, blocks, itemsize: int, bucket_mb: float) -> list[int]:
     first, cap = unit_caps(bucket_mb, itemsize)
     return [sum(entries[i][0] for i in unit) for unit in plan_units(entries, first, cap)] or [0]
 
-
-def _prod(shape) -> int:
-    return math.prod(shape)
