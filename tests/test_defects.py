@@ -2,7 +2,8 @@
 API only, on real processes, against plain PyTorch in one process.
 
 The numbers in the headings are those of the issue "Defects found by running real training
-code" (8, 11 and 12 have no test here).
+code". Items 8, 11, 12 and the launcher's and px.init's part of 14 are tested in
+test_launch.py and test_runtime.py.
 """
 
 import contextlib

@@ -12,6 +12,7 @@ from .prepare import clip_grad_norm_, no_sync, optimizer_state_dict, prepare, un
 from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
                    map_batches)
 from .planner import plan
+from .checkpoint import export, latest_checkpoint, load, save
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,5 @@ __all__ = [
     "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
     "global_mean",
     "plan",
+    "save", "load", "latest_checkpoint", "export",
 ]

@@ -23,7 +23,7 @@ import torch
 
 from ..collectives import Comm
 from .buckets import BufferPool, GradBucket
-from .flat import FlatUnit
+from .flat import FlatUnit, Piece
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
 from .reducer import GradReducer
@@ -224,6 +224,29 @@ class FlatEngine:
                 p = unit.params[piece.param_index]
                 out[id(p)] = piece.master.detach().view_as(p)
         return out
+
+    @torch.no_grad()
+    def master_pieces(self) -> dict[int, list[Piece]]:
+        """id(param) -> the pieces of its master that this rank holds, for every trainable
+        parameter: the owned slices when sharded, the whole parameter otherwise (a parameter
+        that is its own master is its own piece). Edits made behind phalanx's back are taken
+        into the masters first, so the pieces hold the truth."""
+        out: dict[int, list[Piece]] = {}
+        for unit in self.units:
+            unit.sync_master_from_cache()
+            for piece in unit.pieces:
+                out.setdefault(id(unit.params[piece.param_index]), []).append(piece)
+        for p in self.params:  # a world of one with nothing to adopt has no units
+            out.setdefault(id(p), [] if self.sharded else [Piece(0, 0, p.numel(), p, 0,
+                                                                 p.numel())])
+        return out
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """Refresh the parameters from masters written in place (through `master_pieces`):
+        a collective when the masters are sharded, so every rank calls it."""
+        for unit in self.units:
+            unit.unshard(self.comm, async_op=False)
 
     @torch.no_grad()
     def load_masters(self, values: dict[int, torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ import weakref
 import torch
 
 __all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict",
-           "route_torch_clip"]
+           "native_load_state_dict", "route_torch_clip"]
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name) for name in
@@ -213,6 +213,15 @@ class OptimizerAdapter:
                            "params": list(range(position, position + len(group["params"])))})
             position += len(group["params"])
         self._user["load_state_dict"]({"state": state, "param_groups": groups})
+
+
+def native_load_state_dict(optimizer):
+    """The optimizer's own `load_state_dict`, which indexes the tensors it holds now (the
+    master pieces, once adopted), not the single-process format the patched one takes."""
+    adapter = _ADAPTERS.get(optimizer)
+    if adapter is None or not adapter.adopted:
+        return optimizer.load_state_dict
+    return adapter._user["load_state_dict"]
 
 
 def optimizer_state_dict(optimizer) -> dict:

@@ -1,0 +1,28 @@
+"""Checkpoints that resume anywhere: `px.save`, `px.load`, `px.latest_checkpoint`, `px.export`.
+
+A checkpoint is a directory:
+
+    manifest.json          written last: what every tensor is (name, shape, dtype), which
+                           files hold which element ranges of it, each file's size and sha256,
+                           and the world size, strategy and precision it was saved with
+    rank00000.safetensors  one per rank: the ranges that rank wrote, as safetensors
+    state.pt               rank 0's small state: stateful objects (sampler, scheduler, the fp16
+                           loss scaler), plain values, every rank's RNG states, and the
+                           optimizer's param groups and step counts
+
+See [Note: what a checkpoint stores] in state.py for how tensors are named and split, which is
+what makes a checkpoint load at any world size, strategy and precision.
+
+Why not torch.distributed.checkpoint (DCP) as the storage layer: DCP reshards by intersecting
+N-d boxes (chunks) of a tensor, but a rank's ZeRO shard is a range of a unit's flat buffer, so
+its part of a parameter is a range of the flattened parameter, which is in general not a box
+(it starts and ends inside rows); described to DCP it would be a 1-D tensor anyway, and plain
+tensors that differ per rank under one key are taken as replicated and silently lost (pytorch
+issue 120356). Ranges of flattened tensors, named as above, are what the engine holds, need
+no planner, and read back with `safetensors.safe_open(...).get_slice`, which reads only the
+bytes asked for. The files are safetensors, so any tool can open them.
+"""
+
+from .api import CheckpointError, export, export_checkpoint, latest_checkpoint, load, save
+
+__all__ = ["save", "load", "latest_checkpoint", "export", "export_checkpoint", "CheckpointError"]

@@ -1,0 +1,202 @@
+"""A model and its optimizer as a checkpoint sees them: tensors by name, in element ranges.
+
+[Note: what a checkpoint stores]
+Every tensor is stored under its name in the original module (`model/<name>`) and every
+per-element optimizer state under the parameter's name and the state's (`optim/<name>/<key>`,
+for example `optim/layers.0.weight/exp_avg`), with its true shape and dtype, as one or more
+ranges of its elements in row-major order. Which rank holds which range at save time is not
+part of the name: a sharded rank writes the ranges of its master pieces, and a tensor that every
+rank holds whole is written by one rank only, chosen so that the ranks write about the same
+number of bytes. Loading reads, for every piece the loading rank holds, the elements of that
+piece from whichever saved ranges cover them; so a checkpoint loads at any world size and under
+any strategy and precision.
+
+What is stored is the truth of each tensor: the fp32 (the model's own dtype) masters of the
+trained parameters, and buffers and frozen parameters in the dtype the module had before
+`px.prepare` cast it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..collectives import Comm, default_comm
+from ..engine.flat import Piece
+from ..engine.optim import _ADAPTERS, native_load_state_dict
+from ..prepared import PreparedModule
+
+__all__ = ["ModelState", "OptimizerState", "Range"]
+
+
+@dataclass
+class Range:
+    """Elements [start, end) of the flattened tensor `name`, as a 1-D tensor."""
+    name: str
+    start: int
+    end: int
+    values: torch.Tensor
+
+
+def _uncompiled(model):
+    return getattr(model, "_orig_mod", model)
+
+
+class ModelState:
+    """The model (prepared or plain) as named tensors and the pieces of them this rank holds."""
+
+    def __init__(self, model: torch.nn.Module):
+        inner = _uncompiled(model)
+        self.prepared = inner if isinstance(inner, PreparedModule) else None
+        self.module = self.prepared.module if self.prepared is not None else inner
+        self.engine = self.prepared._engine if self.prepared is not None else None
+        self.comm: Comm = self.engine.comm if self.engine is not None else default_comm()
+        self.sharded = bool(self.engine is not None and self.engine.sharded)
+        named = self.module.state_dict(keep_vars=True)
+        self.names: dict[int, str] = {}      # id(tensor) -> the first name it has
+        self.aliases: dict[str, str] = {}   # a later name of a shared tensor -> the first
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in named.items():
+            if id(t) in self.names:
+                self.aliases[name] = self.names[id(t)]
+            else:
+                self.names[id(t)] = name
+                self.tensors[name] = t
+        trainable = self.engine.params if self.engine is not None else [
+            p for p in self.module.parameters() if p.requires_grad]
+        self.trainable = {self.names[id(p)]: p for p in trainable if id(p) in self.names}
+        if self.engine is not None:
+            by_id = self.engine.master_pieces()
+            self.pieces = {name: by_id[id(p)] for name, p in self.trainable.items()}
+        else:
+            self.pieces = {name: [Piece(0, 0, p.numel(), p, 0, p.numel())]
+                           for name, p in self.trainable.items()}
+        self.original_dtypes = dict(self.prepared._original_dtypes) if self.prepared else {}
+
+    # -- what is saved --------------------------------------------------------------------------
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype the tensor had before px.prepare: its master's, for a trained parameter."""
+        return self.original_dtypes.get(name, self.tensors[name].dtype)
+
+    def shapes(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        return {name: (list(t.shape), self.dtype_of(name)) for name, t in self.tensors.items()}
+
+    def writer_of(self) -> dict[str, int]:
+        """The rank that writes each tensor that every rank holds whole: largest first, each to
+        the rank that has written the fewest bytes so far (the same answer on every rank)."""
+        load = [0] * self.comm.world
+        owner = {}
+        whole = [n for n in self.tensors if not (self.sharded and n in self.trainable)]
+        for name in sorted(whole, key=lambda n: (-self.tensors[n].numel(), n)):
+            rank = min(range(self.comm.world), key=lambda r: (load[r], r))
+            owner[name] = rank
+            load[rank] += self.tensors[name].numel() * self.tensors[name].element_size()
+        return owner
+
+    def writes(self, name: str, owner: dict[str, int]) -> bool:
+        return owner.get(name, self.comm.rank) == self.comm.rank
+
+    @torch.no_grad()
+    def ranges(self, owner: dict[str, int]) -> list[Range]:
+        out = []
+        for name, t in self.tensors.items():
+            if not self.writes(name, owner):
+                continue
+            if name in self.trainable:
+                for piece in self.pieces[name]:
+                    out.append(Range(f"model/{name}", piece.start, piece.end,
+                                     piece.master.detach().reshape(-1)))
+            else:
+                values = t.detach().reshape(-1)
+                if values.dtype != self.dtype_of(name):
+                    values = values.to(self.dtype_of(name))
+                out.append(Range(f"model/{name}", 0, t.numel(), values))
+        return out
+
+    # -- loading --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, reader, names: set[str]) -> None:
+        """Set every tensor in `names` from `reader`: each master piece this rank holds, then
+        the parameters from the masters (a collective when sharded), then the rest whole."""
+        for name in names & set(self.trainable):
+            for piece in self.pieces[name]:
+                values = reader.read(f"model/{name}", piece.start, piece.end)
+                piece.master.view(-1).copy_(values)
+        if self.engine is not None:
+            self.engine.publish_masters()
+        for name in names - set(self.trainable):
+            t = self.tensors[name]
+            t.copy_(reader.read(f"model/{name}", 0, t.numel()).view(t.shape))
+
+
+class OptimizerState:
+    """The optimizer's state by parameter name and state name, for the pieces this rank holds."""
+
+    def __init__(self, optimizer, model: ModelState):
+        self.optimizer = optimizer
+        self.model = model
+        adapter = _ADAPTERS.get(optimizer)
+        groups = adapter.original if adapter is not None else [
+            list(g["params"]) for g in optimizer.param_groups]
+        unknown = [p for g in groups for p in g if id(p) not in model.names]
+        if unknown:
+            raise ValueError("the optimizer holds tensors that are not parameters of the model "
+                             "given to px.save/px.load; pass the model it was built over")
+        self.group_names = [[model.names[id(p)] for p in g] for g in groups]
+        # the tensors the optimizer holds now (master pieces once adopted) -> (name, piece)
+        self.held: dict[int, tuple[str, Piece]] = {}
+        for name, pieces in model.pieces.items():
+            for piece in pieces:
+                self.held[id(piece.master)] = (name, piece)
+
+    def hyperparameters(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def _per_element(self, key: str, value, piece: Piece) -> bool:
+        return (isinstance(value, torch.Tensor) and key != "step"
+                and value.shape == piece.master.shape)
+
+    @torch.no_grad()
+    def ranges(self, owner: dict[str, int]) -> tuple[list[Range], dict]:
+        """This rank's per-element state as ranges, and the rest of the state (step counts,
+        anything not shaped like the parameter) by name, from the piece that starts at 0."""
+        out, whole = [], {}
+        for name, pieces in self.model.pieces.items():
+            if not self.model.writes(name, owner):
+                continue
+            for piece in pieces:
+                for key, value in self.optimizer.state.get(piece.master, {}).items():
+                    if self._per_element(key, value, piece):
+                        out.append(Range(f"optim/{name}/{key}", piece.start, piece.end,
+                                         value.detach().reshape(-1)))
+                    elif piece.start == 0:
+                        whole.setdefault(name, {})[key] = (
+                            value.detach().cpu().clone() if isinstance(value, torch.Tensor)
+                            else value)
+        return out, whole
+
+    def check(self, saved: dict) -> None:
+        if len(saved["group_names"]) != len(self.group_names):
+            raise ValueError(f"the checkpoint's optimizer has {len(saved['group_names'])} param "
+                             f"groups and this optimizer {len(self.group_names)}; build the "
+                             "optimizer with the same param groups as the one that was saved")
+
+    def load(self, reader, saved: dict, names: set[str]) -> None:
+        """Give the optimizer the saved state of every piece it holds, and the saved groups'
+        hyperparameters, through its own load_state_dict."""
+        state, groups, position = {}, [], 0
+        for g, group in enumerate(self.optimizer.param_groups):
+            for m in group["params"]:
+                name, piece = self.held.get(id(m), (None, None))
+                if name is not None and name in names:
+                    entry = dict(saved["whole"].get(name, {}))
+                    for key in saved["keys"].get(name, []):
+                        values = reader.read(f"optim/{name}/{key}", piece.start, piece.end)
+                        entry[key] = values.view(piece.master.shape)
+                    if entry:
+                        state[position] = entry
+                position += 1
+            groups.append({**saved["hyperparameters"][g],
+                           "params": list(range(position - len(group["params"]), position))})
+        native_load_state_dict(self.optimizer)({"state": state, "param_groups": groups})
