@@ -351,3 +351,24 @@ def test_phalanx_export_command_writes_weights_the_plain_model_loads(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr == f"phalanx export: error: no checkpoint at {tmp_path / 'nothing'}: " \
                          "not a directory\n"
+
+
+def _save_loader_midway(path, world_batches):
+    """Consume 2 batches of a px.data_loader, save the sampler; or load it and list the rest."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(60))
+    loader = px.data_loader(dataset, batch_size=12 // px.world_size(), shuffle=True, seed=3)
+    if world_batches == "save":
+        it = iter(loader)
+        seen = [next(it)[0], next(it)[0]]
+        px.save(path, sampler=loader.sampler, step=2)
+        return torch.cat(seen)
+    px.load(path, sampler=loader.sampler)
+    return torch.cat([b[0] for b in loader])
+
+
+def test_the_sampler_resumes_at_the_next_sample_at_another_world_size(tmp_path):
+    path = str(tmp_path / "ckpt")
+    before = run_ranks(_save_loader_midway, 2, args=(path, "save"))
+    after = run_ranks(_save_loader_midway, 3, args=(path, "rest"))
+    seen = torch.cat(before).tolist() + torch.cat(after).tolist()
+    assert sorted(seen) == list(range(60))  # every sample once: none skipped, none repeated
