@@ -250,12 +250,7 @@ def _load_must_fail(path, words, other_model=False):
 
 
 def _flip_a_byte(path):
-    name = os.path.join(path, "rank00001.safetensors")
-    with open(name, "r+b") as f:
-        f.seek(os.path.getsize(name) - 3)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip_a_byte_of(os.path.join(path, "rank00001.safetensors"))
     return ["rank00001.safetensors", "checksum"]
 
 
@@ -376,3 +371,32 @@ def test_the_sampler_resumes_at_the_next_sample_at_another_world_size(tmp_path):
     after = run_ranks(_save_loader_midway, 3, args=(path, "rest"))
     seen = torch.cat(before).tolist() + torch.cat(after).tolist()
     assert sorted(seen) == list(range(60))  # every sample once: none skipped, none repeated
+
+
+def test_checkpoint_info_describes_and_verifies(tmp_path, capsys):
+    from phalanx import cli
+
+    model = _model(0)
+    opt = _optimizer(model)
+    _train(model, opt, 1, 0, 1, 0)
+    px.save(tmp_path / "ckpt", model=model, optimizer=opt, step=1)
+    assert cli.main(["checkpoint", "info", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "at step 1, 1 rank(s)" in out
+    assert "embed.weight" in out and "(11, 8) float64" in out
+    assert "head.weight                              (the same tensor as embed.weight)" in out
+    assert "optimizer state: exp_avg, exp_avg_sq" in out
+    assert "integrity: every file matches its size and sha256" in out
+    _flip_a_byte_of(tmp_path / "ckpt" / "rank00000.safetensors")
+    assert cli.main(["checkpoint", "info", str(tmp_path / "ckpt")]) == 1
+    assert "rank00000.safetensors does not match its checksum" in capsys.readouterr().out
+    assert cli.main(["checkpoint", "info", str(tmp_path)]) == 2
+    assert "manifest.json is missing" in capsys.readouterr().err
+
+
+def _flip_a_byte_of(name):
+    with open(name, "r+b") as f:
+        f.seek(os.path.getsize(name) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -15,6 +15,7 @@ COMMANDS = {
     "run": ("phalanx.launch", "start N workers per node through PyTorch's elastic agent"),
     "plan": ("phalanx.planner.cli", "memory and time planner: will it fit, how fast, which strategy"),
     "export": ("phalanx.checkpoint.cli", "a checkpoint's full weights as one safetensors file"),
+    "checkpoint": ("phalanx.checkpoint.info_cli", "describe a checkpoint and verify its files"),
     "demo": ("phalanx.demo", "train a small model on embedded data (the README's first command)"),
 }
 
