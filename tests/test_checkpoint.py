@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -293,7 +294,7 @@ def test_a_checkpoint_of_another_model_names_what_differs(tmp_path):
 # -- crash safety, keep_last, latest_checkpoint -------------------------------------------------
 def _save_then_die(path, where):
     """Save `step=2` over the directory of checkpoints, and SIGKILL this process at `where`."""
-    import phalanx.checkpoint.api as api
+    import phalanx.checkpoint.saving as api
 
     model = _model(0)
     opt = _optimizer(model)
@@ -400,3 +401,67 @@ def _flip_a_byte_of(name):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# -- saving in the background ---------------------------------------------------------------
+def _save_in_background_then_train(path, sync_path):
+    torch.manual_seed(0)
+    model = _model(0)
+    opt = _optimizer(model)
+    model, opt = px.prepare(model, opt, strategy="zero2")
+    _train(model, opt, K, 0, px.world_size(), px.rank())
+    px.save(sync_path, model=model, optimizer=opt, step=K)
+    import phalanx.checkpoint.saving as saving
+
+    write, started = saving.write_tensors, time.monotonic()
+
+    def late_write(*args):  # the write starts after the training below has changed everything
+        time.sleep(max(0.0, started + 2.0 - time.monotonic()))
+        return write(*args)
+
+    saving.write_tensors = late_write
+    px.save(path, model=model, optimizer=opt, background=True, step=K)
+    _train(model, opt, K, K, px.world_size(), px.rank())  # changes what was being saved
+    assert time.monotonic() - started < 2.0, "the training did not run before the write"
+    px.shutdown()  # waits for the save
+    return True
+
+
+def _load_both(path, sync_path):
+    states = []
+    for where in (path, sync_path):
+        model = _model(50)
+        opt = _optimizer(model)
+        model, opt = px.prepare(model, opt, strategy="ddp")
+        assert px.load(where, model=model, optimizer=opt) == {"step": K}
+        states.append(_state(model, opt))
+    return states
+
+
+def test_a_background_save_holds_the_state_of_the_call_while_training_goes_on(tmp_path):
+    path, sync_path = str(tmp_path / "background"), str(tmp_path / "sync")
+    run_ranks(_save_in_background_then_train, 2, args=(path, sync_path))
+    for (bg_params, bg_optim), (params, optim) in run_ranks(_load_both, 3,
+                                                            args=(path, sync_path)):
+        assert all(torch.equal(bg_params[k], params[k]) for k in params)
+        assert all(torch.equal(bg_optim[n][k], optim[n][k]) for n in optim for k in optim[n])
+
+
+def _background_save_fails(path):
+    model = _model(0)
+    model, _ = px.prepare(model, None, strategy="ddp")
+    px.save(path, model=model, background=True)  # returns: the failure comes later
+    try:
+        px.save(path + "-next", model=model)
+    except px.checkpoint.CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_background_save_that_fails_raises_at_the_next_call_on_every_rank(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    messages = run_ranks(_background_save_fails, 2, args=(str(blocker / "ckpt"),))
+    for message in messages:
+        assert "writing the ranks' files failed" in message
+        assert "rank 0: NotADirectoryError" in message and "rank 1: NotADirectoryError" in message

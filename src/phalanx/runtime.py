@@ -248,6 +248,16 @@ def barrier() -> None:
         collectives.default_comm().barrier(tag="px.barrier")
 
 
+_before_shutdown: list = []
+
+
+def before_shutdown(fn) -> None:
+    """Have `px.shutdown()` call `fn()` first, while the process group still works (a
+    checkpoint being written in the background finishes there)."""
+    if fn not in _before_shutdown:
+        _before_shutdown.append(fn)
+
+
 def shutdown() -> None:
     """Leave the process group and end it. Safe to call twice and in a world of one.
 
@@ -256,11 +266,19 @@ def shutdown() -> None:
     `Comm` (a prepared model's engine holds one) drops its reference to the group before the
     group is destroyed, so the group really ends here, with its native threads, and is not
     left for interpreter finalisation to free (where gloo's threads can abort the process;
-    pytorch/pytorch#179291). A group that the script already destroyed is left alone.
+    pytorch/pytorch#179291). A group that the script already destroyed is left alone. A
+    checkpoint still being written in the background is finished first (and its error, if it
+    had one, raised after the group is ended).
     """
     if not _state.initialized:
         return
+    error = None
     try:
+        for fn in list(_before_shutdown):
+            try:
+                fn()
+            except Exception as exc:  # raised once the group is ended
+                error = error or exc
         if _state.owns_group and dist.is_available() and dist.is_initialized():
             try:
                 barrier()
@@ -268,6 +286,8 @@ def shutdown() -> None:
                 _end_group()
     finally:
         _state.__init__()
+    if error is not None:
+        raise error
 
 
 def _end_group() -> None:

@@ -23,6 +23,9 @@ no planner, and read back with `safetensors.safe_open(...).get_slice`, which rea
 bytes asked for. The files are safetensors, so any tool can open them.
 """
 
-from .api import CheckpointError, export, export_checkpoint, latest_checkpoint, load, save
+from .api import export, export_checkpoint, latest_checkpoint, load
+from .reader import CheckpointError
+from .saving import save, wait_for_saves
 
-__all__ = ["save", "load", "latest_checkpoint", "export", "export_checkpoint", "CheckpointError"]
+__all__ = ["save", "load", "latest_checkpoint", "export", "export_checkpoint", "wait_for_saves",
+           "CheckpointError"]

@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 from .files import file_digest
 
-__all__ = ["MANIFEST", "FORMAT", "CheckpointError", "read_manifest", "verify_files", "Reader"]
+__all__ = ["MANIFEST", "FORMAT", "CheckpointError", "read_manifest", "verify_files", "Reader",
+           "complete_checkpoints"]
 
 MANIFEST = "manifest.json"
 FORMAT = "phalanx-checkpoint"
@@ -36,6 +37,26 @@ def read_manifest(path: str) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where} is not a phalanx checkpoint manifest")
     return manifest
+
+
+def complete_checkpoints(directory: str) -> list[tuple[float, str]]:
+    """(saved_at, path) of every complete checkpoint directly in `directory`, oldest first;
+    checkpoints being written (`*.partial-*`) or being replaced (`*.old-*`) are not complete."""
+    found = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    for entry in entries:
+        if ".partial-" in entry or ".old-" in entry:
+            continue
+        where = os.path.join(directory, entry)
+        try:
+            manifest = read_manifest(where)
+        except CheckpointError:
+            continue
+        found.append((float(manifest.get("saved_at", 0.0)), where))
+    return sorted(found)
 
 
 def verify_files(path: str, manifest: dict, which: list[str]) -> list[str]:

@@ -1,0 +1,48 @@
+"""What saving and loading share: file names, agreeing on errors, RNG states."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from ..collectives import Comm
+from .reader import CheckpointError
+
+__all__ = ["STATE_FILE", "LOSS_SCALER", "is_stateful", "agree", "rng_state", "set_rng_state"]
+
+STATE_FILE = "state.pt"  # rank 0's small state: stateful objects, values, RNG, optimizer groups
+LOSS_SCALER = "model.loss_scaler"  # where a prepared fp16 model's loss scaler is kept
+
+
+def is_stateful(value) -> bool:
+    return callable(getattr(value, "state_dict", None)) and \
+        callable(getattr(value, "load_state_dict", None))
+
+
+def agree(comm: Comm, error: str | None, what: str) -> None:
+    """Raise on every rank if any rank had an error, naming the ranks and their errors."""
+    errors = comm.all_gather_object(error, tag=what)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise CheckpointError(f"{what} failed ({detail})")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+

@@ -1,0 +1,289 @@
+"""`px.save`: a snapshot of what each rank holds, then files, a manifest and a rename.
+
+[Note: saving in the background]
+A save has two halves. The snapshot reads, on every rank, what it will write: its ranges of
+the masters and optimizer state, the stateful objects' `state_dict()`, the RNG states. The
+write puts the ranges in the rank's file, gathers every rank's index to rank 0, which writes
+the small state and the manifest and renames the directory into place. With
+`background=True` the snapshot copies the ranges to CPU memory (so the next optimizer step
+may change the originals) and the write runs in a thread; training goes on as soon as the
+copy is made. The thread's collectives (gathering the indexes, agreeing on errors) go over a
+process group of their own, made once by every rank at the first background save, so they
+never interleave with the training's collectives on the job's group. The next `px.save`,
+`px.load` or `px.shutdown()` (or `phalanx.checkpoint.wait_for_saves()`) waits for a save still
+running and raises its error, if it had one, on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import runtime
+from ..collectives import Comm, default_comm
+from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
+from .files import file_digest, fsync_dir, write_tensors
+from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
+from .state import ModelState, OptimizerState
+
+__all__ = ["save", "wait_for_saves"]
+
+
+@dataclass
+class _Snapshot:
+    """Everything the write half needs, read at the time of the call."""
+    path: str
+    partial: str
+    keep_last: int | None
+    tensors: dict = field(default_factory=dict)   # key in the rank's file -> 1-D tensor
+    index: list = field(default_factory=list)     # (name, file, key, start, end, dtype)
+    whole: dict = field(default_factory=dict)     # optimizer state that is not per element
+    keys: dict = field(default_factory=dict)      # parameter name -> per-element state names
+    rng: dict = field(default_factory=dict)
+    small: dict | None = None                     # rank 0: stateful objects and values
+    meta: dict | None = None                      # rank 0: what the manifest says of the model
+
+
+def save(path, model=None, optimizer=None, keep_last: int | None = None,
+         background: bool = False, **values) -> str:
+    """Save a checkpoint to the directory `path`; a collective: every rank calls it.
+
+    Each rank writes what it holds (its shards, and its share of what every rank holds whole)
+    to its own file, in parallel; rank 0 adds the small state and, last, the manifest. The
+    checkpoint is written under a temporary name and renamed when complete, so a crash at any
+    moment leaves the previous checkpoint as it was. A keyword value is saved through its
+    `state_dict()` when it has `state_dict`/`load_state_dict` (a sampler, a scheduler), else
+    as a plain picklable value (rank 0's). With `keep_last=k`, only the k newest complete
+    checkpoints in `path`'s parent directory are kept. With `background=True` the call
+    returns once the state is copied and the files are written while training goes on (see
+    [Note: saving in the background]). Returns `path`.
+    """
+    wait_for_saves()
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                  or keep_last < 1):
+        raise ValueError(f"px.save(keep_last={keep_last!r}): keep_last is the number of "
+                         "checkpoints to keep, 1 or more (or None to keep all)")
+    if optimizer is not None and model is None:
+        raise ValueError("px.save(optimizer=...) needs model= too: the optimizer's state is "
+                         "stored by the names of the model's parameters")
+    model_state = ModelState(model) if model is not None else None
+    comm = model_state.comm if model_state is not None else default_comm()
+    optim_state = OptimizerState(optimizer, model_state) if optimizer is not None else None
+    path = os.path.abspath(os.fspath(path))
+    token = comm.all_gather_object(uuid.uuid4().hex[:12], tag="save:token")[0]
+    snapshot, error = None, None
+    try:
+        snapshot = _take_snapshot(path, f"{path}.partial-{token}", keep_last, model_state,
+                                  optim_state, values, comm, copy_out=background)
+    except Exception as exc:  # raised on every rank by agree()
+        error = f"{type(exc).__name__}: {exc}"
+    agree(comm, error, f"px.save({path!r}): reading the state to save")
+    if not background:
+        _write(snapshot, comm)
+        return path
+    writer = _background_comm(comm)
+    job = _Job(path)
+    thread = threading.Thread(target=job.run, args=(snapshot, writer), name="phalanx-save")
+    job.thread = thread
+    _running.append(job)
+    thread.start()
+    return path
+
+
+# -- the snapshot -------------------------------------------------------------------------------
+@torch.no_grad()
+def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, comm,
+                   copy_out: bool) -> _Snapshot:
+    snap = _Snapshot(path, partial, keep_last)
+    own_file = f"rank{comm.rank:05d}.safetensors"
+    ranges = []
+    if model_state is not None:
+        owner = model_state.writer_of()
+        ranges += model_state.ranges(owner)
+        if optim_state is not None:
+            optim_ranges, snap.whole = optim_state.ranges(owner)
+            ranges += optim_ranges
+            for r in optim_ranges:
+                param, key = r.name[len("optim/"):].rsplit("/", 1)
+                snap.keys.setdefault(param, set()).add(key)
+    for r in ranges:
+        key = f"{r.name}@{r.start}"
+        values_ = r.values.detach()
+        if copy_out:
+            values_ = values_.to("cpu", copy=True)
+        snap.tensors[key] = values_
+        snap.index.append((r.name, own_file, key, r.start, r.end, str(r.values.dtype)[6:]))
+    snap.keys = {k: sorted(v) for k, v in snap.keys.items()}
+    snap.rng = rng_state()
+    if comm.rank == 0:
+        small = {"values": {}, "stateful": {}}
+        for name, value in values.items():
+            if is_stateful(value):
+                small["stateful"][name] = copy.deepcopy(value.state_dict())
+            else:
+                small["values"][name] = copy.deepcopy(value)
+        if model_state is not None and model_state.prepared is not None:
+            scaler = model_state.prepared.loss_scaler
+            if scaler is not None:
+                small["stateful"][LOSS_SCALER] = copy.deepcopy(scaler.state_dict())
+        snap.small = small
+        step = values.get("step")
+        snap.meta = {
+            "world_size": comm.world,
+            "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+            "strategy": model_state.engine.policy.name
+            if model_state is not None and model_state.engine is not None else None,
+            "precision": model_state.prepared._precision.name
+            if model_state is not None and model_state.prepared is not None else None,
+            "shapes": {n: (shape, str(dtype)[6:]) for n, (shape, dtype) in
+                       model_state.shapes().items()} if model_state is not None else {},
+            "aliases": dict(model_state.aliases) if model_state is not None else {},
+            "optimizer": {"hyperparameters": copy.deepcopy(optim_state.hyperparameters()),
+                          "group_names": optim_state.group_names}
+            if optim_state is not None else None,
+        }
+    return snap
+
+
+# -- the write ----------------------------------------------------------------------------------
+def _write(snap: _Snapshot, comm: Comm) -> None:
+    """Every rank writes its file; rank 0 completes the checkpoint; every rank raises alike."""
+    own_file = f"rank{comm.rank:05d}.safetensors"
+    report, error = None, None
+    try:
+        os.makedirs(snap.partial, exist_ok=True)
+        info = write_tensors(os.path.join(snap.partial, own_file), snap.tensors)
+        report = {"file": own_file, "info": info, "index": snap.index, "whole": snap.whole,
+                  "keys": snap.keys, "rng": snap.rng}
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    snap.tensors = {}  # the copies are written: let them go
+    try:
+        agree(comm, error, f"px.save({snap.path!r}): writing the ranks' files")
+    except CheckpointError:
+        if comm.rank == 0:
+            shutil.rmtree(snap.partial, ignore_errors=True)
+        raise
+    reports = comm.gather_object(report, dst=0, tag="save:reports")
+    error = None
+    if comm.rank == 0:
+        try:
+            _complete(snap, reports)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            shutil.rmtree(snap.partial, ignore_errors=True)
+    agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint")
+
+
+def _complete(snap: _Snapshot, reports: list) -> None:
+    """Rank 0: the small state, the manifest (last), then the rename into place."""
+    meta = snap.meta
+    files = {r["file"]: r["info"] for r in reports}
+    small = dict(snap.small, rng=[r["rng"] for r in reports])
+    if meta["optimizer"] is not None:
+        whole, keys = {}, {}
+        for r in reports:
+            whole.update(r["whole"])
+            for name, ks in r["keys"].items():
+                keys.setdefault(name, set()).update(ks)
+        small["optimizer"] = dict(meta["optimizer"], whole=whole,
+                                  keys={k: sorted(v) for k, v in keys.items()})
+    state_path = os.path.join(snap.partial, STATE_FILE)
+    with open(state_path, "wb") as f:
+        torch.save(small, f)
+        f.flush()
+        os.fsync(f.fileno())
+    files[STATE_FILE] = {"bytes": os.path.getsize(state_path), "sha256": file_digest(state_path)}
+
+    tensors = {f"model/{name}": {"shape": shape, "dtype": dtype, "pieces": []}
+               for name, (shape, dtype) in meta["shapes"].items()}
+    for r in reports:
+        for name, file, key, start, end, dtype in r["index"]:
+            entry = tensors.setdefault(name, {"shape": None, "dtype": dtype, "pieces": []})
+            entry["pieces"].append([file, key, start, end])
+    for name, entry in tensors.items():
+        if name.startswith("optim/"):  # optimizer state has its parameter's shape
+            param = name[len("optim/"):].rsplit("/", 1)[0]
+            entry["shape"] = tensors[f"model/{param}"]["shape"]
+        entry["pieces"].sort(key=lambda p: p[2])
+    manifest = {
+        "format": FORMAT, "version": 1, "saved_at": time.time(),
+        "world_size": meta["world_size"], "strategy": meta["strategy"],
+        "precision": meta["precision"], "step": meta["step"],
+        "files": files, "tensors": tensors, "aliases": meta["aliases"],
+    }
+    with open(os.path.join(snap.partial, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(snap.partial)
+    path, parent = snap.path, os.path.dirname(snap.path)
+    if os.path.exists(path):  # replace: the old one is moved aside, then removed
+        old = f"{path}.old-{os.path.basename(snap.partial).rsplit('-', 1)[1]}"
+        os.rename(path, old)
+        os.rename(snap.partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(snap.partial, path)
+    fsync_dir(parent)
+    if snap.keep_last is not None:
+        for _, older in complete_checkpoints(parent)[:-snap.keep_last]:
+            if older != path:
+                shutil.rmtree(older, ignore_errors=True)
+
+
+# -- background saves ----------------------------------------------------------------------------
+class _Job:
+    def __init__(self, path: str):
+        self.path = path
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+
+    def run(self, snap: _Snapshot, comm: Comm) -> None:
+        start = time.perf_counter()
+        try:
+            _write(snap, comm)
+        except BaseException as exc:  # kept for the caller's next wait
+            self.error = exc
+        self.seconds = time.perf_counter() - start
+
+
+_running: list[_Job] = []
+_writers: dict = {}  # id of the job's group -> (group, Comm) for background writes
+
+
+def _background_comm(comm: Comm) -> Comm:
+    """A Comm over a process group of its own for the background writes (gloo: the writes
+    gather small Python objects), made once per job group; a collective the first time."""
+    if comm.group is None:
+        return comm
+    key = id(comm.group)
+    entry = _writers.get(key)
+    if entry is None or entry[0] is not comm.group:
+        ranks = dist.get_process_group_ranks(comm.group)
+        group = dist.new_group(ranks=ranks, backend="gloo")
+        entry = _writers[key] = (comm.group, Comm(group))
+    return entry[1]
+
+
+def wait_for_saves() -> None:
+    """Wait for a background `px.save` still running, and raise its error if it had one
+    (`px.save`, `px.load` and `px.shutdown` call it first)."""
+    while _running:
+        job = _running.pop(0)
+        job.thread.join()
+        if job.error is not None:
+            raise job.error
+
+
+runtime.before_shutdown(wait_for_saves)
