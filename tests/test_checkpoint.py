@@ -311,6 +311,28 @@ def _save_then_die(path, where):
     return True
 
 
+def _save_then_one_rank_dies(path):
+    """Rank 1 is SIGKILLed while it writes its file of the second save; rank 0 goes on."""
+    import phalanx.checkpoint.saving as saving
+
+    model = _model(0)
+    opt = _optimizer(model)
+    model, opt = px.prepare(model, opt, strategy="zero2")
+    px.save(os.path.join(path, "step1"), model=model, optimizer=opt, step=1)
+    if px.rank() == 1:
+        saving.write_tensors = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    px.save(os.path.join(path, "step2"), model=model, optimizer=opt, step=2)
+    return True
+
+
+def test_one_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_save_then_one_rank_dies, 2, args=(str(tmp_path),), timeout=60)
+    assert "rank 1" in str(failed.value)
+    assert px.latest_checkpoint(tmp_path) == str(tmp_path / "step1")
+    assert px.load(tmp_path / "step1", model=_model(3)) == {"step": 1}
+
+
 @pytest.mark.parametrize("where", ["rank file", "manifest", "rename"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
     with pytest.raises(RanksFailed):
@@ -465,3 +487,58 @@ def test_a_background_save_that_fails_raises_at_the_next_call_on_every_rank(tmp_
     for message in messages:
         assert "writing the ranks' files failed" in message
         assert "rank 0: NotADirectoryError" in message and "rank 1: NotADirectoryError" in message
+
+
+# -- across precisions: the masters and the optimizer state survive exactly -------------------
+def _save_layout(path, strategy, precision):
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = _optimizer(model)
+    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
+    _train(model, opt, K, 0, px.world_size(), px.rank())
+    px.save(path, model=model, optimizer=opt)
+    px.export(path + ".safetensors", model)
+    return px.optimizer_state_dict(opt)
+
+
+def _load_layout(path, strategy, precision):
+    model = TiedLM()
+    opt = _optimizer(model)
+    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
+    px.load(path, model=model, optimizer=opt)
+    px.export(path + f".{px.world_size()}.safetensors", model)
+    return px.optimizer_state_dict(opt)
+
+
+PRECISION_PAIRS = [(("zero2", 2, "bf16"), ("ddp", 3, "fp32")),
+                   (("zero1", 3, "fp32"), ("zero2", 2, "bf16")),
+                   (("ddp", 2, "fp16"), ("zero1", 4, "bf16"))]
+if os.environ.get("PHALANX_SLOW") == "1":
+    PRECISION_PAIRS = [((s1, n1, p1), (s2, n2, p2))
+                       for s1 in ("ddp", "zero1", "zero2") for n1 in (1, 2, 3, 4)
+                       for p1 in ("fp32", "bf16")
+                       for s2, n2, p2 in [("zero2", 3, "bf16"), ("ddp", 2, "fp32")]]
+
+
+@pytest.mark.parametrize("saved,loaded", PRECISION_PAIRS)
+def test_masters_and_optimizer_state_survive_a_change_of_precision_exactly(tmp_path, saved,
+                                                                          loaded):
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "ckpt")
+    before = run_ranks(_save_layout, saved[1], args=(path, saved[0], saved[2]))[0]
+    after = run_ranks(_load_layout, loaded[1], args=(path, loaded[0], loaded[2]))
+    exported, reloaded = load_file(path + ".safetensors"), \
+        load_file(path + f".{loaded[1]}.safetensors")
+    assert exported.keys() == reloaded.keys()
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(loaded[2])
+    for key, value in exported.items():
+        if key.startswith("frozen.") and compute is not None:
+            # a frozen parameter has no master: under bf16/fp16 it is held in that dtype
+            value = value.to(compute).float()
+        assert torch.equal(reloaded[key], value), key  # trained: the fp32 masters, exactly
+    for state in after:
+        assert state["state"].keys() == before["state"].keys()
+        for index, entry in before["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(state["state"][index][key], value), (index, key)

@@ -79,7 +79,13 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     comm = model_state.comm if model_state is not None else default_comm()
     optim_state = OptimizerState(optimizer, model_state) if optimizer is not None else None
     path = os.path.abspath(os.fspath(path))
-    token = comm.all_gather_object(uuid.uuid4().hex[:12], tag="save:token")[0]
+    seen = comm.all_gather_object((uuid.uuid4().hex[:12], path), tag="save:token")
+    token = seen[0][0]
+    if any(p != path for _, p in seen):
+        raise ValueError(f"px.save: every rank must give the same path; the ranks gave "
+                         f"{', '.join(repr(p) for _, p in seen)} (build it from values all "
+                         "ranks share, such as the step, not from a per-process temporary "
+                         "directory)")
     snapshot, error = None, None
     try:
         snapshot = _take_snapshot(path, f"{path}.partial-{token}", keep_last, model_state,

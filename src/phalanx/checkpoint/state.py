@@ -24,7 +24,7 @@ import torch
 
 from ..collectives import Comm, default_comm
 from ..engine.flat import Piece
-from ..engine.optim import _ADAPTERS, native_load_state_dict
+from ..engine.optim import adapter_of, native_load_state_dict
 from ..prepared import PreparedModule
 
 __all__ = ["ModelState", "OptimizerState", "Range"]
@@ -136,7 +136,7 @@ class OptimizerState:
     def __init__(self, optimizer, model: ModelState):
         self.optimizer = optimizer
         self.model = model
-        adapter = _ADAPTERS.get(optimizer)
+        adapter = adapter_of(optimizer)
         groups = adapter.original if adapter is not None else [
             list(g["params"]) for g in optimizer.param_groups]
         unknown = [p for g in groups for p in g if id(p) not in model.names]

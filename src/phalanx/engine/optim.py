@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-__all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict",
+__all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict", "adapter_of",
            "native_load_state_dict", "route_torch_clip"]
 
 ELEMENTWISE_OPTIMIZERS = tuple(
@@ -36,7 +36,13 @@ ELEMENTWISE_OPTIMIZERS = tuple(
     ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
      "RMSprop", "Rprop") if hasattr(torch.optim, name))
 
-_ADAPTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The adapter lives on the optimizer it adopts (an attribute, not a global table: a table keyed
+# weakly by the optimizer would still keep it alive through the adapter, which refers to it).
+_ADAPTER_ATTR = "_phalanx_adapter"
+
+
+def adapter_of(optimizer) -> "OptimizerAdapter | None":
+    return getattr(optimizer, _ADAPTER_ATTR, None)
 
 
 def optimizer_groups(optimizer, module) -> dict:
@@ -65,7 +71,7 @@ class OptimizerAdapter:
         self.adopted = engine.adopt
         # The groups as the user built them: what a single process's state_dict indexes.
         self.original = [list(g["params"]) for g in optimizer.param_groups]
-        _ADAPTERS[optimizer] = self
+        setattr(optimizer, _ADAPTER_ATTR, self)
         if not self.adopted:
             return
         _check_elementwise(optimizer)
@@ -218,7 +224,7 @@ class OptimizerAdapter:
 def native_load_state_dict(optimizer):
     """The optimizer's own `load_state_dict`, which indexes the tensors it holds now (the
     master pieces, once adopted), not the single-process format the patched one takes."""
-    adapter = _ADAPTERS.get(optimizer)
+    adapter = adapter_of(optimizer)
     if adapter is None or not adapter.adopted:
         return optimizer.load_state_dict
     return adapter._user["load_state_dict"]
@@ -227,7 +233,7 @@ def native_load_state_dict(optimizer):
 def optimizer_state_dict(optimizer) -> dict:
     """`px.optimizer_state_dict(optimizer)`: the optimizer's state in a single process's format,
     on every rank. A collective under zero1/zero2: every rank must call it."""
-    adapter = _ADAPTERS.get(optimizer)
+    adapter = adapter_of(optimizer)
     if adapter is None:
         return optimizer.state_dict()
     return adapter.full_state_dict()

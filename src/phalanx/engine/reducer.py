@@ -50,6 +50,8 @@ certainty, and the next forward raises an error that says so (DDP does the same)
 
 from __future__ import annotations
 
+import weakref
+
 from contextlib import contextmanager
 from typing import Callable
 
@@ -81,9 +83,14 @@ class GradReducer:
         self._max_in_flight = max_in_flight
         self.sync = True
         self.set_buckets(buckets)
+        # The hook holds the reducer weakly: a hook is kept by the parameter in C++, where the
+        # garbage collector cannot see a cycle back to the parameter, so a bound method here
+        # would keep the reducer, the engine and the model alive forever (measured: a prepared
+        # model was never freed).
+        hook = _weak_hook(self)
         for bucket in buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(hook)
         self._ready_order: list | None = [] if on_first_order else None
 
     def set_buckets(self, buckets: list[GradBucket]) -> None:
@@ -203,3 +210,14 @@ class GradReducer:
             self._ready_order = None
             seen = {b.index for b in order}
             self._on_first_order(order + [b for b in self.buckets if b.index not in seen])
+
+
+def _weak_hook(reducer: "GradReducer") -> Callable:
+    ref = weakref.ref(reducer)
+
+    def on_grad_ready(param: torch.Tensor) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._on_grad_ready(param)
+
+    return on_grad_ready
