@@ -409,7 +409,7 @@ def test_checkpoint_info_describes_and_verifies(tmp_path, capsys):
     assert "embed.weight" in out and "(11, 8) float64" in out
     assert "head.weight                              (the same tensor as embed.weight)" in out
     assert "optimizer state: exp_avg, exp_avg_sq" in out
-    assert "integrity: every file matches its size and sha256" in out
+    assert "integrity: every file matches its size and CRC-32" in out
     _flip_a_byte_of(tmp_path / "ckpt" / "rank00000.safetensors")
     assert cli.main(["checkpoint", "info", str(tmp_path / "ckpt")]) == 1
     assert "rank00000.safetensors does not match its checksum" in capsys.readouterr().out

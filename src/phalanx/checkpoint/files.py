@@ -8,14 +8,19 @@ tensors a rank writes are views into one flat master buffer, which `save_file` r
 shared storage (it would need a copy of each), and `save_file` first turns every tensor into a
 bytes object, a second copy of the whole file in memory. Streaming each tensor's own bytes keeps
 what saving adds to memory at zero, and the checksum is taken on the way out.
+
+The checksum is CRC-32 (zlib): it catches every error of one burst of up to 32 bits and all
+but one in 2^32 of the others, which is what a truncated, corrupted or half-written file
+looks like (it is not a defence against deliberate tampering). Measured here on a 576 MB
+file, CRC-32 ran at 3.3 GB/s and SHA-256 at 1.5 GB/s; the check is on the path of every load.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
+import zlib
 
 import torch
 
@@ -30,7 +35,7 @@ DTYPE_NAMES = {
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> dict:
     """Write `tensors` (CPU or not, any layout) to `path` as safetensors, fsync it, and return
-    {"bytes": size, "sha256": hex digest}."""
+    {"bytes": size, "crc32": checksum}."""
     header, offset, order = {}, 0, []
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
@@ -42,18 +47,18 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> dict:
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    digest = hashlib.sha256()
+    crc = 0
     with open(path, "wb") as f:
         for chunk in (struct.pack("<Q", len(head)), head):
             f.write(chunk)
-            digest.update(chunk)
+            crc = zlib.crc32(chunk, crc)
         for _, t in order:
             data = _bytes_of(t)
             f.write(data)
-            digest.update(data)
+            crc = zlib.crc32(data, crc)
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return {"bytes": os.path.getsize(path), "crc32": crc}
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -68,9 +73,17 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def file_digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def file_digest(path: str) -> int:
+    """The CRC-32 of a file's bytes, read in 8 MiB chunks."""
+    crc = 0
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buffer)
+            if not n:
+                return crc
+            crc = zlib.crc32(view[:n], crc)
 
 
 def fsync_dir(path: str) -> None:

@@ -2,7 +2,7 @@
 
 Prints the step, world size, strategy and precision it was saved with, when, its files with
 their sizes, every model tensor with its shape and dtype, the optimizer state's names, and the
-result of checking every file against the size and sha256 in the manifest. Exit status 1 when a
+result of checking every file against the size and CRC-32 in the manifest. Exit status 1 when a
 file is missing or altered, 2 when CKPT is not a checkpoint.
 """
 
@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     files = manifest["files"]
     print(f"  files ({_size(sum(f['bytes'] for f in files.values()))}):")
     for name in sorted(files):
-        print(f"    {name:28s} {_size(files[name]['bytes']):>12s}  sha256 {files[name]['sha256'][:16]}")
+        print(f"    {name:28s} {_size(files[name]['bytes']):>12s}  crc32 {files[name]['crc32']:08x}")
     model = {k[len("model/"):]: v for k, v in manifest["tensors"].items() if k.startswith("model/")}
     optim = sorted({k.rsplit("/", 1)[1] for k in manifest["tensors"] if k.startswith("optim/")})
     numel = 0
@@ -66,5 +66,5 @@ def main(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"    {problem}")
         return 1
-    print("  integrity: every file matches its size and sha256")
+    print("  integrity: every file matches its size and CRC-32")
     return 0

@@ -73,7 +73,7 @@ def verify_files(path: str, manifest: dict, which: list[str]) -> list[str]:
         if size != info["bytes"]:
             problems.append(f"{where} has {size} bytes, the manifest says {info['bytes']} "
                             "(truncated or rewritten)")
-        elif file_digest(where) != info["sha256"]:
+        elif file_digest(where) != info["crc32"]:
             problems.append(f"{where} does not match its checksum (altered or corrupted)")
     return problems
 
@@ -98,9 +98,16 @@ class Reader:
             n *= d
         return n
 
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the flattened tensor `name`, in its saved dtype."""
+    def read(self, name: str, start: int, end: int, own: bool = True) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor `name`, in its saved dtype.
+
+        With `own=False` the result may share memory with the file's mapping (the caller
+        copies it somewhere at once); otherwise it is memory of its own."""
         info = self.tensors[name]
+        for file, key, lo, hi in info["pieces"]:
+            if (lo, hi) == (start, end):  # saved as asked (the same layout): one copy at most
+                part = self._file(file).get_slice(key)[:]
+                return part.clone() if own else part
         out = None
         covered = 0
         for file, key, lo, hi in info["pieces"]:

@@ -208,7 +208,7 @@ def _complete(snap: _Snapshot, reports: list) -> None:
         torch.save(small, f)
         f.flush()
         os.fsync(f.fileno())
-    files[STATE_FILE] = {"bytes": os.path.getsize(state_path), "sha256": file_digest(state_path)}
+    files[STATE_FILE] = {"bytes": os.path.getsize(state_path), "crc32": file_digest(state_path)}
 
     tensors = {f"model/{name}": {"shape": shape, "dtype": dtype, "pieces": []}
                for name, (shape, dtype) in meta["shapes"].items()}

@@ -121,13 +121,13 @@ class ModelState:
         the parameters from the masters (a collective when sharded), then the rest whole."""
         for name in names & set(self.trainable):
             for piece in self.pieces[name]:
-                values = reader.read(f"model/{name}", piece.start, piece.end)
+                values = reader.read(f"model/{name}", piece.start, piece.end, own=False)
                 piece.master.view(-1).copy_(values)
         if self.engine is not None:
             self.engine.publish_masters()
         for name in names - set(self.trainable):
             t = self.tensors[name]
-            t.copy_(reader.read(f"model/{name}", 0, t.numel()).view(t.shape))
+            t.copy_(reader.read(f"model/{name}", 0, t.numel(), own=False).view(t.shape))
 
 
 class OptimizerState:
