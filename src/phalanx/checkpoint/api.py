@@ -52,7 +52,6 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     agree(comm, error, f"px.load({path!r})")
 
     small = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
-    reader = Reader(path, manifest)
     names: set[str] = set()
     problems = []
     if model_state is not None:
@@ -76,13 +75,18 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
                               f"the checkpoint has {sorted(small['stateful']) or 'none'} "
                               f"and the values {sorted(small['values']) or 'none'}")
 
-    if model_state is not None:
-        model_state.load(reader, names)
-        scaler = model_state.prepared.loss_scaler if model_state.prepared is not None else None
-        if scaler is not None and LOSS_SCALER in small["stateful"]:
-            scaler.load_state_dict(small["stateful"][LOSS_SCALER])
-    if optim_state is not None:
-        optim_state.load(reader, small["optimizer"], names)
+    reader = Reader(path, manifest)
+    try:
+        if model_state is not None:
+            model_state.load(reader, names)
+            scaler = model_state.prepared.loss_scaler if model_state.prepared is not None \
+                else None
+            if scaler is not None and LOSS_SCALER in small["stateful"]:
+                scaler.load_state_dict(small["stateful"][LOSS_SCALER])
+        if optim_state is not None:
+            optim_state.load(reader, small["optimizer"], names)
+    finally:
+        reader.close()
     for name, obj in stateful.items():
         obj.load_state_dict(small["stateful"][name])
     if comm.rank < len(small["rng"]):
@@ -162,7 +166,11 @@ def export_checkpoint(checkpoint, out) -> str:
     if problems:
         raise CheckpointError("; ".join(problems))
     reader = Reader(checkpoint, manifest)
-    full = {k[len("model/"):]: reader.full(k) for k in manifest["tensors"] if k.startswith("model/")}
+    try:
+        full = {k[len("model/"):]: reader.full(k) for k in manifest["tensors"]
+                if k.startswith("model/")}
+    finally:
+        reader.close()
     for alias, name in manifest.get("aliases", {}).items():
         full[alias] = full[name].clone()
     _write_atomically(os.path.abspath(os.fspath(out)), full, save_file)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import torch
-from safetensors import safe_open
 
-from .files import file_digest
+from .files import DTYPE_NAMES, file_digest
 
 __all__ = ["MANIFEST", "FORMAT", "CheckpointError", "read_manifest", "verify_files", "Reader",
            "complete_checkpoints"]
@@ -78,19 +78,68 @@ def verify_files(path: str, manifest: dict, which: list[str]) -> list[str]:
     return problems
 
 
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+class _File:
+    """One safetensors file, read by plain reads at byte offsets (its header says where each
+    tensor's bytes are): a read goes from the page cache straight into its destination, where
+    a memory map would fault in every page first (measured: loading 1.15 GB on 2 ranks took
+    2.7 s through safetensors' mapped slices, __MEASURED__ s this way)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        head = os.pread(self.fd, 8, 0)
+        if len(head) != 8:
+            raise CheckpointError(f"{path} is not a safetensors file (truncated header)")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            self.header = json.loads(os.pread(self.fd, n, 8))
+        except ValueError:
+            raise CheckpointError(f"{path} is not a safetensors file (bad header)") from None
+        self.base = 8 + n
+
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Elements start.. of tensor `key` into `out` (1-D, contiguous, CPU, its dtype)."""
+        info = self.header[key]
+        if _DTYPES[info["dtype"]] != out.dtype:
+            raise CheckpointError(f"{self.path}: {key} is {info['dtype']}, not {out.dtype}")
+        size = out.element_size()
+        offset = self.base + info["data_offsets"][0] + start * size
+        if offset + out.numel() * size > self.base + info["data_offsets"][1]:
+            raise CheckpointError(f"{self.path}: {key} has fewer elements than the manifest says")
+        view = memoryview(out.detach().view(torch.uint8).numpy()) if out.numel() \
+            else memoryview(b"")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path} ends before {key} does (truncated)")
+            done += n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class Reader:
     """Elements of saved tensors, from whichever files hold them."""
 
     def __init__(self, path: str, manifest: dict):
         self.path = path
         self.tensors = manifest["tensors"]
-        self._open: dict[str, object] = {}
+        self._open: dict[str, _File] = {}
 
-    def _file(self, name: str):
+    def _file(self, name: str) -> _File:
         handle = self._open.get(name)
         if handle is None:
-            handle = self._open[name] = safe_open(os.path.join(self.path, name), framework="pt")
+            handle = self._open[name] = _File(os.path.join(self.path, name))
         return handle
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            handle.close()
+        self._open.clear()
 
     def numel(self, name: str) -> int:
         n = 1
@@ -98,32 +147,32 @@ class Reader:
             n *= d
         return n
 
-    def read(self, name: str, start: int, end: int, own: bool = True) -> torch.Tensor:
-        """Elements [start, end) of the flattened tensor `name`, in its saved dtype.
+    def dtype(self, name: str) -> torch.dtype:
+        return getattr(torch, self.tensors[name]["dtype"])
 
-        With `own=False` the result may share memory with the file's mapping (the caller
-        copies it somewhere at once); otherwise it is memory of its own."""
-        info = self.tensors[name]
-        for file, key, lo, hi in info["pieces"]:
-            if (lo, hi) == (start, end):  # saved as asked (the same layout): one copy at most
-                part = self._file(file).get_slice(key)[:]
-                return part.clone() if own else part
-        out = None
+    def read_into(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Elements [start, end) of the flattened tensor `name` into `out` (end - start
+        elements, any dtype and layout: converted as `copy_` would)."""
+        direct = (out.is_contiguous() and out.device.type == "cpu"
+                  and out.dtype == self.dtype(name))
+        target = out.detach().view(-1) if direct \
+            else torch.empty(end - start, dtype=self.dtype(name))
         covered = 0
-        for file, key, lo, hi in info["pieces"]:
+        for file, key, lo, hi in self.tensors[name]["pieces"]:
             a, b = max(lo, start), min(hi, end)
-            if a >= b:
-                continue
-            part = self._file(file).get_slice(key)[a - lo:b - lo]
-            if out is None:
-                out = torch.empty(end - start, dtype=part.dtype)
-            out[a - start:b - start] = part
-            covered += b - a
+            if a < b:
+                self._file(file).read_into(key, a - lo, target[a - start:b - start])
+                covered += b - a
         if covered != end - start:
-            if end == start:
-                return torch.empty(0, dtype=getattr(torch, info["dtype"]))
             raise CheckpointError(f"{self.path}: the saved ranges of {name} do not cover elements "
                                   f"{start}..{end}; the checkpoint is incomplete")
+        if not direct:
+            out.copy_(target.view(out.shape))
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor `name`, in its saved dtype."""
+        out = torch.empty(end - start, dtype=self.dtype(name))
+        self.read_into(name, start, end, out)
         return out
 
     def full(self, name: str) -> torch.Tensor:

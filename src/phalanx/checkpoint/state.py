@@ -121,13 +121,12 @@ class ModelState:
         the parameters from the masters (a collective when sharded), then the rest whole."""
         for name in names & set(self.trainable):
             for piece in self.pieces[name]:
-                values = reader.read(f"model/{name}", piece.start, piece.end, own=False)
-                piece.master.view(-1).copy_(values)
+                reader.read_into(f"model/{name}", piece.start, piece.end, piece.master)
         if self.engine is not None:
             self.engine.publish_masters()
         for name in names - set(self.trainable):
             t = self.tensors[name]
-            t.copy_(reader.read(f"model/{name}", 0, t.numel(), own=False).view(t.shape))
+            reader.read_into(f"model/{name}", 0, t.numel(), t)
 
 
 class OptimizerState:
