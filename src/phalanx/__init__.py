@@ -13,6 +13,7 @@ from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, 
                    map_batches)
 from .planner import plan
 from .checkpoint import export, latest_checkpoint, load, save
+from .spawn import spawn
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,5 @@ __all__ = [
     "global_mean",
     "plan",
     "save", "load", "latest_checkpoint", "export",
+    "spawn",
 ]

@@ -1,0 +1,249 @@
+"""`px.spawn`: run a function on N worker processes of this machine, from a notebook or a script.
+
+    import phalanx as px
+
+    def train(lr):
+        model, optimizer = px.prepare(make_model(), ..., strategy="ddp")
+        ...
+        return px.unwrap(model).state_dict()      # rank 0's return value comes back
+
+    state = px.spawn(train, 3e-4, processes=4)    # or processes="auto"
+
+Each worker is a real process with `px.init()` already done (one per GPU where there are GPUs,
+NCCL; gloo on CPU), so the function uses the ordinary loop; there is no thread, no scatter
+through one device, no master copy on device 0. An exception on any rank is raised here as a
+`SpawnError` naming the rank, with its traceback; the other workers are then ended, and so
+are all of them on Ctrl-C or at `timeout`, whose error holds the Python stack of each worker
+still running. No worker outlives the call.
+
+[Note: fork or spawn]
+Workers are forked where that is safe: they start in milliseconds and a function defined in a
+notebook cell or in `__main__` needs no pickling, because the child is a copy of this process.
+Forking is not safe once this process has initialised CUDA (the CUDA runtime does not survive
+a fork), so then the workers are started fresh ("spawn"): the function and its arguments are
+pickled, which works for a function importable from a module, not for one defined in a
+notebook; call px.spawn before anything touches the GPU, or move the function to a module.
+`testing.run_ranks`, the harness of every multi-process test, is this same mechanism.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+__all__ = ["spawn", "SpawnError", "SpawnTimeout", "auto_processes", "run_workers"]
+
+# After the first failure the others get this long to fail too (they are usually blocked in a
+# collective with the dead rank) before they are ended.
+GRACE_S = 3.0
+
+
+class SpawnError(RuntimeError):
+    """Workers failed; the message holds each failed rank's traceback (`ranks` lists them)."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.ranks = ranks or []
+
+
+class SpawnTimeout(SpawnError):
+    """Workers did not finish in time; the message holds the stacks of those still running."""
+
+
+def auto_processes() -> int:
+    """How many workers `processes="auto"` (and `phalanx run -n auto`) starts: one per GPU;
+    on a machine without one, one per two CPU cores. On CPU each worker's compute already
+    uses its cores and gloo's collectives run on CPU threads beside it, so more workers than
+    half the cores only adds communication (2 ranks on this 2-core machine already fill it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def _count(processes) -> int:
+    if processes is None or processes == "auto":
+        return auto_processes()
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes={processes!r}: give a number of worker processes, 1 or "
+                         "more, or 'auto' (one per GPU, or one per two CPU cores)")
+    return processes
+
+
+def spawn(fn, *args, processes=None, timeout: float | None = None, **kwargs):
+    """Run `fn(*args, **kwargs)` on `processes` workers (an int, or "auto": one per GPU, or
+    one per two CPU cores) and return rank 0's return value. See the module's notes."""
+    n = _count(processes)
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout={timeout!r}: a positive number of seconds, or None")
+    return run_workers(fn, n, args, kwargs, timeout=timeout, collect="rank0",
+                       shutdown=True)[0]
+
+
+def _start_method() -> str:
+    import torch
+
+    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, threads, collect,
+                 shutdown):
+    # Dump every thread's stack on SIGUSR1: the parent asks for it before ending a stuck rank.
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(n))
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import phalanx.runtime as runtime
+
+        torch.set_num_threads(threads)
+        runtime._state.__init__()  # a forked child must not inherit the parent's world
+        if rendezvous.startswith("file://"):
+            if n > 1:
+                dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=n)
+        else:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=rendezvous)
+        runtime.init()
+        result = fn(*args, **(kwargs or {}))
+        payload = ("ok", result if collect == "all" or rank == 0 else None)
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
+        payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        code = 1
+    try:
+        conn.send_bytes(pickle.dumps(payload))
+    except Exception as exc:  # the result itself did not pickle
+        conn.send_bytes(pickle.dumps(("error", f"rank {rank}'s result could not be sent back: "
+                                               f"{type(exc).__name__}: {exc}")))
+        code = 1
+    conn.close()
+    if shutdown and code == 0:
+        try:
+            import phalanx.runtime as runtime
+
+            runtime.shutdown()
+        except Exception:  # noqa: BLE001 - the result is delivered; a peer may be gone
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: a gloo group freed at exit can abort the process
+    # (pytorch/pytorch#179291), and everything worth keeping is delivered.
+    os._exit(code)
+
+
+def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = None,
+                threads: int | None = None, rendezvous: str = "tcp", collect: str = "all",
+                shutdown: bool = False, start_method: str | None = None) -> list:
+    """Run `fn` on `n` processes and return what each returned (None for ranks other than 0
+    with collect="rank0"). `rendezvous` is "tcp" (a free local port) or "file" (a file store:
+    no ports, so parallel test runs never collide). Raises SpawnError / SpawnTimeout."""
+    ctx = mp.get_context(start_method or _start_method())
+    threads = threads or max(1, (os.cpu_count() or 1) // n)
+    tmp = tempfile.mkdtemp(prefix="phalanx-workers-")
+    where = f"file://{os.path.join(tmp, 'store')}" if rendezvous == "file" else str(_free_port())
+    procs, conns, stack_paths = [], [], []
+    results, errors, done = [None] * n, {}, [False] * n
+    stuck, stacks = [], {}
+    try:
+        for rank in range(n):
+            recv, send = ctx.Pipe(duplex=False)
+            stack_path = os.path.join(tmp, f"stack.{rank}")
+            p = ctx.Process(target=_worker_main, name=f"rank{rank}",
+                            args=(fn, args, kwargs, rank, n, send, stack_path, where, threads,
+                                  collect, shutdown))
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+            stack_paths.append(stack_path)
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        first_error_at = None
+        while not all(done):
+            now = time.monotonic()
+            if (deadline is not None and now > deadline) or \
+                    (first_error_at is not None and now - first_error_at > GRACE_S):
+                break
+            for rank, conn in enumerate(conns):
+                if done[rank]:
+                    continue
+                if conn.poll(0.02):
+                    try:
+                        status, value = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        procs[rank].join(timeout=2)
+                        status, value = "error", _died(procs[rank].exitcode, "before sending "
+                                                                             "a result")
+                    done[rank] = True
+                    if status == "ok":
+                        results[rank] = value
+                    else:
+                        errors[rank] = value
+                        first_error_at = first_error_at or time.monotonic()
+                elif not procs[rank].is_alive() and not conn.poll(0):
+                    done[rank] = True
+                    errors[rank] = _died(procs[rank].exitcode)
+                    first_error_at = first_error_at or time.monotonic()
+        stuck = [r for r in range(n) if not done[r]]
+        for r in stuck:
+            if procs[r].is_alive():
+                os.kill(procs[r].pid, signal.SIGUSR1)
+        if stuck:
+            time.sleep(0.5)
+            for r in stuck:
+                try:
+                    with open(stack_paths[r]) as f:
+                        stacks[r] = f.read().strip() or "(no stack was written)"
+                except OSError:
+                    stacks[r] = "(no stack was written)"
+    finally:  # also on Ctrl-C: no worker outlives the call
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        for c in conns:
+            c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    if errors:
+        text = "\n".join(f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors))
+        if stuck:
+            text += "\n" + "\n".join(f"--- rank {r} was still running:\n{stacks[r]}"
+                                     for r in stuck)
+        raise SpawnError(f"{len(errors)} of {n} ranks failed\n{text}", sorted(errors))
+    if stuck:
+        text = "\n".join(f"--- rank {r} stack:\n{stacks[r]}" for r in stuck)
+        raise SpawnTimeout(f"ranks {stuck} of {n} did not finish within {timeout:.0f} s\n{text}",
+                           stuck)
+    return results
+
+
+def _died(exitcode, when: str = "") -> str:
+    text = f"the process died with exit code {exitcode}"
+    if exitcode is not None and exitcode < 0:
+        try:
+            text += f" (killed by {signal.Signals(-exitcode).name})"
+        except ValueError:
+            pass
+    return text + (f" {when}" if when else "")

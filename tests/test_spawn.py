@@ -1,0 +1,109 @@
+"""px.spawn: real worker processes from inside this one, rank 0's value back, failures raised
+here with the rank named, and no worker left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import phalanx as px
+from phalanx.spawn import SpawnError, SpawnTimeout, auto_processes
+
+
+def _children() -> list[int]:
+    """Live (not zombie) child processes of this process, from the process table."""
+    me, found = str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+def _world(scale):
+    t = torch.tensor([float(px.rank())])
+    if px.world_size() > 1:
+        dist.all_reduce(t)
+    return {"rank": px.rank(), "world": px.world_size(), "sum": t.item() * scale}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_spawn_returns_rank_zeros_value(n):
+    result = px.spawn(_world, 10, processes=n, timeout=120)
+    assert result == {"rank": 0, "world": n, "sum": 10 * sum(range(n))}
+    assert _children() == []
+
+
+def _fail_on_rank_one():
+    if px.rank() == 1:
+        raise ValueError("rank one is broken on purpose")
+    time.sleep(60)  # the others would wait long: they must be ended, not waited for
+
+
+def test_an_exception_on_a_rank_is_raised_here_naming_it():
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as caught:
+        px.spawn(_fail_on_rank_one, processes=3, timeout=120)
+    assert time.monotonic() - start < 30
+    message = str(caught.value)
+    assert caught.value.ranks == [1]
+    assert "--- rank 1 failed:\nValueError: rank one is broken on purpose" in message
+    assert 'raise ValueError("rank one is broken on purpose")' in message  # its traceback
+    assert _children() == []
+
+
+def _stuck():
+    if px.rank() == 0:
+        time.sleep(120)
+
+
+def test_a_stuck_worker_is_ended_at_the_timeout_with_its_stack():
+    start = time.monotonic()
+    with pytest.raises(SpawnTimeout) as caught:
+        px.spawn(_stuck, processes=2, timeout=3)
+    assert time.monotonic() - start < 20
+    assert caught.value.ranks == [0]
+    assert "in _stuck" in str(caught.value)  # where it was stuck
+    assert _children() == []
+
+
+def test_a_function_defined_in_a_scripts_main_works(tmp_path):
+    script = tmp_path / "notebook_like.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        import phalanx as px
+
+        def train(n):  # defined in __main__, as in a notebook cell
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            return f"rank {px.rank()} of {px.world_size()} saw {int(t.item())} and {n}"
+
+        print(px.spawn(train, 7, processes=2, timeout=120))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "rank 0 of 2 saw 2 and 7"
+
+
+def test_auto_is_one_per_gpu_or_one_per_two_cores():
+    expected = torch.cuda.device_count() if torch.cuda.is_available() \
+        else max(1, (os.cpu_count() or 1) // 2)
+    assert auto_processes() == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "four", True])
+def test_a_bad_process_count_is_refused(bad):
+    with pytest.raises(ValueError, match="number of worker processes"):
+        px.spawn(_world, 1, processes=bad)
