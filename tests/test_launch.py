@@ -253,3 +253,39 @@ def test_no_script_is_one_line_with_an_example(capsys):
     assert out == "" and err.count("\n") == 1
     assert err.startswith("phalanx run: error: a script to run is needed after the options")
     assert "phalanx run -n 2 train.py" in err
+
+
+# -- every local device from a plain `python train.py` (px.init(processes=...)) ---------------
+def test_plain_python_with_processes_env_forms_a_world_and_prints_once_per_rank():
+    env = {**os.environ, "PHALANX_PROCESSES": "2"}
+    result = subprocess.run([sys.executable, str(SCRIPTS / "world.py"), "--lr", "0.1"],
+                            capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert result.returncode == 0, result.stderr
+    assert_one_world(result.stdout, 2)
+    assert result.stdout.count("ARGS --lr 0.1") == 2  # the script's arguments reach every rank
+
+
+def test_init_processes_in_a_script_without_a_launcher(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import phalanx as px\npx.init(processes=3)\n"
+                      "print(f'RANK {px.rank()} OF {px.world_size()}')\npx.shutdown()\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert sorted(re.findall(r"^\[rank\d\]: RANK (\d) OF 3$", result.stdout, re.M)) == \
+        ["0", "1", "2"]
+
+
+def test_init_processes_without_a_script_points_to_spawn():
+    result = subprocess.run([sys.executable, "-c", "import phalanx as px; px.init(processes=2)"],
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode != 0
+    assert "runs no script" in result.stderr and "px.spawn(fn, processes=N)" in result.stderr
+
+
+def test_run_n_auto_starts_one_worker_per_two_cores_here():
+    from phalanx.spawn import auto_processes
+
+    result = phalanx("run", "-n", "auto", SCRIPTS / "world.py")
+    assert result.returncode == 0, result.stderr
+    assert_one_world(result.stdout, auto_processes())

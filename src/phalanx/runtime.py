@@ -133,6 +133,34 @@ def _check_timeout(timeout) -> datetime.timedelta:
                      "(the default)")
 
 
+def _relaunch(processes) -> None:
+    """Replace this process by `phalanx run -n N` of the same script (returns for N = 1)."""
+    import sys
+
+    from .spawn import _count
+
+    if isinstance(processes, str) and processes.isdigit():
+        processes = int(processes)
+    n = _count(processes)
+    if n == 1:
+        return
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        target = ["-m", spec.name.removesuffix(".__main__")]
+    elif sys.argv and sys.argv[0] not in ("", "-c") and os.path.exists(sys.argv[0]):
+        target = [os.path.abspath(sys.argv[0])]
+    else:
+        raise ValueError(
+            f"px.init(processes={processes!r}) starts this script again as {n} workers, but "
+            "this Python runs no script (a notebook, a REPL or python -c); there, use "
+            "px.spawn(fn, processes=N)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = [sys.executable, "-m", "phalanx", "run", "-n", str(n), *target, *sys.argv[1:]]
+    os.execv(sys.executable, argv)
+
+
 def _check_backend(backend) -> None:
     if backend is None:
         return
@@ -145,17 +173,25 @@ def _check_backend(backend) -> None:
                          "CPU backend, or leave backend=None to pick the one that fits")
 
 
-def init(backend: str | None = None, timeout: float = 600.0) -> None:
+def init(backend: str | None = None, timeout: float = 600.0, processes=None) -> None:
     """Join the job's process group (idempotent). With no launcher, a world of one.
 
     `backend=None` picks NCCL when CUDA is available and gloo otherwise. `timeout` (seconds, or
     a `datetime.timedelta`) bounds every collective, so a rank that died turns into an error, not a hang.
     If a process group already exists (a test harness or the user made one), it is adopted.
+    `processes=N` (or "auto", or the environment variable PHALANX_PROCESSES) in a script started
+    with plain `python`: this process becomes `phalanx run -n N` of the same script and
+    arguments, so the script runs as N workers; under a launcher it is ignored.
     """
     timeout = _check_timeout(timeout)
     _check_backend(backend)
     if _state.initialized:
         return
+    if processes is None:
+        processes = os.environ.get("PHALANX_PROCESSES") or None
+    if processes is not None and not (dist.is_available() and dist.is_initialized()) \
+            and read_launch_env().source == "none":
+        _relaunch(processes)
     if dist.is_available() and dist.is_initialized():
         backend_in_use = dist.get_backend()
         env = read_launch_env()

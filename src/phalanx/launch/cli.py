@@ -23,8 +23,9 @@ _NEEDS_SCRIPT = ("a script to run is needed after the options, for example "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc-per-node", type=int, required=True, metavar="N",
-                        help="workers to start on this node (one per GPU, or a few on a CPU)")
+    parser.add_argument("-n", "--nproc-per-node", type=_workers, required=True, metavar="N",
+                        help="workers to start on this node, or 'auto': one per GPU, or one "
+                             "per two CPU cores on a machine without one")
     parser.add_argument("--nnodes", type=int, default=1, metavar="M",
                         help="number of nodes in the job (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, metavar="R",
@@ -52,6 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the training script (a path, or a module name with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments passed to every worker's script")
+
+
+def _workers(value: str) -> int:
+    """-n: a number, or "auto" (see phalanx.spawn.auto_processes for why)."""
+    if value == "auto":
+        from phalanx.spawn import auto_processes
+
+        return auto_processes()
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
 def main(args: argparse.Namespace) -> int:
