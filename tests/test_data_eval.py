@@ -119,7 +119,17 @@ def _ranks_bad_input():
         if px.rank() == px.world_size() - 1:
             raise KeyError("broken item")
         return items
-    errors["fn fails"] = _expect_error(px.map_batches, fails_on_last_rank, list(range(9)), 2)
+    errors["fn fails"] = _expect_error(px.map_batches, fails_on_last_rank, list(range(9)), 2,
+                                      schedule="static")
+
+    def fails_on_item_seven(items):  # whichever rank draws that batch
+        if 7 in items:
+            raise KeyError("broken item 7")
+        return items
+    errors["fn fails, dynamic"] = _expect_error(px.map_batches, fails_on_item_seven,
+                                                list(range(9)), 2)
+    errors["bad schedule"] = _expect_error(px.map_batches, fails_on_item_seven, [1], 1,
+                                           schedule="round-robin")
     errors["ragged dims"] = _expect_error(px.gather, torch.zeros(1, px.rank() + 1))
     # the ranks are still in step: a collective after all of that completes
     t = torch.ones(1)
@@ -138,6 +148,8 @@ def test_bad_input_is_a_clear_error_on_every_rank():
         "foreign loader": "needs the loader made by px.data_loader",
         "dropping loader": "drop_last=False",
         "fn fails": "failed on rank(s) [2]",
+        "fn fails, dynamic": "KeyError: 'broken item 7'",
+        "bad schedule": "use 'dynamic' (batches to whichever rank is free) or 'static'",
         "ragged dims": "differ beyond the first dimension",
     }
     for errors, total in results:
@@ -215,3 +227,25 @@ def test_every_data_collective_and_sync_batchnorm_go_through_a_comm():
         assert seen["copy"]
         for key in ("gather objects", "gather_for_metrics", "map_batches", "map_batches main"):
             assert all(nbytes > 0 for _, _, nbytes in seen[key]), key
+
+
+def _map_every_count(schedule):
+    import time
+
+    def slow_on_rank_zero(items):  # rank 0 is slow, so the others take more batches
+        if px.rank() == 0:
+            time.sleep(0.01)
+        return [(i, i * i) for i in items]
+
+    out = {}
+    for n in (0, 1, 7, 100):
+        out[n] = px.map_batches(slow_on_rank_zero, list(range(n)), 3, schedule=schedule)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["dynamic", "static"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_map_batches_gives_every_item_once_in_order_on_every_rank(world, schedule):
+    for out in run_ranks(_map_every_count, world, args=(schedule,), timeout=60):
+        for n in (0, 1, 7, 100):
+            assert out[n] == [(i, i * i) for i in range(n)], (n, out[n][:5])
