@@ -107,3 +107,45 @@ def test_auto_is_one_per_gpu_or_one_per_two_cores():
 def test_a_bad_process_count_is_refused(bad):
     with pytest.raises(ValueError, match="number of worker processes"):
         px.spawn(_world, 1, processes=bad)
+
+
+def test_ctrl_c_ends_every_worker(tmp_path):
+    import signal
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import phalanx as px
+
+        def wait():
+            time.sleep(120)
+
+        px.spawn(wait, processes=2, timeout=300)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def running() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(script) in cmdline and state != "Z":
+                found.append(int(pid))
+        return found
+
+    try:
+        deadline = time.monotonic() + 60
+        while len(running()) < 3 and time.monotonic() < deadline:  # the caller and 2 workers
+            time.sleep(0.2)
+        assert len(running()) == 3, "the workers did not start"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in err
+    time.sleep(0.5)
+    assert running() == []
