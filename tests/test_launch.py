@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
+import phalanx as px
 from phalanx import cli, launch
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
@@ -289,3 +292,74 @@ def test_run_n_auto_starts_one_worker_per_two_cores_here():
     result = phalanx("run", "-n", "auto", SCRIPTS / "world.py")
     assert result.returncode == 0, result.stderr
     assert_one_world(result.stdout, auto_processes())
+
+
+# -- surviving crashes: kill ranks at random moments, resume from the newest checkpoint -------
+def _workers_of(token: str) -> list[int]:
+    return [int(line.split(":")[0]) for line in processes_running(token)
+            if "phalanx.launch.worker" in line]
+
+
+def _resume_run(tmp_path, name, kills=0, die_in_save=None, seed=0):
+    import random
+
+    from safetensors.torch import load_file
+
+    token = f"token-{uuid.uuid4().hex}"
+    ckpt = tmp_path / f"ckpt-{token}"
+    out = tmp_path / f"{name}.safetensors"
+    args = ["run", "-n", 2, "--max-restarts", 3, SCRIPTS / "resume_train.py", out, ckpt, 40,
+            "zero2"] + (["--die-in-save", die_in_save] if die_in_save else [])
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rng, killed_at, seen = random.Random(seed), [], None
+    try:
+        for _ in range(kills):
+            # wait until this attempt is training (a checkpoint newer than any seen), then
+            # kill a random rank at a random moment of a step (forward, backward, step, save)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                latest = px.latest_checkpoint(ckpt)
+                if latest is not None and latest != seen and len(_workers_of(str(ckpt))) == 2:
+                    break
+                time.sleep(0.05)
+            seen = latest
+            time.sleep(rng.uniform(0.0, 0.3))
+            workers = _workers_of(str(ckpt))
+            if workers:
+                os.kill(rng.choice(workers), signal.SIGKILL)
+                killed_at.append((time.time(), int(os.path.basename(seen)[4:])))
+            time.sleep(1.0)  # the attempt is over: nothing it saves from now on completes
+            seen = px.latest_checkpoint(ckpt)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert processes_running(str(ckpt)) == []
+    starts = [(int(s), int(a), float(t)) for s, a, t in
+              re.findall(r"START step=(\d+) attempt=(\d+) t=([\d.]+)", stdout)]
+    return load_file(out), starts, killed_at, stderr
+
+
+def test_a_run_killed_at_random_moments_ends_as_an_uninterrupted_one(tmp_path):
+    # Issue "Survive failures": SIGKILL of a random rank, twice in one run, under
+    # --max-restarts 3; the workers resume from the newest complete checkpoint.
+    clean, _, _, _ = _resume_run(tmp_path, "clean")
+    resumed, starts, killed_at, stderr = _resume_run(tmp_path, "killed", kills=2, seed=1)
+    assert len(killed_at) == 2
+    assert max(a for _, a, _ in starts) == 2, starts  # two restarts happened
+    resumed_from = sorted({s for s, a, _ in starts if a > 0})
+    assert len(resumed_from) == 2 and all(s > 0 for s in resumed_from), (starts, killed_at)
+    assert stderr.count("restarting workers") == 2, stderr
+    for key, value in clean.items():
+        assert torch.equal(resumed[key], value), key  # bit for bit
+
+
+def test_a_rank_killed_inside_save_resumes_from_the_previous_checkpoint(tmp_path):
+    clean, _, _, _ = _resume_run(tmp_path, "clean")
+    resumed, starts, _, stderr = _resume_run(tmp_path, "killed", die_in_save=5)
+    restarts = [s for s, a, _ in starts if a == 1]
+    assert restarts == [4, 4], starts  # step 5's checkpoint never completed: both ranks at 4
+    assert "rank 1 was killed by SIGKILL" in stderr
+    for key, value in clean.items():
+        assert torch.equal(resumed[key], value), key
