@@ -55,6 +55,15 @@ def one_step(model, opt) -> None:
     opt.zero_grad()
 
 
+def model_and_optimizer(blocks: int, stepped: bool):
+    """The plain model and its AdamW, after one step (so the optimizer has its state) or not."""
+    model = make_model(blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if stepped:
+        one_step(model, opt)
+    return model, opt
+
+
 def du(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
@@ -73,9 +82,7 @@ def timed(fn) -> float:
 
 
 def phalanx_case(strategy: str, background: bool, blocks: int, where: str) -> dict:
-    model = make_model(blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = px.prepare(model, opt, strategy=strategy)
+    model, opt = px.prepare(*model_and_optimizer(blocks, stepped=False), strategy=strategy)
     one_step(model, opt)
     path = os.path.join(where, "ckpt")
     out = {}
@@ -86,17 +93,14 @@ def phalanx_case(strategy: str, background: bool, blocks: int, where: str) -> di
     else:
         out["save"] = timed(lambda: px.save(path, model=model, optimizer=opt, step=1))
     out["bytes"] = du(path)
-    fresh = make_model(blocks)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
-    fresh, fresh_opt = px.prepare(fresh, fresh_opt, strategy=strategy)
+    fresh, fresh_opt = px.prepare(*model_and_optimizer(blocks, stepped=False),
+                                  strategy=strategy)
     out["load"] = timed(lambda: px.load(path, model=fresh, optimizer=fresh_opt))
     return out
 
 
 def torch_save_case(blocks: int, where: str) -> dict:
-    model = make_model(blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    one_step(model, opt)
+    model, opt = model_and_optimizer(blocks, stepped=True)
     path = os.path.join(where, "state.pt")
 
     def save():
@@ -104,8 +108,7 @@ def torch_save_case(blocks: int, where: str) -> dict:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
 
     out = {"save": timed(save), "bytes": du(path)}
-    fresh = make_model(blocks)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
+    fresh, fresh_opt = model_and_optimizer(blocks, stepped=False)
 
     def load():
         state = torch.load(path, weights_only=True)
@@ -119,16 +122,13 @@ def torch_save_case(blocks: int, where: str) -> dict:
 def dcp_case(blocks: int, where: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    model = make_model(blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    one_step(model, opt)
+    model, opt = model_and_optimizer(blocks, stepped=True)
     path = os.path.join(where, "dcp")
     out = {"save": timed(lambda: dcp.save({"model": model.state_dict(),
                                            "optimizer": opt.state_dict()}, checkpoint_id=path))}
     out["bytes"] = du(path)
-    fresh = make_model(blocks)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
-    one_step(fresh, fresh_opt)  # DCP loads into existing tensors: the state must exist
+    # DCP loads into existing tensors: the optimizer state must exist
+    fresh, fresh_opt = model_and_optimizer(blocks, stepped=True)
 
     def load():
         state = {"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()}
