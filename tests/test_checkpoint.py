@@ -341,6 +341,10 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
     assert latest == str(tmp_path / "step1")
     model = _model(3)
     assert px.load(latest, model=model) == {"step": 1}
+    # the next complete save with keep_last removes what the killed one left
+    assert any(".partial-" in entry for entry in os.listdir(tmp_path))
+    px.save(tmp_path / "step3", model=model, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step1", "step3"]
 
 
 def test_keep_last_keeps_the_newest(tmp_path):

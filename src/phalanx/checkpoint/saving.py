@@ -245,6 +245,23 @@ def _complete(snap: _Snapshot, reports: list) -> None:
         for _, older in complete_checkpoints(parent)[:-snap.keep_last]:
             if older != path:
                 shutil.rmtree(older, ignore_errors=True)
+        _remove_abandoned(parent, path)
+
+
+def _remove_abandoned(parent: str, newest: str) -> None:
+    """With keep_last the directory is the run's own: remove what saves that never completed
+    left in it (a rank killed midway leaves `<path>.partial-<token>`), once a later checkpoint
+    is complete. Only entries older than the checkpoint just completed are touched."""
+    cutoff = os.path.getmtime(os.path.join(newest, MANIFEST))
+    for entry in os.listdir(parent):
+        if ".partial-" not in entry and ".old-" not in entry:
+            continue
+        where = os.path.join(parent, entry)
+        try:
+            if os.path.getmtime(where) < cutoff:
+                shutil.rmtree(where, ignore_errors=True)
+        except OSError:
+            pass
 
 
 # -- background saves ----------------------------------------------------------------------------
