@@ -23,6 +23,7 @@ from . import runtime
 from .collectives import Comm
 from .consistency import broadcast_from_rank0, check_same_structure
 from .engine import build_engine
+from .replicas import ReplicaCheck
 from .engine import optimizer_state_dict as _optimizer_state_dict
 from .engine.optim import optimizer_groups
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
@@ -62,7 +63,8 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype):
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
-            broadcast_buffers: bool = True, comm: Comm | None = None):
+            broadcast_buffers: bool = True, comm: Comm | None = None,
+            check_replicas_every: int | None = None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
@@ -74,10 +76,17 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     broadcast_buffers: keep buffers equal to rank 0's before each forward with gradients.
     comm: the `phalanx.collectives.Comm` to communicate through (default: one over the job's
         process group); `Comm(group, prefer="reduce_scatter")` picks primitives by hand.
+    check_replicas_every: every K optimizer steps, compare a checksum of the parameters
+        across ranks and raise, naming the ranks that drifted (replicas.py); None: never.
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
     strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype)
+    if check_replicas_every is not None and (isinstance(check_replicas_every, bool) or not
+                                             isinstance(check_replicas_every, int)
+                                             or check_replicas_every < 1):
+        raise ValueError(f"check_replicas_every={check_replicas_every!r}: a number of optimizer "
+                         "steps, 1 or more, or None (no check)")
     if isinstance(_uncompiled(model), PreparedModule):
         raise ValueError("this model was already prepared; call px.prepare once per model")
     if not isinstance(model, torch.nn.Module):
@@ -92,7 +101,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         optimizer_groups(optimizer, model)
     options = {"strategy": strategy, "precision": precision, "bucket_mb": float(bucket_mb),
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
-               "broadcast_buffers": bool(broadcast_buffers)}
+               "broadcast_buffers": bool(broadcast_buffers),
+               "check_replicas_every": check_replicas_every}
     check_same_structure(model, comm, options)
     broadcast_from_rank0(model, comm)
 
@@ -101,6 +111,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                        if isinstance(v, torch.Tensor)}
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb)
+    if check_replicas_every is not None and optimizer is not None:
+        names = [name for name, _ in model.named_parameters()]
+        engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
+                                                   check_replicas_every).after_step)
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
                              original_dtypes=original_dtypes)
     return wrapped, optimizer

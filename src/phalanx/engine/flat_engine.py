@@ -79,6 +79,15 @@ class FlatEngine:
         self.loss_scaler = precision.loss_scaler
 
     # -- the Engine protocol ------------------------------------------------------------------
+    def watch_steps(self, optimizer, fn) -> None:
+        """Call `fn()` after every `optimizer.step()` of the user's loop: through the adapter
+        where the optimizer is adopted (its own step hooks run once per unit there), through
+        torch's step post-hook otherwise."""
+        if self.optim is not None and self.optim.adopted:
+            self.optim.after_step.append(fn)
+        else:
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: fn())
+
     def no_sync(self):
         return self.reducer.no_sync()
 

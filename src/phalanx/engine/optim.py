@@ -69,6 +69,7 @@ class OptimizerAdapter:
         self.engine = engine
         group_of = optimizer_groups(optimizer, module)
         self.adopted = engine.adopt
+        self.after_step: list = []  # called after each optimizer.step() (engine.watch_steps)
         # The groups as the user built them: what a single process's state_dict indexes.
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         setattr(optimizer, _ADAPTER_ATTR, self)
@@ -118,6 +119,8 @@ class OptimizerAdapter:
         stepped = self.engine.step_units(self._user["step"])
         if not stepped and self.engine.loss_scaler is not None:
             self.zero_grad()  # overflowed gradients are of no use to a later step
+        for fn in self.after_step:
+            fn()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
