@@ -239,7 +239,7 @@ def _load_must_fail(path, words, other_model=False):
     before = {k: v.clone() for k, v in px.unwrap(model).state_dict().items()}
     try:
         px.load(path, model=model, optimizer=opt)
-    except px.checkpoint.CheckpointError as exc:
+    except px.CheckpointError as exc:
         message = str(exc)
     else:
         raise AssertionError("px.load did not raise")
@@ -479,7 +479,7 @@ def _background_save_fails(path):
     px.save(path, model=model, background=True)  # returns: the failure comes later
     try:
         px.save(path + "-next", model=model)
-    except px.checkpoint.CheckpointError as exc:
+    except px.CheckpointError as exc:
         return str(exc)
     return "no error"
 

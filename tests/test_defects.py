@@ -797,7 +797,7 @@ def _drift(strategy, precision, edit_rank):
         F.mse_loss(model(x), y).backward()
         try:
             opt.step()
-        except px.replicas.ReplicasDiffer as exc:
+        except px.ReplicasDiffer as exc:
             return step, str(exc)
         opt.zero_grad()
     return None

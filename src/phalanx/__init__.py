@@ -12,8 +12,9 @@ from .prepare import clip_grad_norm_, no_sync, optimizer_state_dict, prepare, un
 from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
                    map_batches)
 from .planner import plan
-from .checkpoint import export, latest_checkpoint, load, save
-from .spawn import spawn
+from .checkpoint import CheckpointError, export, latest_checkpoint, load, save
+from .replicas import ReplicasDiffer
+from .spawn import SpawnError, spawn
 
 __version__ = "0.1.0"
 
@@ -25,4 +26,5 @@ __all__ = [
     "plan",
     "save", "load", "latest_checkpoint", "export",
     "spawn",
+    "CheckpointError", "SpawnError", "ReplicasDiffer",  # what those raise, to catch by name
 ]
