@@ -818,3 +818,11 @@ def test_a_rank_whose_parameters_drifted_is_named(strategy, precision):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_identical_replicas_pass_the_check(strategy):
     assert run_ranks(_drift, 2, args=(strategy, "fp32", -1)) == [None, None]
+
+
+@pytest.mark.parametrize("every", [0, -2, 1.5, True, "10"])
+def test_check_replicas_every_must_be_a_step_count(every):
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"check_replicas_every=.*a number of optimizer steps"):
+        px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   check_replicas_every=every)

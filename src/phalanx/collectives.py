@@ -250,7 +250,7 @@ class Comm:
         """Every rank's picklable `obj`, in rank order."""
         if self.group is None:
             return [obj]
-        payload, sizes = self._pickle_and_sizes(obj, tag)
+        payload, sizes = self._pickle_and_sizes(obj)
         longest = int(max(sizes))
         parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
                  for _ in range(self.world)]
@@ -262,7 +262,7 @@ class Comm:
         """Every rank's `obj` on rank `dst` (a rank of this group; None elsewhere)."""
         if self.group is None:
             return [obj]
-        payload, sizes = self._pickle_and_sizes(obj, tag)
+        payload, sizes = self._pickle_and_sizes(obj)
         longest = int(max(sizes))
         parts = None
         if self.rank == dst:
@@ -275,7 +275,7 @@ class Comm:
             return None
         return [_unpickle(part, size) for part, size in zip(parts, sizes)]
 
-    def _pickle_and_sizes(self, obj, tag: str | None) -> tuple[torch.Tensor, list[int]]:
+    def _pickle_and_sizes(self, obj) -> tuple[torch.Tensor, list[int]]:
         """This rank's pickle as a byte tensor, and every rank's pickle length."""
         device = comm_device(self.group)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

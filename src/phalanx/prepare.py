@@ -35,7 +35,7 @@ __all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "optimizer_state_d
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
-def _check_options(strategy, precision, bucket_mb, comm_dtype):
+def _check_options(strategy, precision, bucket_mb, comm_dtype, check_replicas_every):
     if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of "
                          "'ddp', 'zero1', 'zero2', 'zero3' (alias 'fsdp')")
@@ -57,6 +57,11 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype):
     if not ok:
         raise ValueError(f"comm_dtype must be None, torch.bfloat16, torch.float16 or "
                          f"torch.float32 (or 'bf16', 'fp16', 'fp32'), not {comm_dtype!r}")
+    if check_replicas_every is not None and (isinstance(check_replicas_every, bool) or not
+                                             isinstance(check_replicas_every, int)
+                                             or check_replicas_every < 1):
+        raise ValueError(f"check_replicas_every={check_replicas_every!r}: a number of optimizer "
+                         "steps, 1 or more, or None (no check)")
     return strategy, precision.lower()
 
 
@@ -81,12 +86,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
-    strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype)
-    if check_replicas_every is not None and (isinstance(check_replicas_every, bool) or not
-                                             isinstance(check_replicas_every, int)
-                                             or check_replicas_every < 1):
-        raise ValueError(f"check_replicas_every={check_replicas_every!r}: a number of optimizer "
-                         "steps, 1 or more, or None (no check)")
+    strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
+                                         check_replicas_every)
     if isinstance(_uncompiled(model), PreparedModule):
         raise ValueError("this model was already prepared; call px.prepare once per model")
     if not isinstance(model, torch.nn.Module):

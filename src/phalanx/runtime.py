@@ -18,12 +18,14 @@ import datetime
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import collectives
+from .spawn import process_count
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
@@ -135,13 +137,9 @@ def _check_timeout(timeout) -> datetime.timedelta:
 
 def _relaunch(processes) -> None:
     """Replace this process by `phalanx run -n N` of the same script (returns for N = 1)."""
-    import sys
-
-    from .spawn import _count
-
-    if isinstance(processes, str) and processes.isdigit():
+    if isinstance(processes, str) and processes.isdigit():  # from PHALANX_PROCESSES
         processes = int(processes)
-    n = _count(processes)
+    n = process_count(processes)
     if n == 1:
         return
     main = sys.modules.get("__main__")

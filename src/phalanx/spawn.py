@@ -40,7 +40,8 @@ import tempfile
 import time
 import traceback
 
-__all__ = ["spawn", "SpawnError", "SpawnTimeout", "auto_processes", "run_workers"]
+__all__ = ["spawn", "SpawnError", "SpawnTimeout", "auto_processes", "process_count",
+           "run_workers"]
 
 # After the first failure the others get this long to fail too (they are usually blocked in a
 # collective with the dead rank) before they are ended.
@@ -71,7 +72,8 @@ def auto_processes() -> int:
     return max(1, (os.cpu_count() or 1) // 2)
 
 
-def _count(processes) -> int:
+def process_count(processes) -> int:
+    """The number of workers `processes` asks for: an int, or "auto" / None (auto_processes)."""
     if processes is None or processes == "auto":
         return auto_processes()
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
@@ -83,7 +85,7 @@ def _count(processes) -> int:
 def spawn(fn, *args, processes=None, timeout: float | None = None, **kwargs):
     """Run `fn(*args, **kwargs)` on `processes` workers (an int, or "auto": one per GPU, or
     one per two CPU cores) and return rank 0's return value. See the module's notes."""
-    n = _count(processes)
+    n = process_count(processes)
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout={timeout!r}: a positive number of seconds, or None")
     return run_workers(fn, n, args, kwargs, timeout=timeout, collect="rank0",
@@ -138,10 +140,8 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
                                                f"{type(exc).__name__}: {exc}")))
         code = 1
     conn.close()
-    if shutdown and code == 0:
+    if shutdown and code == 0:  # fn ran, so `runtime` is imported
         try:
-            import phalanx.runtime as runtime
-
             runtime.shutdown()
         except Exception:  # noqa: BLE001 - the result is delivered; a peer may be gone
             pass

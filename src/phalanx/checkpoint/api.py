@@ -127,15 +127,13 @@ def _match(model_state: ModelState, manifest: dict) -> tuple[set[str], list[str]
 def export(path, model) -> str:
     """Write the full weights of `px.unwrap(model)` (fp32 masters for trained parameters, the
     original dtypes elsewhere) to one safetensors file under the module's own names, loadable
-    with `model.load_state_dict(safetensors.torch.load_file(path))`. A collective when the
-    masters are sharded (rank 0 gathers them and writes)."""
-    from safetensors.torch import save_file  # noqa: PLC0415
-
+    with `model.load_state_dict(safetensors.torch.load_file(path))`. A collective: rank 0
+    writes, with the other ranks' shards of the masters gathered to it."""
     state = ModelState(model)
     comm = state.comm
-    owner = state.writer_of()
+    owner = {name: 0 for name in state.writer_of()}  # what every rank holds whole: rank 0's
     local = [(r.name, r.start, r.end, r.values.detach().cpu().clone()) for r in state.ranges(owner)]
-    gathered = comm.gather_object(local, dst=0, tag="export") if comm.world > 1 else [local]
+    gathered = comm.gather_object(local, dst=0, tag="export")
     error = None
     if comm.rank == 0:
         try:
@@ -148,7 +146,7 @@ def export(path, model) -> str:
                     full[name[len("model/"):]].view(-1)[start:end] = values
             for alias, name in state.aliases.items():
                 full[alias] = full[name].clone()
-            _write_atomically(os.path.abspath(os.fspath(path)), full, save_file)
+            _write_atomically(os.path.abspath(os.fspath(path)), full)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.export({os.fspath(path)!r})")
@@ -158,8 +156,6 @@ def export(path, model) -> str:
 def export_checkpoint(checkpoint, out) -> str:
     """`phalanx export CKPT OUT`: the model's full weights from a checkpoint, offline (no
     process group), as one safetensors file."""
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     checkpoint = os.path.abspath(os.fspath(checkpoint))
     manifest = read_manifest(checkpoint)
     problems = verify_files(checkpoint, manifest, sorted(manifest["files"]))
@@ -173,11 +169,13 @@ def export_checkpoint(checkpoint, out) -> str:
         reader.close()
     for alias, name in manifest.get("aliases", {}).items():
         full[alias] = full[name].clone()
-    _write_atomically(os.path.abspath(os.fspath(out)), full, save_file)
+    _write_atomically(os.path.abspath(os.fspath(out)), full)
     return os.fspath(out)
 
 
-def _write_atomically(path: str, tensors: dict, save_file) -> None:
+def _write_atomically(path: str, tensors: dict) -> None:
+    from safetensors.torch import save_file  # noqa: PLC0415 (only exports need it)
+
     tmp = f"{path}.partial-{uuid.uuid4().hex[:12]}"
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)

@@ -24,7 +24,8 @@ import torch
 
 from ..collectives import Comm, default_comm
 from ..engine.flat import Piece
-from ..engine.optim import adapter_of, native_load_state_dict
+from ..engine.optim import adapter_of, native_load_state_dict, per_element
+from ..prepare import _uncompiled
 from ..prepared import PreparedModule
 
 __all__ = ["ModelState", "OptimizerState", "Range"]
@@ -37,10 +38,6 @@ class Range:
     start: int
     end: int
     values: torch.Tensor
-
-
-def _uncompiled(model):
-    return getattr(model, "_orig_mod", model)
 
 
 class ModelState:
@@ -152,10 +149,6 @@ class OptimizerState:
     def hyperparameters(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
-    def _per_element(self, key: str, value, piece: Piece) -> bool:
-        return (isinstance(value, torch.Tensor) and key != "step"
-                and value.shape == piece.master.shape)
-
     @torch.no_grad()
     def ranges(self, owner: dict[str, int]) -> tuple[list[Range], dict]:
         """This rank's per-element state as ranges, and the rest of the state (step counts,
@@ -166,7 +159,7 @@ class OptimizerState:
                 continue
             for piece in pieces:
                 for key, value in self.optimizer.state.get(piece.master, {}).items():
-                    if self._per_element(key, value, piece):
+                    if per_element(key, value, piece.master.shape):
                         out.append(Range(f"optim/{name}/{key}", piece.start, piece.end,
                                          value.detach().reshape(-1)))
                     elif piece.start == 0:

@@ -29,7 +29,7 @@ import weakref
 import torch
 
 __all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict", "adapter_of",
-           "native_load_state_dict", "route_torch_clip"]
+           "native_load_state_dict", "per_element", "route_torch_clip"]
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name) for name in
@@ -43,6 +43,13 @@ _ADAPTER_ATTR = "_phalanx_adapter"
 
 def adapter_of(optimizer) -> "OptimizerAdapter | None":
     return getattr(optimizer, _ADAPTER_ATTR, None)
+
+
+def per_element(key: str, value, shape) -> bool:
+    """Whether an optimizer state entry holds one value per element of a parameter of `shape`
+    (Adam's moments, a momentum buffer), rather than one for the whole tensor (a step count):
+    the former is split and joined with the parameter, the latter kept whole."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
 
 
 def optimizer_groups(optimizer, module) -> dict:
@@ -144,9 +151,8 @@ class OptimizerAdapter:
                     continue
                 entry = {}
                 for key, value in s.items():
-                    per_element = (isinstance(value, torch.Tensor) and key != "step"
-                                   and value.shape == piece.master.shape)
-                    entry[key] = ("elements", value.detach().reshape(-1).clone()) if per_element \
+                    entry[key] = ("elements", value.detach().reshape(-1).clone()) \
+                        if per_element(key, value, piece.master.shape) \
                         else ("whole", value.clone() if isinstance(value, torch.Tensor) else value)
                 parts.setdefault(index, []).append((piece.start, piece.end, entry))
         return parts
@@ -213,7 +219,7 @@ class OptimizerAdapter:
             for piece in self.pieces_of.get(id(p), []):
                 entry = {}
                 for key, value in s.items():
-                    if isinstance(value, torch.Tensor) and key != "step" and value.shape == p.shape:
+                    if per_element(key, value, p.shape):
                         value = value.reshape(-1)[piece.start:piece.end].view_as(piece.master)
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
                 state[piece_index[id(piece.master)]] = entry

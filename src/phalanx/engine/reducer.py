@@ -51,7 +51,6 @@ certainty, and the next forward raises an error that says so (DDP does the same)
 from __future__ import annotations
 
 import weakref
-
 from contextlib import contextmanager
 from typing import Callable
 

@@ -14,7 +14,6 @@ Parameters are taken in reverse registration order, the order backward about pro
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
