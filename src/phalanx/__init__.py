@@ -13,6 +13,7 @@ from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, 
                    map_batches)
 from .planner import plan
 from .checkpoint import CheckpointError, export, latest_checkpoint, load, save
+from .nonfinite import NonFiniteError
 from .replicas import ReplicasDiffer
 from .spawn import SpawnError, spawn
 
@@ -26,5 +27,5 @@ __all__ = [
     "plan",
     "save", "load", "latest_checkpoint", "export",
     "spawn",
-    "CheckpointError", "SpawnError", "ReplicasDiffer",  # what those raise, to catch by name
+    "CheckpointError", "SpawnError", "ReplicasDiffer", "NonFiniteError",  # to catch by name
 ]

@@ -25,8 +25,10 @@ algorithm, which the planner accounts for.
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
+import zlib
 import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Comm", "CollectiveRecord", "Handle", "default_comm", "close_all", "comm_device",
-           "bytes_by_kind", "reset_counts"]
+           "bytes_by_kind", "reset_counts", "records_on", "count_step", "CollectiveMismatch"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -46,12 +48,39 @@ _OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp
 
 @dataclass
 class CollectiveRecord:
-    seq: int
+    seq: int                     # this Comm's count of collectives
     kind: str
     nbytes: int
     tag: str | None
     started: float               # time.perf_counter() when issued
     completed: float | None = None  # when the work completed (None while in flight)
+    group_seq: int = 0           # the count on its process group, over every Comm of it
+    step: int = 0                # optimizer steps taken in this process when it was issued
+
+
+class CollectiveMismatch(RuntimeError):
+    """The ranks are about to issue different collectives (PHALANX_CHECK_COLLECTIVES=1)."""
+
+
+# See [Note: checking collectives] (Comm._check_same).
+CHECK_COLLECTIVES = os.environ.get("PHALANX_CHECK_COLLECTIVES", "") not in ("", "0")
+_KIND_CODES = {kind: i for i, kind in enumerate(
+    ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
+     "gather_object", "barrier"], start=1)}
+
+# Collectives issued on each process group (by id), over all the Comms that share it: every
+# rank issues the same sequence on a group, so this number names one collective on every rank
+# (the hang report compares ranks by it).
+_group_seq: dict[int, int] = defaultdict(int)
+
+# Optimizer steps taken in this process (every prepared optimizer's step counts; see
+# engine.watch_steps), so that a record and a report can say at which step it happened.
+steps_taken = 0
+
+
+def count_step() -> None:
+    global steps_taken
+    steps_taken += 1
 
 
 class Handle:
@@ -131,12 +160,58 @@ class Comm:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _record(self, kind: str, nbytes: int, tag, work):
+    def _begin(self, kind: str, nbytes: int, tag) -> CollectiveRecord:
+        """The record of a collective about to be issued: made before the call, so that a rank
+        blocked inside it shows as having entered it."""
         self.seq += 1
+        key = id(self.group)
+        _group_seq[key] += 1
         rec = CollectiveRecord(self.seq, kind, nbytes, tag if tag is not None else self.tag,
-                               time.perf_counter())
+                               time.perf_counter(), group_seq=_group_seq[key], step=steps_taken)
         self.records.append(rec)
         self.bytes_by_kind[kind] += nbytes
+        if CHECK_COLLECTIVES:
+            self._check_same(rec)
+        return rec
+
+    def _check_same(self, rec: CollectiveRecord) -> None:
+        """[Note: checking collectives] With PHALANX_CHECK_COLLECTIVES=1, before each
+        collective the ranks exchange what they are about to issue (kind, size, tag) and raise
+        `CollectiveMismatch` on every rank when they differ. A skipped, extra or reordered
+        collective otherwise hangs (then hang_report.py names it) or, when sizes differ,
+        aborts gloo natively with no word of which collective. The exchange makes every
+        collective wait for every rank, so it is a debugging mode (as TORCH_DISTRIBUTED_DEBUG=
+        DETAIL is for torch's), off by default."""
+        device = comm_device(self.group)
+        tag = (rec.tag or "").encode()
+        mine = torch.tensor([rec.group_seq, _KIND_CODES.get(rec.kind, 0), rec.nbytes,
+                             zlib.crc32(tag)], dtype=torch.int64, device=device)
+        every = torch.empty(self.world * 4, dtype=torch.int64, device=device)
+        _all_gather(every, mine, group=self.group)
+        rows = every.view(self.world, 4).tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        about = (rec.kind, rec.tag, rec.nbytes, steps_taken)
+        parts = [None] * self.world
+        dist.all_gather_object(parts, about, group=self.group)
+        by_what: dict = defaultdict(list)
+        for r, (kind, tag, nbytes, step) in enumerate(parts):
+            by_what[(kind, tag, nbytes)].append((r, step))
+        described = "; ".join(
+            f"rank{'s' if len(who) > 1 else ''} {', '.join(str(r) for r, _ in who)} "
+            f"{'issue' if len(who) > 1 else 'issues'} {kind} ({tag}, {nbytes} bytes) at step "
+            f"{who[0][1]}"
+            for (kind, tag, nbytes), who in by_what.items())
+        raise CollectiveMismatch(
+            f"the ranks disagree on collective #{rec.group_seq}: {described}. Every rank must "
+            "issue the same collectives in the same order: look for a collective under a "
+            "rank-dependent condition, or ranks that run different numbers of steps or batches "
+            "(px.data_loader gives every rank the same number)")
+
+    @staticmethod
+    def _track(rec: CollectiveRecord, work) -> CollectiveRecord:
+        """Note the completion: now for a call that returned (`work` None), else when the
+        work's future completes."""
         if work is None:
             rec.completed = time.perf_counter()
         else:
@@ -147,6 +222,11 @@ class Comm:
             except (RuntimeError, AttributeError):  # a backend without futures
                 pass
         return rec
+
+    def _add_bytes(self, rec: CollectiveRecord, nbytes: int) -> None:
+        """Bytes of a record known only once part of it ran (the object collectives)."""
+        rec.nbytes += nbytes
+        self.bytes_by_kind[rec.kind] += nbytes
 
     def reset_counts(self) -> None:
         self.bytes_by_kind.clear()
@@ -167,8 +247,9 @@ class Comm:
         no extra pass over the buffer is needed)."""
         if self.group is None:
             return Handle([]) if async_op else None
+        rec = self._begin("all_reduce", self._nbytes(tensor), tag)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
-        rec = self._record("all_reduce", self._nbytes(tensor), tag, work)
+        self._track(rec, work)
         return Handle([work], records=[rec]) if async_op else None
 
     def reduce_shard(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = True,
@@ -182,13 +263,15 @@ class Comm:
             out.copy_(full)
             return Handle([])
         if self.uses_reduce_scatter:
+            rec = self._begin("reduce_scatter", self._nbytes(full), tag)
             work = _reduce_scatter(out, full, op=dist.ReduceOp.AVG, group=self.group,
                                    async_op=True)
-            rec = self._record("reduce_scatter", self._nbytes(full), tag, work)
+            self._track(rec, work)
             handle = Handle([work], records=[rec])
         else:
+            rec = self._begin("all_reduce", self._nbytes(full), tag)
             work = dist.all_reduce(full, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
-            rec = self._record("all_reduce", self._nbytes(full), tag, work)
+            self._track(rec, work)
             n = out.numel()
             lo = self.rank * n
             handle = Handle([work], then=lambda: out.copy_(full[lo:lo + n]), records=[rec])
@@ -203,7 +286,7 @@ class Comm:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return Handle([]) if async_op else None
-        nbytes = self._nbytes(output)
+        rec = self._begin("all_gather", self._nbytes(output), tag)
         if not self.gathers_by_broadcast:
             work = _all_gather(output, shard, group=self.group, async_op=True)
             works = [work]
@@ -215,7 +298,7 @@ class Comm:
                                     group=self.group, async_op=True)
                      for r, piece in enumerate(pieces)]
             work = works[-1]
-        rec = self._record("all_gather", nbytes, tag, work)
+        self._track(rec, work)
         handle = Handle(works, records=[rec])
         if not async_op:
             handle.wait()
@@ -227,8 +310,9 @@ class Comm:
         if self.group is None:
             return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        rec = self._begin("all_gather", self._nbytes(tensor) * self.world, tag)
         dist.all_gather(parts, tensor, group=self.group)
-        self._record("all_gather", self._nbytes(tensor) * self.world, tag, None)
+        self._track(rec, None)
         return parts
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False,
@@ -236,9 +320,10 @@ class Comm:
         """Rank `src`'s (a rank of this group) `tensor` on every rank, in place."""
         if self.group is None:
             return Handle([]) if async_op else None
+        rec = self._begin("broadcast", self._nbytes(tensor), tag)
         work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group,
                               async_op=async_op)
-        rec = self._record("broadcast", self._nbytes(tensor), tag, work)
+        self._track(rec, work)
         return Handle([work], records=[rec]) if async_op else None
 
     # -- object collectives and barrier ------------------------------------------------------
@@ -250,27 +335,31 @@ class Comm:
         """Every rank's picklable `obj`, in rank order."""
         if self.group is None:
             return [obj]
+        rec = self._begin("all_gather_object", 0, tag)
         payload, sizes = self._pickle_and_sizes(obj)
         longest = int(max(sizes))
+        self._add_bytes(rec, (8 + longest) * self.world)
         parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
                  for _ in range(self.world)]
         dist.all_gather(parts, _padded(payload, longest), group=self.group)
-        self._record("all_gather_object", (8 + longest) * self.world, tag, None)
+        self._track(rec, None)
         return [_unpickle(part, size) for part, size in zip(parts, sizes)]
 
     def gather_object(self, obj, dst: int = 0, tag: str | None = None) -> list | None:
         """Every rank's `obj` on rank `dst` (a rank of this group; None elsewhere)."""
         if self.group is None:
             return [obj]
+        rec = self._begin("gather_object", 0, tag)
         payload, sizes = self._pickle_and_sizes(obj)
         longest = int(max(sizes))
+        self._add_bytes(rec, (8 + longest) * self.world)
         parts = None
         if self.rank == dst:
             parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
                      for _ in range(self.world)]
         dist.gather(_padded(payload, longest), parts, dst=dist.get_global_rank(self.group, dst),
                     group=self.group)
-        self._record("gather_object", (8 + longest) * self.world, tag, None)
+        self._track(rec, None)
         if parts is None:
             return None
         return [_unpickle(part, size) for part, size in zip(parts, sizes)]
@@ -288,11 +377,12 @@ class Comm:
     def barrier(self, tag: str | None = None) -> None:
         if self.group is None:
             return
+        rec = self._begin("barrier", 0, tag)
         if "nccl" in self.backend:
             dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier(group=self.group)
-        self._record("barrier", 0, tag, None)
+        self._track(rec, None)
 
 
 def _padded(payload: torch.Tensor, length: int) -> torch.Tensor:
@@ -336,6 +426,14 @@ def close_all() -> None:
     for comm in list(_live):
         comm.close()
     _default.clear()
+    _group_seq.clear()
+
+
+def records_on(group) -> list[CollectiveRecord]:
+    """The recent records of every live `Comm` over `group`, in the group's order."""
+    out = [rec for comm in list(_live) if comm.group is group and group is not None
+           for rec in list(comm.records)]
+    return sorted(out, key=lambda rec: rec.group_seq)
 
 
 def bytes_by_kind() -> dict[str, int]:

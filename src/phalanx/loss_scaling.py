@@ -33,7 +33,8 @@ __all__ = ["DynamicLossScaler", "OutputGate"]
 
 
 class OutputGate(torch.autograd.Function):
-    """Identity forward; backward calls `on_grad()` and multiplies by `scaler.scale` if any."""
+    """Identity forward; backward calls `on_grad(grad)` with the gradient that arrives (before
+    any scaling) and multiplies it by `scaler.scale` if any."""
 
     @staticmethod
     def forward(ctx, tensor, on_grad, scaler):
@@ -43,7 +44,7 @@ class OutputGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.on_grad is not None:
-            ctx.on_grad()
+            ctx.on_grad(grad)
         if ctx.scaler is not None:
             grad = grad * ctx.scaler.scale
         return grad, None, None

@@ -20,9 +20,10 @@ import math
 import torch
 
 from . import runtime
-from .collectives import Comm
+from .collectives import Comm, count_step
 from .consistency import broadcast_from_rank0, check_same_structure
 from .engine import build_engine
+from .nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
 from .replicas import ReplicaCheck
 from .engine import optimizer_state_dict as _optimizer_state_dict
 from .engine.optim import optimizer_groups
@@ -69,7 +70,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
             broadcast_buffers: bool = True, comm: Comm | None = None,
-            check_replicas_every: int | None = None):
+            check_replicas_every: int | None = None, on_nonfinite: str | None = "raise"):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
@@ -83,11 +84,17 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         process group); `Comm(group, prefer="reduce_scatter")` picks primitives by hand.
     check_replicas_every: every K optimizer steps, compare a checksum of the parameters
         across ranks and raise, naming the ranks that drifted (replicas.py); None: never.
+    on_nonfinite: a NaN or inf loss on any rank, seen at the end of backward on every rank
+        (nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its gradients
+        dropped), "skip" the step with a warning, "warn" only, or None (no check).
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
     strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
                                          check_replicas_every)
+    if on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"on_nonfinite={on_nonfinite!r}: one of 'raise' (the default), 'skip', "
+                         "'warn' or None (no check)")
     if isinstance(_uncompiled(model), PreparedModule):
         raise ValueError("this model was already prepared; call px.prepare once per model")
     if not isinstance(model, torch.nn.Module):
@@ -103,7 +110,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     options = {"strategy": strategy, "precision": precision, "bucket_mb": float(bucket_mb),
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
                "broadcast_buffers": bool(broadcast_buffers),
-               "check_replicas_every": check_replicas_every}
+               "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite}
     check_same_structure(model, comm, options)
     broadcast_from_rank0(model, comm)
 
@@ -112,6 +119,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                        if isinstance(v, torch.Tensor)}
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb)
+    if on_nonfinite is not None and hasattr(engine, "nonfinite"):
+        engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)
+    if optimizer is not None:  # the step that collective records and reports name
+        engine.watch_steps(optimizer, count_step)
     if check_replicas_every is not None and optimizer is not None:
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,

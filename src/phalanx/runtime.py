@@ -171,11 +171,15 @@ def _check_backend(backend) -> None:
                          "CPU backend, or leave backend=None to pick the one that fits")
 
 
-def init(backend: str | None = None, timeout: float = 600.0, processes=None) -> None:
+def init(backend: str | None = None, timeout: float = 600.0, processes=None,
+         hang_after: float | None = None) -> None:
     """Join the job's process group (idempotent). With no launcher, a world of one.
 
     `backend=None` picks NCCL when CUDA is available and gloo otherwise. `timeout` (seconds, or
-    a `datetime.timedelta`) bounds every collective, so a rank that died turns into an error, not a hang.
+    a `datetime.timedelta`) is the one setting for waiting: the process group's connection and
+    every collective are bounded by it, and a collective that has waited `hang_after` seconds
+    (default: a third of `timeout`, or PHALANX_HANG_AFTER) ends the job with a hang report
+    that names the rank and the collective (hang_report.py), before the bare timeout would.
     If a process group already exists (a test harness or the user made one), it is adopted.
     `processes=N` (or "auto", or the environment variable PHALANX_PROCESSES) in a script started
     with plain `python`: this process becomes `phalanx run -n N` of the same script and
@@ -183,6 +187,8 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None) -> 
     """
     timeout = _check_timeout(timeout)
     _check_backend(backend)
+    if hang_after is not None:
+        hang_after = _check_timeout(hang_after).total_seconds()
     if _state.initialized:
         return
     if processes is None:
@@ -204,10 +210,12 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None) -> 
             _state.device = _pick_device(_state.local_rank, backend_in_use)
         _state.initialized = True
         _state.owns_group = False
+        _watch_hangs(timeout, hang_after)
         return
     env = read_launch_env()
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
         raise ValueError(f"invalid launch environment: rank {env.rank} of world size {env.world_size}")
+    _check_slurm_tasks(env)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     _state.rank, _state.world_size, _state.local_rank = env.rank, env.world_size, env.local_rank
@@ -229,6 +237,40 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None) -> 
         )
         _state.owns_group = True
     _state.initialized = True
+    _watch_hangs(timeout, hang_after)
+
+
+def _check_slurm_tasks(env: LaunchEnv, environ=None) -> None:
+    """A batch script that runs `python train.py` without `srun` starts one process where
+    SLURM_NTASKS promises several, and that process would wait for peers that never come.
+    srun sets SLURM_STEP_ID in every task it starts; the batch script's own shell has none."""
+    environ = os.environ if environ is None else environ
+    if env.source == "slurm" and env.world_size > 1 and "SLURM_STEP_ID" not in environ \
+            and "SLURM_STEPID" not in environ:
+        raise RuntimeError(
+            f"SLURM_NTASKS={env.world_size} but this process was not started by srun (no "
+            "SLURM_STEP_ID), so it would wait for peers that never start: in the sbatch "
+            "script, run `srun python train.py` (one task per rank), or start one launcher per "
+            "node with `srun --ntasks-per-node=1 phalanx run -n GPUS_PER_NODE --nnodes "
+            "$SLURM_NNODES ... train.py`")
+
+
+def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
+    """Start this rank's hang watcher (hang_report.py) when there are peers to wait for."""
+    global _hang_watch
+    if _state.world_size < 2 or not dist.is_initialized():
+        return
+    from .hang_report import HangWatch, hang_threshold
+
+    threshold = hang_after if hang_after is not None else hang_threshold(timeout.total_seconds())
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (ValueError, RuntimeError, AttributeError):  # a group made without a store
+        return
+    _hang_watch = HangWatch(store, dist.group.WORLD, _state.rank, _state.world_size, threshold)
+
+
+_hang_watch = None
 
 
 def _ensure():
@@ -315,13 +357,23 @@ def shutdown() -> None:
                 error = error or exc
         if _state.owns_group and dist.is_available() and dist.is_initialized():
             try:
-                barrier()
+                if is_distributed():
+                    collectives.default_comm().barrier(tag="px.shutdown")
             finally:
+                _stop_watching()
                 _end_group()
     finally:
+        _stop_watching()
         _state.__init__()
     if error is not None:
         raise error
+
+
+def _stop_watching() -> None:
+    global _hang_watch
+    if _hang_watch is not None:
+        _hang_watch.stop()
+        _hang_watch = None
 
 
 def _end_group() -> None:

@@ -9,7 +9,7 @@ still computes the rest.
 
 The layout of a bucket's buffer:
 
-    [ param 0 | param 1 | ... | padding to a multiple of `pad_to` | used flags (optional) ]
+    [ param 0 | ... | padding to a multiple of `pad_to` | used flags | non-finite (optional) ]
 
 Padding lets a sharded strategy cut the buffer into `world_size` equal shards. The optional
 flags (one element per parameter: 1 where this rank produced a gradient) ride along in the same
@@ -73,7 +73,8 @@ class GradBucket:
         self.numel = offset
         self.padded_numel = math.ceil(offset / pad_to) * pad_to
         self.with_flags = with_flags
-        self.total_numel = self.padded_numel + (len(self.params) if with_flags else 0)
+        # The flags, then one slot for the non-finite signal (nonfinite.py).
+        self.total_numel = self.padded_numel + (len(self.params) + 1 if with_flags else 0)
         self.buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] | None = None
         self.comm_buffer: torch.Tensor | None = None
@@ -117,7 +118,11 @@ class GradBucket:
         return self.buffer[:self.padded_numel]
 
     def flags(self) -> torch.Tensor:
-        return self.buffer[self.padded_numel:]
+        return self.buffer[self.padded_numel:self.padded_numel + len(self.params)]
+
+    def signal(self) -> torch.Tensor:
+        """The one element after the flags: this rank's non-finite flag, summed over ranks."""
+        return self.buffer[self.padded_numel + len(self.params):]
 
     def __repr__(self):
         return (f"GradBucket({self.index}, {len(self.params)} params, {self.numel} elements, "

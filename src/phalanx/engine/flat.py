@@ -69,6 +69,7 @@ class FlatUnit:
         self.grad_shard: torch.Tensor | None = None  # grads SHARD: the reduced owned slice
         self.reduced: torch.Tensor | None = None     # the owned reduced gradient, compute dtype
         self.used: list[bool] | None = None          # got a gradient on some rank (per param)
+        self.nonfinite = False  # some rank flagged a non-finite loss (the bucket's signal)
         self.flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
         self.pieces: list[Piece] = []
@@ -170,7 +171,8 @@ class FlatUnit:
         bucket = self.bucket
         reduced = bucket.comm_buffer if self._sent_compressed \
             else bucket.buffer
-        used = (reduced[bucket.padded_numel:] > 0).tolist()
+        after = (reduced[bucket.padded_numel:] > 0).tolist()
+        used, self.nonfinite = after[:-1], after[-1]
         if shard:
             if self.reduced is not None:
                 used = [a or b for a, b in zip(self.used, used)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import collectives
 from ..collectives import Comm
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit, Piece
@@ -72,9 +73,11 @@ class FlatEngine:
                                compute_dtype=compute or run[0].dtype, adopt=self.adopt,
                                pool=self.pool)
                       for i, run in enumerate(runs)]
+        self.nonfinite = None  # a NonFiniteWatch (nonfinite.py), set by px.prepare
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
-                                   max_in_flight=2 if self.shard_grads else None)
+                                   max_in_flight=2 if self.shard_grads else None,
+                                   signal=self._signal, on_end=self._after_backward)
         self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
         self.loss_scaler = precision.loss_scaler
 
@@ -99,8 +102,34 @@ class FlatEngine:
     def require_backward_grad_sync(self, value: bool) -> None:
         self.reducer.sync = bool(value)
 
-    def backward_started(self) -> None:
+    def backward_started(self, grad: torch.Tensor | None = None) -> None:
+        """From each output's gate in backward, with the gradient arriving there."""
+        if grad is not None and self.nonfinite is not None:
+            self.nonfinite.note(grad)
         self.reducer.backward_started()
+
+    def _signal(self):
+        return self.nonfinite.signal() if self.nonfinite is not None else 0.0
+
+    def _after_backward(self) -> None:
+        """See nonfinite.py: did any rank's loss turn non-finite in this backward?"""
+        if self.nonfinite is None:
+            return
+        any_rank = any(u.nonfinite for u in self.units if u.reduced is not None) \
+            if self.world > 1 else None
+        try:
+            drop = self.nonfinite.after_backward(any_rank, collectives.steps_taken) is not None
+        except FloatingPointError:  # NonFiniteError: the step's gradients go first
+            self.drop_grads()
+            raise
+        if drop:
+            self.drop_grads()
+
+    def drop_grads(self) -> None:
+        """Forget this step's gradients: the next optimizer.step() changes nothing."""
+        self.zero_grad()
+        for p in self.params:
+            p.grad = None
 
     def before_forward(self) -> None:
         """See [Note: a backward that raised] in reducer.py."""

@@ -75,9 +75,12 @@ class GradReducer:
     """
 
     def __init__(self, buckets: list[GradBucket], launch: Callable, finish: Callable,
-                 on_first_order: Callable | None = None, max_in_flight: int | None = None):
+                 on_first_order: Callable | None = None, max_in_flight: int | None = None,
+                 signal: Callable | None = None, on_end: Callable | None = None):
         self._launch_fn = launch
         self._finish_fn = finish
+        self._signal = signal    # what each bucket's signal slot carries (nonfinite.py)
+        self._on_end = on_end    # called last at the end of each backward that communicated
         self._on_first_order = on_first_order
         self._max_in_flight = max_in_flight
         self.sync = True
@@ -195,6 +198,7 @@ class GradReducer:
                 flags.append(1.0)
         if bucket.with_flags:
             bucket.flags().copy_(torch.tensor(flags, dtype=bucket.dtype))
+            bucket.signal().fill_(self._signal() if self._signal is not None else 0.0)
         self._in_flight.append((bucket, self._launch_fn(bucket)))
 
     def _end_of_backward(self) -> None:
@@ -209,6 +213,8 @@ class GradReducer:
             self._ready_order = None
             seen = {b.index for b in order}
             self._on_first_order(order + [b for b in self.buckets if b.index not in seen])
+        if self._on_end is not None:
+            self._on_end()
 
 
 def _weak_hook(reducer: "GradReducer") -> Callable:

@@ -13,6 +13,8 @@ import os
 import re
 import signal
 
+from ..hang_report import HANG_EXIT
+
 __all__ = ["failure_report", "restart_line", "attempt_summary", "native_cause"]
 
 # Lines of a failed rank's traceback repeated in the final message (the whole traceback is
@@ -27,6 +29,9 @@ _CAUSE = re.compile(
     r"|uncaught exception of type"
     r"|Fatal Python error: (?!(Aborted|Segmentation fault|Bus error|Floating point exception"
     r"|Illegal instruction)\s*$)")
+# The first line of a hang report (hang_report.py).
+_HANG = re.compile(r"^phalanx: (hang |collectives out of order|a collective waited)")
+_FOLLOWER = "ends: a hang was reported"
 # faulthandler's header of one thread's Python stack, and its frames.
 _STACK_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*\(most recent call first\):")
 _STACK_FRAME = re.compile(r'^\s+File "')
@@ -92,12 +97,19 @@ def native_cause(stderr: str) -> tuple[str, list[str]]:
     launcher's frames. With no cause line, the end of stderr without the module list.
     """
     lines = stderr.rstrip().splitlines()
+    hang = next((i for i, line in enumerate(lines) if _HANG.match(line)), None)
+    if hang is not None:  # the hang report of hang_report.py: its headline and rank lines
+        rest = [line for line in lines[hang + 1:] if line.startswith("  rank ")]
+        return lines[hang].removeprefix("phalanx: "), rest
     causes = list(dict.fromkeys(line.strip() for line in lines if _CAUSE.search(line)))
     stack = _python_stack(lines)
     if not causes and not stack:
         kept = [line for line in lines if not line.startswith("Extension modules:")]
         return "", kept[-TRACEBACK_LINES:]
     headline, rest = (causes[0], causes[1:]) if causes else ("", [])
+    if any("collective mismatch" in line for line in causes):
+        rest.append("run again with PHALANX_CHECK_COLLECTIVES=1 to have every collective "
+                    "checked before it is issued and the one each rank issues named")
     room = max(TRACEBACK_LINES - len(rest), 4)
     return headline, rest + stack[:room]
 
@@ -136,7 +148,19 @@ def _ordered(failures: dict, log_dir: str) -> list:
     ranks ended by SIGTERM come last, since the agent sends that to the survivors.
     """
     return sorted(failures.items(), key=lambda item: (
-        _stopped(item[1]), _failure_time(item[1], log_dir), item[0]))
+        _stopped(item[1]), _ended_by_report(item[1], log_dir), _failure_time(item[1], log_dir),
+        item[0]))
+
+
+def _ended_by_report(failure, log_dir: str) -> bool:
+    """A rank that ended because another rank reported a hang (the reporter comes first)."""
+    if failure.exitcode != HANG_EXIT:
+        return False
+    path = _stderr_log(failure, log_dir)
+    if not path:
+        return False
+    with open(path, errors="replace") as f:
+        return _FOLLOWER in f.read()
 
 
 def _error_info(failure) -> dict:

@@ -1,0 +1,243 @@
+"""The hang report: when a collective has waited too long, find out why, say it, end the job.
+
+A data-parallel job hangs when the ranks stop issuing the same collectives: one rank is stuck
+or slow outside any collective, skipped one, issued an extra one, ran fewer steps, or issued
+them in another order. Each rank then waits in a collective its peers never join, until the
+process group's timeout (minutes), and the error says nothing about which rank or why.
+
+Here every rank runs a watcher thread. Every collective phalanx issues is recorded by its
+`Comm` before it is issued and marked complete when its work completes (collectives.py), with
+its number on the process group, kind, tag (which bucket or unit, or which helper) and the
+optimizer step. The watcher wakes every `poll` seconds, reads that record (no collective, no
+synchronisation with the training thread) and looks at one key of the rendezvous store. When a
+collective of this rank has been in flight for longer than the threshold, the watcher raises
+the flag in the store; every rank's watcher, seeing it, writes its recent records and the
+Python stack of its main thread to the store; the rank that raised the flag compares them and
+prints one message that names what differs, such as
+
+    hang at step 12: rank 1 has not entered all_reduce #58 (unit[3]:grads); rank 0 has
+    waited 31 s in it
+
+followed by each rank's last collectives and stack. Then every rank ends with exit status
+`HANG_EXIT`, long before the process group's own timeout would have ended it.
+
+The threshold is derived from `px.init(timeout=...)` (a third of it, see `hang_threshold`), so
+the report fires first and the process group's timeout remains the backstop; a rank that is
+only slow (evaluating alone while the others wait at a barrier) for longer than that is
+reported as a hang too, and the message says how to give it more time.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from . import collectives
+
+__all__ = ["HangWatch", "HANG_EXIT", "hang_threshold", "compose_report"]
+
+HANG_EXIT = 124          # the exit status of every rank of a job ended by a hang report
+_KEY = "phalanx/hang"
+_ANSWER_WAIT = 10.0      # how long the reporter waits for the other ranks' states (seconds)
+
+
+def hang_threshold(timeout_s: float) -> float:
+    """Seconds a collective may wait before the hang report: PHALANX_HANG_AFTER if set, else a
+    third of the collective timeout, so the report comes before the timeout's bare error."""
+    value = os.environ.get("PHALANX_HANG_AFTER")
+    if value:
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"PHALANX_HANG_AFTER={value!r} is not a number of seconds") from None
+        if not seconds > 0:
+            raise ValueError(f"PHALANX_HANG_AFTER={value!r} must be a positive number of "
+                             "seconds (or unset: a third of px.init's timeout)")
+        return seconds
+    return timeout_s / 3
+
+
+def _describe(rec) -> str:
+    tag = f" ({rec['tag']})" if rec["tag"] else ""
+    return f"{rec['kind']} #{rec['group_seq']}{tag}"
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def compose_report(states: dict[int, dict | None], world: int) -> str:
+    """One message from every rank's state (None: that rank did not answer)."""
+    answered = {r: s for r, s in states.items() if s is not None}
+    waiting = {r: s["waiting"] for r, s in answered.items() if s["waiting"] is not None}
+    silent = [r for r in range(world) if r not in answered]
+    step = max((s["step"] for s in answered.values()), default=0)
+    lines = []
+    if not waiting:
+        head = "a collective waited past the threshold, but no rank waits in one any more"
+    else:
+        k = min(w["group_seq"] for w in waiting.values())
+        ref = next(w for w in waiting.values() if w["group_seq"] == k)
+        stuck = [r for r, w in waiting.items() if w["group_seq"] == k]
+        waited = max(w["age"] for r, w in waiting.items() if r in stuck)
+        behind = [r for r, s in answered.items() if s["entered"] < k]
+        other = {}
+        for r, s in answered.items():
+            rec = s["by_seq"].get(k)
+            if rec is not None and (rec["kind"], rec["tag"]) != (ref["kind"], ref["tag"]):
+                other[r] = rec
+        at = f"at step {step}"
+        if other:
+            r, rec = next(iter(sorted(other.items())))
+            head = (f"collectives out of order {at}: #{k} is {ref['kind']} ({ref['tag']}) on "
+                    f"{_ranks(r2 for r2 in answered if r2 not in other)} but {_describe(rec)} "
+                    f"on {_ranks(other)}")
+            steps = {s["step"] for s in answered.values()}
+            if len(steps) > 1:
+                head += ("; the ranks ran different numbers of steps ("
+                         + ", ".join(f"rank {r2}: {s['step']}" for r2, s in sorted(answered.items()))
+                         + ")")
+            else:
+                head += " (a rank skipped a collective, issued an extra one, or another order)"
+        elif behind or silent:
+            who = behind + silent
+            head = (f"hang {at}: {_ranks(who)} {'has' if len(who) == 1 else 'have'} not entered "
+                    f"{_describe(ref)}; {_ranks(stuck)} {'has' if len(stuck) == 1 else 'have'} "
+                    f"waited {waited:.0f} s in it")
+        else:
+            head = (f"hang {at}: every rank entered {_describe(ref)} and none has completed it "
+                    f"after {waited:.0f} s: the transport is stuck (network), or a process is "
+                    "frozen in native code")
+    lines.append(head)
+    for r in silent:
+        lines.append(f"  rank {r}: did not answer (its process has ended, or is frozen outside "
+                     "Python)")
+    for r, s in sorted(answered.items()):
+        last = s["last"]
+        where = "no collective yet" if last is None else (
+            f"last collective {_describe(last)}, "
+            + ("completed" if last["done"] else f"in flight for {last['age']:.0f} s"))
+        lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): step {s['step']}, {where}")
+        for frame in s["stack"]:
+            lines.append("      " + frame)
+    lines.append("A rank that is only slow (evaluating or saving alone while the others wait) "
+                 "needs a longer px.init(timeout=...) (the report comes after a third of it) or "
+                 "PHALANX_HANG_AFTER=seconds.")
+    return "\n".join(lines)
+
+
+def _main_stack(limit: int = 8) -> list[str]:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    out = []
+    for summary in traceback.extract_stack(frame)[-limit:]:
+        out.append(f"{summary.filename}:{summary.lineno} in {summary.name}: "
+                   f"{(summary.line or '').strip()}")
+    return out
+
+
+def _as_dict(rec, now: float) -> dict:
+    return {"group_seq": rec.group_seq, "kind": rec.kind, "tag": rec.tag, "step": rec.step,
+            "done": rec.completed is not None, "age": now - rec.started}
+
+
+class HangWatch:
+    """The watcher thread of one rank (see the module's docstring)."""
+
+    def __init__(self, store, group, rank: int, world: int, threshold: float,
+                 poll: float | None = None):
+        self.store = store
+        self.group = group
+        self.rank, self.world = rank, world
+        self.threshold = threshold
+        self.poll = poll if poll is not None else min(1.0, threshold / 4)
+        # A key space per job attempt and per px.init: under a launcher whose store outlives a
+        # restart, the counter goes on, so an old attempt's flag is never read as a new one's.
+        attempt = (self.store.add(f"{_KEY}/joined", 1) - 1) // world
+        self.prefix = f"{_KEY}/{attempt}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="phalanx-hang-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    # -- the thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            try:
+                self._tick()
+            except Exception:  # the store went away (a peer ended the job): stop watching
+                return
+
+    def _state(self) -> dict:
+        now = time.perf_counter()
+        records = collectives.records_on(self.group)
+        waiting = next((r for r in records if r.completed is None), None)
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "step": collectives.steps_taken,
+                "entered": records[-1].group_seq if records else 0,
+                "waiting": _as_dict(waiting, now) if waiting is not None else None,
+                "last": _as_dict(records[-1], now) if records else None,
+                "by_seq": {r.group_seq: _as_dict(r, now) for r in records[-64:]},
+                "stack": _main_stack()}
+
+    def _tick(self) -> None:
+        flag = f"{self.prefix}/flag"
+        if self.store.check([flag]):
+            self._answer_and_end(reporter=False)
+            return
+        now = time.perf_counter()
+        oldest = next((r for r in collectives.records_on(self.group) if r.completed is None),
+                      None)
+        if oldest is not None and now - oldest.started > self.threshold:
+            first = self.store.add(flag, 1) == 1
+            self._answer_and_end(reporter=first)
+
+    def _answer_and_end(self, reporter: bool) -> None:
+        self.store.set(f"{self.prefix}/state/{self.rank}", pickle.dumps(self._state()))
+        report_key = f"{self.prefix}/report"
+        if reporter:
+            states: dict[int, dict | None] = {}
+            deadline = time.monotonic() + _ANSWER_WAIT
+            while time.monotonic() < deadline:
+                keys = [f"{self.prefix}/state/{r}" for r in range(self.world)]
+                if self.store.check(keys):
+                    break
+                time.sleep(0.1)
+            for r in range(self.world):
+                key = f"{self.prefix}/state/{r}"
+                states[r] = pickle.loads(self.store.get(key)) if self.store.check([key]) else None
+            message = "phalanx: " + compose_report(states, self.world)
+            self.store.set(report_key, message.encode())
+            # The store may live in this process (rank 0 serves it under `phalanx run`): wait
+            # until the ranks that answered have read the report before ending.
+            done = [f"{self.prefix}/ended/{r}" for r, s in states.items()
+                    if s is not None and r != self.rank]
+            deadline = time.monotonic() + 3 * self.poll + 2
+            while time.monotonic() < deadline and not self.store.check(done):
+                time.sleep(0.05)
+            _end(message + f"\nphalanx: every rank ends with exit status {HANG_EXIT}")
+        deadline = time.monotonic() + _ANSWER_WAIT + 5
+        while time.monotonic() < deadline and not self.store.check([report_key]):
+            time.sleep(0.1)
+        self.store.set(f"{self.prefix}/ended/{self.rank}", b"1")
+        _end(f"phalanx: rank {self.rank} ends: a hang was reported (the message is on the "
+             "reporting rank's output)")
+
+
+def _end(message: str) -> None:
+    try:
+        sys.stdout.flush()
+        print(message, file=sys.stderr, flush=True)
+    finally:
+        os._exit(HANG_EXIT)

@@ -1,0 +1,100 @@
+"""Hangs and mismatched collectives end with a message that names the rank and the collective.
+
+Each job is `phalanx run -n 2` of tests/launch_scripts/hang.py in a subprocess with a timeout,
+one rank misbehaving on purpose; PHALANX_HANG_AFTER=3 makes the report come after 3 s of
+waiting, so no test waits for the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.hang_report import HANG_EXIT, hang_threshold
+from phalanx.runtime import LaunchEnv, _check_slurm_tasks
+
+SCRIPT = Path(__file__).parent / "launch_scripts" / "hang.py"
+THRESHOLD = 3
+
+
+def run_job(kind: str, strategy: str = "ddp", check: bool = False):
+    env = dict(os.environ, PHALANX_HANG_AFTER=str(THRESHOLD))
+    if check:
+        env["PHALANX_CHECK_COLLECTIVES"] = "1"
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(SCRIPT),
+                             kind, strategy], capture_output=True, text=True, timeout=90,
+                            env=env)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("strategy", ["zero2"])
+def test_a_sleeping_rank_is_named_with_the_collective_the_others_wait_in(strategy):
+    result, took = run_job("sleep", strategy)
+    assert result.returncode != 0
+    assert "DONE" not in result.stdout
+    err = result.stderr
+    # rank 1 sleeps before step 3's forward; rank 0 waits in the first gradient bucket
+    assert "phalanx: hang at step 3: rank 1 has not entered all_reduce #" in err, err
+    assert "(unit[" in err and ":grads); rank 0 has waited" in err, err
+    assert "hang.py:32 in <module>: time.sleep(600)" in err, err  # rank 1's stack
+    assert f"exited with code {HANG_EXIT}" in err, err
+    # the launcher's summary leads with the report's headline
+    summary = err[err.index("phalanx run: error:"):]
+    assert "hang at step 3: rank 1 has not entered" in summary.splitlines()[0], summary
+    # the job, from start to end (two interpreters starting included), takes the threshold
+    # and a few seconds, not the process group's timeout (600 s)
+    assert took < THRESHOLD + 25, took
+
+
+def test_a_rank_with_fewer_steps_is_named_with_both_collectives():
+    result, _ = run_job("steps")
+    assert result.returncode != 0
+    err = result.stderr
+    assert "collectives out of order at step 4: #" in err, err
+    assert "is all_reduce (unit[" in err and "on rank 0 but barrier #" in err, err
+    assert "(px.shutdown) on rank 1" in err, err
+
+
+@pytest.mark.parametrize("kind", ["skip", "extra"])
+def test_checked_collectives_name_what_each_rank_issues(kind):
+    result, _ = run_job(kind, check=True)
+    assert result.returncode != 0
+    err = result.stderr
+    assert "CollectiveMismatch: the ranks disagree on collective #" in err, err
+    mine, theirs = ("rank 0", "rank 1") if kind == "skip" else ("rank 1", "rank 0")
+    assert f"{mine} issues all_reduce (global_mean, 8 bytes) at step 4" in err, err
+    assert f"{theirs} issues all_reduce (unit[0]:grads" in err, err
+
+
+def test_a_healthy_run_with_a_short_threshold_is_not_reported():
+    env = dict(os.environ, PHALANX_HANG_AFTER="1")
+    script = Path(__file__).parent / "launch_scripts" / "train_and_exit.py"
+    result = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(script)],
+                            capture_output=True, text=True, timeout=90, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "hang" not in result.stderr
+
+
+def test_threshold_comes_from_the_timeout_or_the_environment(monkeypatch):
+    monkeypatch.delenv("PHALANX_HANG_AFTER", raising=False)
+    assert hang_threshold(600.0) == 200.0
+    monkeypatch.setenv("PHALANX_HANG_AFTER", "7.5")
+    assert hang_threshold(600.0) == 7.5
+    monkeypatch.setenv("PHALANX_HANG_AFTER", "soon")
+    with pytest.raises(ValueError, match="PHALANX_HANG_AFTER='soon' is not a number"):
+        hang_threshold(600.0)
+
+
+def test_sbatch_without_srun_is_explained():
+    env = LaunchEnv(0, 4, 0, "node1", 29500, "slurm")
+    with pytest.raises(RuntimeError, match="SLURM_NTASKS=4 but this process was not started by "
+                                           "srun.*srun python train.py"):
+        _check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+    _check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
+    _check_slurm_tasks(LaunchEnv(0, 1, 0, None, None, "slurm"), {"SLURM_NTASKS": "1"})
