@@ -85,6 +85,7 @@ COMPETITORS = {
     "compute-only": None,
     "torch DDP": "torch",
     "phalanx ddp": {"strategy": "ddp"},
+    "phalanx ddp unchecked": {"strategy": "ddp", "on_nonfinite": None},
     "phalanx ddp bf16-comm": {"strategy": "ddp", "comm_dtype": torch.bfloat16},
     "phalanx zero1": {"strategy": "zero1"},
     "phalanx zero2": {"strategy": "zero2"},

@@ -86,6 +86,8 @@ def test_threshold_comes_from_the_timeout_or_the_environment(monkeypatch):
     assert hang_threshold(600.0) == 200.0
     monkeypatch.setenv("PHALANX_HANG_AFTER", "7.5")
     assert hang_threshold(600.0) == 7.5
+    monkeypatch.setenv("PHALANX_HANG_AFTER", "off")
+    assert hang_threshold(600.0) is None
     monkeypatch.setenv("PHALANX_HANG_AFTER", "soon")
     with pytest.raises(ValueError, match="PHALANX_HANG_AFTER='soon' is not a number"):
         hang_threshold(600.0)

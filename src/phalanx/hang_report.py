@@ -46,15 +46,19 @@ _KEY = "phalanx/hang"
 _ANSWER_WAIT = 10.0      # how long the reporter waits for the other ranks' states (seconds)
 
 
-def hang_threshold(timeout_s: float) -> float:
-    """Seconds a collective may wait before the hang report: PHALANX_HANG_AFTER if set, else a
-    third of the collective timeout, so the report comes before the timeout's bare error."""
+def hang_threshold(timeout_s: float) -> float | None:
+    """Seconds a collective may wait before the hang report: PHALANX_HANG_AFTER if set ("off":
+    no watcher, None), else a third of the collective timeout, so the report comes before the
+    timeout's bare error."""
     value = os.environ.get("PHALANX_HANG_AFTER")
+    if value and value.strip().lower() == "off":
+        return None
     if value:
         try:
             seconds = float(value)
         except ValueError:
-            raise ValueError(f"PHALANX_HANG_AFTER={value!r} is not a number of seconds") from None
+            raise ValueError(f"PHALANX_HANG_AFTER={value!r} is not a number of seconds (or "
+                             "'off')") from None
         if not seconds > 0:
             raise ValueError(f"PHALANX_HANG_AFTER={value!r} must be a positive number of "
                              "seconds (or unset: a third of px.init's timeout)")
@@ -109,7 +113,7 @@ def compose_report(states: dict[int, dict | None], world: int) -> str:
             who = behind + silent
             head = (f"hang {at}: {_ranks(who)} {'has' if len(who) == 1 else 'have'} not entered "
                     f"{_describe(ref)}; {_ranks(stuck)} {'has' if len(stuck) == 1 else 'have'} "
-                    f"waited {waited:.0f} s in it")
+                    f"waited {waited:.1f} s in it")
         else:
             head = (f"hang {at}: every rank entered {_describe(ref)} and none has completed it "
                     f"after {waited:.0f} s: the transport is stuck (network), or a process is "
@@ -204,40 +208,65 @@ class HangWatch:
             self._answer_and_end(reporter=first)
 
     def _answer_and_end(self, reporter: bool) -> None:
-        self.store.set(f"{self.prefix}/state/{self.rank}", pickle.dumps(self._state()))
-        report_key = f"{self.prefix}/report"
+        """Write this rank's state; the reporter composes and prints the report. Then end.
+
+        The store may live in one of these processes (rank 0 serves it under `phalanx run`),
+        so nobody ends while another may still need it: the others acknowledge the report,
+        the reporter waits for their acknowledgements and then says it is done, and each
+        waits for that (every wait bounded: a store that went away ends the wait)."""
+        try:
+            self.store.set(f"{self.prefix}/state/{self.rank}", pickle.dumps(self._state()))
+        except Exception:
+            _end(f"phalanx: rank {self.rank} ends: a hang was reported")
         if reporter:
-            states: dict[int, dict | None] = {}
-            deadline = time.monotonic() + _ANSWER_WAIT
-            while time.monotonic() < deadline:
-                keys = [f"{self.prefix}/state/{r}" for r in range(self.world)]
-                if self.store.check(keys):
-                    break
-                time.sleep(0.1)
-            for r in range(self.world):
-                key = f"{self.prefix}/state/{r}"
-                states[r] = pickle.loads(self.store.get(key)) if self.store.check([key]) else None
-            message = "phalanx: " + compose_report(states, self.world)
-            self.store.set(report_key, message.encode())
-            # The store may live in this process (rank 0 serves it under `phalanx run`): wait
-            # until the ranks that answered have read the report before ending.
-            done = [f"{self.prefix}/ended/{r}" for r, s in states.items()
-                    if s is not None and r != self.rank]
-            deadline = time.monotonic() + 3 * self.poll + 2
-            while time.monotonic() < deadline and not self.store.check(done):
-                time.sleep(0.05)
-            _end(message + f"\nphalanx: every rank ends with exit status {HANG_EXIT}")
-        deadline = time.monotonic() + _ANSWER_WAIT + 5
-        while time.monotonic() < deadline and not self.store.check([report_key]):
-            time.sleep(0.1)
-        self.store.set(f"{self.prefix}/ended/{self.rank}", b"1")
+            self._report()
+        self._wait_for([f"{self.prefix}/report"], _ANSWER_WAIT + 5)
+        self._set(f"{self.prefix}/ended/{self.rank}")
+        self._wait_for([f"{self.prefix}/done"], 3 * self.poll + 5)
         _end(f"phalanx: rank {self.rank} ends: a hang was reported (the message is on the "
              "reporting rank's output)")
+
+    def _report(self) -> None:
+        keys = [f"{self.prefix}/state/{r}" for r in range(self.world)]
+        self._wait_for(keys, _ANSWER_WAIT)
+        states: dict[int, dict | None] = {}
+        for r, key in enumerate(keys):
+            try:
+                states[r] = pickle.loads(self.store.get(key)) if self.store.check([key]) \
+                    else None
+            except Exception:
+                states[r] = None
+        message = "phalanx: " + compose_report(states, self.world)
+        print(message + f"\nphalanx: every rank ends with exit status {HANG_EXIT}",
+              file=sys.stderr, flush=True)
+        self._set(f"{self.prefix}/report", message.encode())
+        self._wait_for([f"{self.prefix}/ended/{r}" for r, s in states.items()
+                        if s is not None and r != self.rank], 3 * self.poll + 2)
+        self._set(f"{self.prefix}/done")
+        _end("")
+
+    def _wait_for(self, keys: list[str], seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check(keys):
+                    return True
+            except Exception:  # the store went away with the process that served it
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _set(self, key: str, value: bytes = b"1") -> None:
+        try:
+            self.store.set(key, value)
+        except Exception:
+            pass
 
 
 def _end(message: str) -> None:
     try:
         sys.stdout.flush()
-        print(message, file=sys.stderr, flush=True)
+        if message:
+            print(message, file=sys.stderr, flush=True)
     finally:
         os._exit(HANG_EXIT)

@@ -263,6 +263,8 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
     from .hang_report import HangWatch, hang_threshold
 
     threshold = hang_after if hang_after is not None else hang_threshold(timeout.total_seconds())
+    if threshold is None:  # PHALANX_HANG_AFTER=off
+        return
     try:
         store = dist.distributed_c10d._get_default_store()
     except (ValueError, RuntimeError, AttributeError):  # a group made without a store
