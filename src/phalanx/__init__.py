@@ -8,11 +8,13 @@ The public names are those of the user contract; everything else lives in privat
 """
 
 from .runtime import barrier, device, init, is_main, local_rank, rank, shutdown, world_size
-from .prepare import clip_grad_norm_, no_sync, optimizer_state_dict, prepare, unwrap
+from .prepare import (clip_grad_norm_, no_sync, optimizer_state_dict, prepare, step_stats,
+                      unwrap)
 from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
                    map_batches)
 from .planner import plan
 from .checkpoint import CheckpointError, export, latest_checkpoint, load, save
+from .metrics_log import log, progress
 from .nonfinite import NonFiniteError
 from .replicas import ReplicasDiffer
 from .spawn import SpawnError, spawn
@@ -21,11 +23,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
-    "prepare", "no_sync", "clip_grad_norm_", "unwrap", "optimizer_state_dict",
+    "prepare", "no_sync", "clip_grad_norm_", "unwrap", "optimizer_state_dict", "step_stats",
     "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
     "global_mean",
     "plan",
     "save", "load", "latest_checkpoint", "export",
     "spawn",
+    "log", "progress",
     "CheckpointError", "SpawnError", "ReplicasDiffer", "NonFiniteError",  # to catch by name
 ]

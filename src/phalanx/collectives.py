@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Comm", "CollectiveRecord", "Handle", "default_comm", "close_all", "comm_device",
-           "bytes_by_kind", "reset_counts", "records_on", "count_step", "CollectiveMismatch"]
+           "bytes_by_kind", "reset_counts", "records_on", "records_since", "count_step", "CollectiveMismatch"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,6 +56,7 @@ class CollectiveRecord:
     completed: float | None = None  # when the work completed (None while in flight)
     group_seq: int = 0           # the count on its process group, over every Comm of it
     step: int = 0                # optimizer steps taken in this process when it was issued
+    waited: float = 0.0          # seconds the issuing thread was blocked waiting for it
 
 
 class CollectiveMismatch(RuntimeError):
@@ -114,9 +115,12 @@ class Handle:
 
     def wait(self) -> bool:
         if not self._done:
+            began = time.perf_counter()
             for w in self.works:
                 w.wait()
             self._saw_completion()
+            if self.records:  # the exposed time, counted once for the handle's collectives
+                self.records[0].waited += time.perf_counter() - began
             self._done = True
             if self._then is not None:
                 self._then()
@@ -212,8 +216,9 @@ class Comm:
     def _track(rec: CollectiveRecord, work) -> CollectiveRecord:
         """Note the completion: now for a call that returned (`work` None), else when the
         work's future completes."""
-        if work is None:
+        if work is None:  # a blocking call: all of it was waited for
             rec.completed = time.perf_counter()
+            rec.waited = rec.completed - rec.started
         else:
             def done(_fut, rec=rec):
                 rec.completed = time.perf_counter()
@@ -427,6 +432,22 @@ def close_all() -> None:
         comm.close()
     _default.clear()
     _group_seq.clear()
+
+
+def records_since(group, since: float) -> list[CollectiveRecord]:
+    """The records over `group` of collectives issued at or after `since` (perf_counter),
+    read from the newest backwards, so the cost is that of the records returned."""
+    out = []
+    if group is None:
+        return out
+    for comm in list(_live):
+        if comm.group is not group:
+            continue
+        for rec in reversed(comm.records):
+            if rec.started < since:
+                break
+            out.append(rec)
+    return out
 
 
 def records_on(group) -> list[CollectiveRecord]:

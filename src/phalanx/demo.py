@@ -64,13 +64,15 @@ def train(strategy: str = "ddp", precision: str = "fp32", epochs: int = 12) -> f
         train_loader.sampler.set_epoch(epoch)
         net.train()
         loss_sum, count = 0.0, 0
-        for x, y in train_loader:
+        for x, y in px.progress(train_loader, desc=f"epoch {epoch + 1}", leave=False):
             loss = F.cross_entropy(net(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             loss_sum += loss.item() * len(y)
             count += len(y)
+            # the step report of every rank (a small collective), written by rank 0
+            px.log({"loss": loss.item(), **px.step_stats(net, all_ranks=True)}, every=0)
         sums, counts = zip(*px.gather((loss_sum, count)))  # every rank's, in rank order
         mean_loss = sum(sums) / sum(counts)
 
@@ -86,7 +88,13 @@ def train(strategy: str = "ddp", precision: str = "fp32", epochs: int = 12) -> f
             print(f"epoch {epoch + 1:2d}  train loss {mean_loss:.4f}  "
                   f"test accuracy {100 * accuracy:5.1f}% ({len(seen)} samples)", flush=True)
     if px.is_main():
-        print(f"done in {time.perf_counter() - start:.1f} s", flush=True)
+        from .metrics_log import close, run_dir
+        from .report_cli import read_metrics, summary
+
+        close()
+        print(f"done in {time.perf_counter() - start:.1f} s\n"
+              f"{summary(read_metrics(run_dir()))}\n"
+              f"plots: phalanx report {run_dir()}", flush=True)
     px.shutdown()
     return accuracy
 

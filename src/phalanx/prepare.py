@@ -25,6 +25,7 @@ from .consistency import broadcast_from_rank0, check_same_structure
 from .engine import build_engine
 from .nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
 from .replicas import ReplicaCheck
+from .step_report import StepClock, step_stats as _step_stats
 from .engine import optimizer_state_dict as _optimizer_state_dict
 from .engine.optim import optimizer_groups
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
@@ -70,7 +71,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
             broadcast_buffers: bool = True, comm: Comm | None = None,
-            check_replicas_every: int | None = None, on_nonfinite: str | None = "raise"):
+            check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
+            step_stats: bool = True):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
@@ -87,6 +89,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     on_nonfinite: a NaN or inf loss on any rank, seen at the end of backward on every rank
         (nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its gradients
         dropped), "skip" the step with a warning, "warn" only, or None (no check).
+    step_stats: time every optimizer step for `px.step_stats(model)` (step_report.py).
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
@@ -127,8 +130,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
                                                    check_replicas_every).after_step)
+    clock = StepClock(comm, runtime.device()) if step_stats else None
+    if clock is not None and optimizer is not None:
+        engine.watch_steps(optimizer, clock.step_done)
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
-                             original_dtypes=original_dtypes)
+                             original_dtypes=original_dtypes, clock=clock)
     return wrapped, optimizer
 
 
@@ -149,6 +155,15 @@ def _prepared(model) -> PreparedModule:
         raise TypeError("expected the model returned by px.prepare (or torch.compile of it), "
                         f"not {type(model).__name__}")
     return inner
+
+
+def step_stats(model: torch.nn.Module, all_ranks: bool = False) -> dict:
+    """The last optimizer step's report on this rank: wall, forward, backward, optimizer and
+    other (data loading) seconds, communication in flight and exposed, overlap, bytes and
+    bandwidth per collective kind, throughput, memory (step_report.py). Empty before the first
+    step. `all_ranks=True` is a collective (every rank calls it) that adds the slowest rank,
+    the skew between ranks, and each rank's busy time and memory."""
+    return _step_stats(_prepared(model)._clock, all_ranks)
 
 
 def no_sync(model: torch.nn.Module):

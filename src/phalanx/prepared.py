@@ -21,6 +21,8 @@ exactly, so under ddp nothing is lost in a save and load.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ._tree import map_tensors
@@ -32,8 +34,10 @@ __all__ = ["PreparedModule"]
 
 class PreparedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, engine, comm, precision, *,
-                 broadcast_buffers: bool = True, original_dtypes: dict | None = None):
+                 broadcast_buffers: bool = True, original_dtypes: dict | None = None,
+                 clock=None):
         super().__init__()
+        self._clock = clock  # the step report's StepClock (step_report.py), or None
         self.module = module
         self._engine = engine
         self._comm = comm
@@ -61,6 +65,7 @@ class PreparedModule(torch.nn.Module):
                 "param.copy_(...)`, or model.load_state_dict) so phalanx keeps averaging it")
 
     def forward(self, *args, **kwargs):
+        began = time.perf_counter()
         grad = torch.is_grad_enabled()
         self._engine.before_forward()
         if grad:
@@ -71,9 +76,17 @@ class PreparedModule(torch.nn.Module):
         if precision.low:
             args, kwargs = map_tensors(precision.cast_input, (args, kwargs))
         out = self.module(*args, **kwargs)
+        clock = self._clock
         if grad:
             engine, scaler = self._engine, precision.loss_scaler
-            on_grad = engine.backward_started
+            if clock is None:
+                on_grad = engine.backward_started
+            else:
+                clock.forward_done(began, args, kwargs)
+
+                def on_grad(g, engine=engine, clock=clock):
+                    engine.backward_started(g)
+                    clock.backward_started()
 
             def gate(t):
                 t = precision.cast_output(t)

@@ -86,6 +86,14 @@ def main(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the agent passes it on to workers
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # workers' lines appear as they come
+    # Workers' output reaches the console line by line through the agent's log files, where a
+    # progress bar (redrawn with carriage returns) would come out as one long line at the
+    # end: px.progress on rank 0 draws on the terminal the launcher was started from instead.
+    try:
+        if sys.stderr.isatty():
+            os.environ.setdefault("PHALANX_TTY", os.ttyname(sys.stderr.fileno()))
+    except (OSError, AttributeError, ValueError):
+        pass
 
     if args.node_rank > 0 and not _wait_for_master(args.master_addr, port, args.join_timeout):
         raise CommandError(f"no master at {args.master_addr}:{port} after {args.join_timeout} s; "

@@ -1,0 +1,141 @@
+"""Metrics without extra code: `px.log` and `px.progress`, written by rank 0 only.
+
+Any rank may call `px.log(metrics, step)`; on rank 0 each numeric value becomes a row of
+`metrics.csv` in the run directory (long format, `step,name,value,seconds`, so the names may
+change from call to call), a scalar in TensorBoard when `torch.utils.tensorboard` can be
+imported (the `tensorboard` package is optional), and every `every`-th step one plain line on
+stdout. Other ranks return at once: nothing is gathered, so logging adds no collective (log
+`px.step_stats(model, all_ranks=True)` or a `px.global_mean` for values over all ranks).
+
+The run directory is PHALANX_RUN_DIR when set, else `runs/phalanx-<date>-<time>` under the
+working directory, made at the first write. `phalanx report RUN_DIR` turns it into plots.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import time
+
+from . import collectives, runtime
+
+__all__ = ["log", "progress", "run_dir", "close"]
+
+_state: dict = {}
+
+
+def run_dir() -> str:
+    """The run directory that rank 0 writes to (made on first use)."""
+    path = _state.get("dir")
+    if path is None:
+        path = os.environ.get("PHALANX_RUN_DIR") or os.path.join(
+            "runs", time.strftime("phalanx-%Y%m%d-%H%M%S"))
+        os.makedirs(path, exist_ok=True)
+        _state["dir"] = path
+    return path
+
+
+def _number(value):
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    return None
+
+
+def _writers():
+    if "csv" not in _state:
+        path = os.path.join(run_dir(), "metrics.csv")
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        f = open(path, "a", newline="")
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(["step", "name", "value", "seconds"])
+        _state["csv"] = (f, writer)
+        _state["t0"] = time.monotonic()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            _state["tb"] = SummaryWriter(os.path.join(run_dir(), "tensorboard"))
+        except Exception:  # tensorboard is not installed: the CSV is enough
+            _state["tb"] = None
+    return _state["csv"], _state["tb"]
+
+
+def log(metrics: dict, step: int | None = None, *, every: int | None = None) -> None:
+    """Record `metrics` (name -> number) at `step` (default: optimizer steps taken so far).
+
+    Rank 0 writes them to RUN_DIR/metrics.csv, to TensorBoard when installed, and, every
+    `every` steps (default PHALANX_LOG_EVERY, else 10), as one line on stdout; other ranks do
+    nothing. Values that are not numbers are left out."""
+    if runtime.rank() != 0:
+        return
+    step = collectives.steps_taken if step is None else int(step)
+    values = {str(k): v for k, v in ((k, _number(v)) for k, v in metrics.items())
+              if v is not None}
+    (f, writer), tb = _writers()
+    seconds = round(time.monotonic() - _state["t0"], 6)
+    for name, value in values.items():
+        writer.writerow([step, name, repr(value), seconds])
+        if tb is not None:
+            tb.add_scalar(name, value, step)
+    f.flush()
+    every = every if every is not None else int(os.environ.get("PHALANX_LOG_EVERY", "10"))
+    if every > 0 and step % every == 0:
+        shown = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in values.items() if "/" not in k)
+        print(f"step {step}  {shown}", flush=True)
+
+
+def close() -> None:
+    """Close the files `log` opened (at exit; `log` reopens them if called again)."""
+    entry = _state.pop("csv", None)
+    if entry is not None:
+        entry[0].close()
+    tb = _state.pop("tb", None)
+    if tb is not None:
+        tb.close()
+
+
+def progress(iterable=None, **tqdm_kwargs):
+    """`iterable` with a tqdm progress bar on rank 0, unchanged on the other ranks.
+
+    The bar is drawn on a terminal only: under `phalanx run` on the terminal the launcher was
+    started from (PHALANX_TTY, which it sets), else on stderr when that is a terminal (tqdm's
+    `disable=None`); in a log file or CI there is no bar, and `px.log`'s lines remain."""
+    if runtime.rank() != 0:
+        return iterable if iterable is not None else _Null()
+    from tqdm.auto import tqdm
+
+    tty = os.environ.get("PHALANX_TTY")
+    if tty and "file" not in tqdm_kwargs:
+        try:
+            tqdm_kwargs["file"] = _state.get("tty") or _state.setdefault("tty", open(tty, "w"))
+            tqdm_kwargs.setdefault("disable", False)
+        except OSError:
+            pass
+    tqdm_kwargs.setdefault("file", sys.stderr)
+    tqdm_kwargs.setdefault("disable", None)
+    tqdm_kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(iterable, **tqdm_kwargs)
+
+
+class _Null:
+    """What `progress()` without an iterable gives other ranks: a bar that does nothing."""
+
+    def update(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+    def set_postfix(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

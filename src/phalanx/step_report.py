@@ -1,0 +1,191 @@
+"""The step report: where the time, the bytes and the memory of each optimizer step went.
+
+Data parallelism pays off when communication hides behind compute. A `StepClock` per prepared
+model reads, for every optimizer step, what phalanx already knows, and adds no
+synchronisation:
+
+- wall: from the end of the previous `optimizer.step()` to the end of this one;
+- forward: time inside the prepared model's forward calls (every micro-step);
+- backward: from the first gradient at a model output to the end of backward (phalanx's
+  end-of-backward callback, after the last bucket's collective was waited for);
+- optimizer: from the end of the last backward to the end of `optimizer.step()` (clipping
+  and anything the loop does there included);
+- other: the rest of the wall time, which is the data loader's wait and the loop's own code;
+- communication: the union of the intervals during which the step's collectives were in
+  flight, from their records (collectives.py: issue time, and completion time read from the
+  work's future when it completes, never waited for); per kind, the collectives' count, bytes
+  and algorithmic bandwidth (bytes over time in flight);
+- exposed communication: the time the training thread spent blocked waiting for a collective
+  (a handle's wait, or a blocking call); overlap = (communication - exposed) / communication;
+- throughput: samples (the first dimension of the forward's first tensor argument) and tokens
+  (its element count, when it is an integer tensor of two or more dimensions) per second;
+- memory: resident memory now and the process's peak (CPU); on GPU, the step's peak allocated
+  and the reserved memory.
+
+On GPU the times are those of the host: kernels are asynchronous, so a forward's time is the
+time to launch it unless something waited; wall time, communication and overlap hold.
+
+`px.step_stats(model)` returns the last step's report as a flat dict. With `all_ranks=True`
+(a collective: every rank calls it) every rank's report is gathered and the straggler named:
+`slowest_rank` is the rank that was busy longest (wall minus exposed communication: the one
+the others waited for), `skew_s` how much longer it was busy than the least busy rank.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import torch
+from torch.autograd import Variable
+
+from . import collectives
+
+__all__ = ["StepClock", "step_stats"]
+
+try:
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):
+    _PAGE = 4096
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory so far (ru_maxrss: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def _batch_size(args, kwargs) -> tuple[int, int]:
+    """(samples, tokens) of one forward: from its first tensor argument."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            tokens = value.numel() if value.dim() >= 2 and not value.is_floating_point() \
+                and not value.is_complex() else 0
+            return value.shape[0], tokens
+    return 0, 0
+
+
+class StepClock:
+    """Times one prepared model's steps (see the module's docstring)."""
+
+    def __init__(self, comm, device: torch.device):
+        self.comm = comm
+        self.cuda = device.type == "cuda"
+        self.steps = 0
+        self.last: dict | None = None
+        self._start = time.perf_counter()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.forward_s = 0.0
+        self.backward_s = 0.0
+        self.samples = 0
+        self.tokens = 0
+        self._backward_from: float | None = None
+        self._backward_end: float | None = None
+
+    # -- called around the user's loop ----------------------------------------------------------
+    def forward_done(self, began: float, args, kwargs) -> None:
+        self.forward_s += time.perf_counter() - began
+        samples, tokens = _batch_size(args, kwargs)
+        self.samples += samples
+        self.tokens += tokens
+
+    def backward_started(self) -> None:
+        """From the first output gate of a backward: queue the end-of-backward callback after
+        the engine's (which waits for the collectives), so the wait counts as backward."""
+        if self._backward_from is None:
+            self._backward_from = time.perf_counter()
+            Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        now = time.perf_counter()
+        if self._backward_from is not None:
+            self.backward_s += now - self._backward_from
+        self._backward_from = None
+        self._backward_end = now
+
+    def step_done(self) -> None:
+        """After `optimizer.step()`: close the step and make its report."""
+        now = time.perf_counter()
+        wall = now - self._start
+        optimizer = now - self._backward_end if self._backward_end is not None else 0.0
+        records = [r for r in collectives.records_since(self.comm.group, self._start)
+                   if r.completed is not None]
+        exposed = sum(r.waited for r in records)
+        comm = union_length([(r.started, r.completed) for r in records])
+        kinds: dict[str, list] = {}
+        for r in records:
+            entry = kinds.setdefault(r.kind, [0, 0, 0.0])
+            entry[0] += 1
+            entry[1] += r.nbytes
+            entry[2] += r.completed - r.started
+        self.steps += 1
+        report = {
+            "step": collectives.steps_taken,
+            "wall_s": wall,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "optimizer_s": optimizer,
+            "other_s": max(wall - self.forward_s - self.backward_s - optimizer, 0.0),
+            "comm_s": comm,
+            "exposed_comm_s": min(exposed, wall),
+            "overlap": (comm - min(exposed, comm)) / comm if comm > 0 else 0.0,
+            "comm_bytes": sum(e[1] for e in kinds.values()),
+            "samples": self.samples,
+            "samples_per_s": self.samples / wall if wall > 0 else 0.0,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
+            "rss_mb": rss_bytes() / 2**20,
+            "peak_rss_mb": max(peak_rss_bytes(), rss_bytes()) / 2**20,
+        }
+        for kind, (count, nbytes, seconds) in sorted(kinds.items()):
+            report[f"{kind}/count"] = count
+            report[f"{kind}/bytes"] = nbytes
+            report[f"{kind}/GBps"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        if self.cuda:
+            report["gpu_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            report["gpu_reserved_mb"] = torch.cuda.memory_reserved() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+        self.last = report
+        self._start = now
+        self._reset()
+
+
+def step_stats(clock: StepClock | None, all_ranks: bool = False) -> dict:
+    if clock is None:
+        raise ValueError("this model was prepared with step_stats=False: nothing was timed")
+    report = dict(clock.last or {})
+    if not all_ranks or clock.comm.group is None:
+        return report
+    busy = report.get("wall_s", 0.0) - report.get("exposed_comm_s", 0.0) if report else 0.0
+    every = clock.comm.all_gather_object((busy, report.get("rss_mb", 0.0)),
+                                         tag="step_stats")
+    busy_by_rank = [b for b, _ in every]
+    slowest = max(range(len(every)), key=lambda r: busy_by_rank[r])
+    report["slowest_rank"] = slowest
+    report["skew_s"] = busy_by_rank[slowest] - min(busy_by_rank)
+    for r, (b, rss) in enumerate(every):
+        report[f"rank{r}/busy_s"] = b
+        report[f"rank{r}/rss_mb"] = rss
+    return report
+
