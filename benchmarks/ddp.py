@@ -86,6 +86,8 @@ COMPETITORS = {
     "torch DDP": "torch",
     "phalanx ddp": {"strategy": "ddp"},
     "phalanx ddp unchecked": {"strategy": "ddp", "on_nonfinite": None},
+    "phalanx ddp no stats": {"strategy": "ddp", "step_stats": False},
+    "phalanx ddp bare": {"strategy": "ddp", "on_nonfinite": None, "step_stats": False},
     "phalanx ddp bf16-comm": {"strategy": "ddp", "comm_dtype": torch.bfloat16},
     "phalanx zero1": {"strategy": "zero1"},
     "phalanx zero2": {"strategy": "zero2"},

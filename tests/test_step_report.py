@@ -1,0 +1,146 @@
+"""The step report (`px.step_stats`), `px.log` and `phalanx report`, on real 2-rank runs.
+
+Each check compares the report with something measured independently: the test's own clock
+around each phase of the loop, a delay put on one rank on purpose, the planner's figure for the
+bytes a step communicates.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import phalanx as px
+from phalanx.testing import run_ranks
+
+DATA_WAIT = 0.03  # seconds the loop "waits for data" before each step
+
+
+def deep_model(width=256, depth=6):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                           for _ in range(depth)])
+
+
+def timed_loop(steps, bucket_mb=25.0, slow_rank=None, slow_s=0.0, log_dir=None, depth=6,
+               batch=64):
+    """Train with the test's own clock around each phase; return both views per step."""
+    px.init()
+    model = deep_model(depth=depth)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = px.prepare(model, opt, bucket_mb=bucket_mb)
+    if log_dir is not None:
+        os.environ["PHALANX_RUN_DIR"] = log_dir
+    rows = []
+    last_end = time.perf_counter()
+    for step in range(steps):
+        time.sleep(DATA_WAIT + (slow_s if px.rank() == slow_rank else 0.0))
+        x = torch.randn(batch, 256)
+        t0 = time.perf_counter()
+        out = model(x)
+        t1 = time.perf_counter()
+        out.square().mean().backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.zero_grad()
+        mine = {"wall": t3 - last_end, "forward": t1 - t0, "backward": t2 - t1,
+                "optimizer": t3 - t2}
+        stats = px.step_stats(model)
+        last_end = time.perf_counter()  # step_stats and zero_grad count as the next step's other
+        everyone = px.step_stats(model, all_ranks=True)
+        if log_dir is not None:
+            px.log({"who": px.rank(), **everyone}, step)
+        rows.append((mine, stats, everyone))
+    return rows
+
+
+def test_the_parts_match_the_loops_own_clock_and_add_up():
+    for rank_rows in run_ranks(timed_loop, 2, args=(6,), timeout=120):
+        for mine, stats, _ in rank_rows[2:]:
+            wall = stats["wall_s"]
+            tolerance = 0.05 * wall + 0.002
+            parts = sum(stats[k] for k in ("forward_s", "backward_s", "optimizer_s", "other_s"))
+            assert parts == pytest.approx(wall, abs=tolerance), stats
+            for name in ("forward", "backward", "optimizer"):
+                assert stats[f"{name}_s"] == pytest.approx(mine[name], abs=tolerance), \
+                    (name, mine, stats)
+            # the data wait is the other part; the wall is the loop's own, from one step's end
+            assert stats["other_s"] >= DATA_WAIT * 0.95, stats
+            assert stats["exposed_comm_s"] <= stats["backward_s"] + stats["optimizer_s"] \
+                + stats["other_s"] + 1e-6
+            assert stats["samples"] == 64 and stats["samples_per_s"] == \
+                pytest.approx(64 / wall)
+
+
+def test_overlap_is_near_zero_with_one_bucket_and_clearly_above_with_many():
+    """The engine's own collectives only: the all-gather of step_stats(all_ranks=True) is a
+    blocking call, exposed by nature, and is outside the window of the step it reports."""
+    one = run_ranks(timed_loop, 2, kwargs={"steps": 6, "depth": 1}, timeout=120)
+    many = run_ranks(timed_loop, 2, kwargs={"steps": 6, "bucket_mb": 0.2, "batch": 512},
+                     timeout=120)
+    # one layer, one bucket: it goes out with the last gradient, nothing is left to overlap
+    one_overlap = statistics.median(s["overlap"] for rows in one for _, s, _ in rows[2:])
+    # a bucket per layer goes out while earlier layers' gradients are still computed
+    many_overlap = statistics.median(s["overlap"] for rows in many for _, s, _ in rows[2:])
+    assert one_overlap < 0.15, one_overlap
+    assert many_overlap > 0.3, many_overlap
+    assert all(s["all_reduce/count"] == 1 for rows in one for _, s, _ in rows[2:])
+    # (a weight over the 0.2 MiB cap is a unit of its own, its bias another)
+    assert all(s["all_reduce/count"] == 12 for rows in many for _, s, _ in rows[2:])
+
+
+def test_bytes_per_step_are_the_planners_figure():
+    rows = run_ranks(timed_loop, 2, args=(4,), timeout=120)
+    planned = px.plan(deep_model(), gpus=2, precision="fp32", optimizer="sgd",
+                      strategy="ddp", backend="gloo", input_shape="256")["ddp"]
+    for rank_rows in rows:
+        for _, stats, _ in rank_rows[2:]:
+            # buckets also carry the used-flags and the non-finite slot: a few bytes more
+            assert stats["all_reduce/bytes"] == pytest.approx(
+                planned.comm_payload_bytes["all_reduce"], rel=2e-3), stats
+
+
+def test_the_slowed_rank_is_named_the_straggler():
+    rows = run_ranks(timed_loop, 2, kwargs={"steps": 6, "slow_rank": 1, "slow_s": 0.05},
+                     timeout=120)
+    for rank_rows in rows:
+        for _, _, everyone in rank_rows[2:]:
+            assert everyone["slowest_rank"] == 1, everyone
+            assert everyone["skew_s"] == pytest.approx(0.05, abs=0.02), everyone
+
+
+def test_rank0_logs_and_the_report_renders(tmp_path):
+    run_dir = str(tmp_path / "run")
+    run_ranks(timed_loop, 2, kwargs={"steps": 5, "log_dir": run_dir}, timeout=120)
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "step,name,value,seconds"
+    who = [line.split(",")[2] for line in lines[1:] if line.split(",")[1] == "who"]
+    assert who == ["0"] * 5  # rank 1's calls wrote nothing
+    result = subprocess.run([sys.executable, "-m", "phalanx", "report", run_dir],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("5 steps logged; medians over steps 2-5:"), result.stdout
+    assert "slowest rank" in result.stdout
+    import matplotlib.image
+
+    for name in ("step_time.png", "overlap.png", "memory.png"):
+        image = matplotlib.image.imread(os.path.join(run_dir, name))
+        assert image.shape[0] > 100 and image.shape[1] > 100
+    assert open(os.path.join(run_dir, "summary.txt")).read().startswith("5 steps logged")
+
+
+def test_report_of_a_directory_without_metrics_says_what_to_give(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "phalanx", "report", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "metrics.csv does not exist: give the run directory that px.log wrote" in \
+        result.stderr
