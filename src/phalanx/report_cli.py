@@ -62,6 +62,13 @@ def _median(series, name, skip):
     return statistics.median(values) if values else None
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def summary(series: dict, skip: int = 1) -> str:
     steps = len(series.get("wall_s", []))
     if not steps:
@@ -83,9 +90,12 @@ def summary(series: dict, skip: int = 1) -> str:
                      f"{1e3 * med['exposed_comm_s']:.1f} ms exposed, overlap "
                      f"{100 * med['overlap']:.0f}%")
     if med["comm_bytes"]:
-        per_kind = [f"{name.split('/')[0]} {statistics.median(v for _, v in values) / 1e6:.1f} MB"
+        # per kind: the mean over the steps (a kind issued in a few steps only, such as an
+        # evaluation's gathers, counts for what it adds per step)
+        per_kind = [f"{name.split('/')[0]} {_size(sum(v for _, v in values) / steps)}"
                     for name, values in sorted(series.items()) if name.endswith("/bytes")]
-        lines.append(f"  bytes/step    {med['comm_bytes'] / 1e6:9.2f} MB ({', '.join(per_kind)})")
+        lines.append(f"  bytes/step    {_size(med['comm_bytes']):>12s} median "
+                     f"(mean per kind: {', '.join(per_kind)})")
     if med["samples_per_s"]:
         lines.append(f"  throughput    {med['samples_per_s']:9.1f} samples/s per rank"
                      + (f", {med['tokens_per_s']:.0f} tokens/s" if med["tokens_per_s"] else ""))
