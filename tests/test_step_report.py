@@ -144,3 +144,47 @@ def test_report_of_a_directory_without_metrics_says_what_to_give(tmp_path):
     assert result.returncode == 2
     assert "metrics.csv does not exist: give the run directory that px.log wrote" in \
         result.stderr
+
+
+def traced_run(run_dir):
+    os.environ["PHALANX_TRACE"] = run_dir
+    px.init()
+    model = deep_model(depth=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = px.prepare(model, opt, bucket_mb=0.2)
+    reports = []
+    for step in range(3):
+        model(torch.randn(32, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        reports.append(px.step_stats(model))
+    with torch.profiler.profile() as prof:
+        model(torch.randn(32, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    labels = {e.key for e in prof.key_averages() if e.key.startswith("phalanx::")}
+    px.shutdown()  # writes the trace
+    return reports, labels
+
+
+def test_the_trace_has_every_phase_and_collective_and_profiler_labels_match(tmp_path):
+    import json
+
+    results = run_ranks(traced_run, 2, args=(str(tmp_path),), timeout=120)
+    for rank, (reports, labels) in enumerate(results):
+        with open(tmp_path / f"trace_rank{rank}.json") as f:
+            events = json.load(f)["traceEvents"]
+        lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert lanes[0] == "compute" and lanes[1] == "collectives 0"
+        spans = [e for e in events if e["ph"] == "X"]
+        for step, report in enumerate(reports):
+            phases = {e["name"]: e["dur"] / 1e6 for e in spans
+                      if e["tid"] == 0 and e["args"]["step"] == step}
+            assert set(phases) == {"forward", "backward", "optimizer"}, phases
+            assert phases["backward"] == pytest.approx(report["backward_s"], rel=1e-6)
+            grads = [e for e in spans if e["tid"] >= 1 and e["args"]["step"] == step
+                     and e["name"].endswith(":grads all_reduce")]
+            assert len(grads) == report["all_reduce/count"] == 6  # weight and bias per layer
+            assert sum(e["args"]["bytes"] for e in grads) == report["all_reduce/bytes"]
+        # the profiler names the same collectives the same way
+        assert {f"phalanx::unit[{i}]:grads::all_reduce" for i in range(6)} <= labels, labels

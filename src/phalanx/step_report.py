@@ -41,6 +41,7 @@ import torch
 from torch.autograd import Variable
 
 from . import collectives
+from .trace import tracer
 
 __all__ = ["StepClock", "step_stats"]
 
@@ -93,6 +94,7 @@ class StepClock:
         self.steps = 0
         self.last: dict | None = None
         self._start = time.perf_counter()
+        self.trace = tracer(comm.rank)  # trace.py: None unless PHALANX_TRACE asks
         self._reset()
 
     def _reset(self) -> None:
@@ -105,7 +107,10 @@ class StepClock:
 
     # -- called around the user's loop ----------------------------------------------------------
     def forward_done(self, began: float, args, kwargs) -> None:
-        self.forward_s += time.perf_counter() - began
+        now = time.perf_counter()
+        self.forward_s += now - began
+        if self.trace is not None:
+            self.trace.phase("forward", began, now, collectives.steps_taken)
         samples, tokens = _batch_size(args, kwargs)
         self.samples += samples
         self.tokens += tokens
@@ -121,6 +126,8 @@ class StepClock:
         now = time.perf_counter()
         if self._backward_from is not None:
             self.backward_s += now - self._backward_from
+            if self.trace is not None:
+                self.trace.phase("backward", self._backward_from, now, collectives.steps_taken)
         self._backward_from = None
         self._backward_end = now
 
@@ -140,8 +147,14 @@ class StepClock:
             entry[1] += r.nbytes
             entry[2] += r.completed - r.started
         self.steps += 1
+        if self.trace is not None:
+            if self._backward_end is not None:
+                self.trace.phase("optimizer", self._backward_end, now,
+                                 collectives.steps_taken - 1)
+            for r in sorted(records, key=lambda r: r.started):
+                self.trace.collective(r)
         report = {
-            "step": collectives.steps_taken,
+            "step": collectives.steps_taken - 1,  # the index of the step, from 0
             "wall_s": wall,
             "forward_s": self.forward_s,
             "backward_s": self.backward_s,
