@@ -130,6 +130,12 @@ def test_rank0_logs_and_the_report_renders(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("5 steps logged; medians over steps 2-5:"), result.stdout
     assert "slowest rank" in result.stdout
+    # the planner's bytes for this run (run.json, from px.prepare) beside the measured ones
+    assert "phalanx plan for this run (0.39M parameters, ddp, fp32, 2 ranks)" in result.stdout
+    row = next(line for line in result.stdout.splitlines()
+               if line.strip().startswith("all_reduce bytes/step"))
+    planned, measured = row.split()[2], row.split()[4]
+    assert abs(float(planned) - float(measured)) <= 0.002 * float(planned), row
     import matplotlib.image
 
     for name in ("step_time.png", "overlap.png", "memory.png"):

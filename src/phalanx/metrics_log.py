@@ -14,6 +14,7 @@ working directory, made at the first write. `phalanx report RUN_DIR` turns it in
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 import time
@@ -46,8 +47,17 @@ def _number(value):
     return None
 
 
+def note_run(info: dict) -> None:
+    """What `px.prepare` knows of the run (strategy, world, parameters...), written to
+    RUN_DIR/run.json with the first metrics, for `phalanx report` to ask the planner."""
+    _state["run"] = info
+
+
 def _writers():
     if "csv" not in _state:
+        if "run" in _state:
+            with open(os.path.join(run_dir(), "run.json"), "w") as f:
+                json.dump(_state["run"], f, indent=1)
         path = os.path.join(run_dir(), "metrics.csv")
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         f = open(path, "a", newline="")

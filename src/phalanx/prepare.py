@@ -23,6 +23,7 @@ from . import runtime
 from .collectives import Comm, count_step
 from .consistency import broadcast_from_rank0, check_same_structure
 from .engine import build_engine
+from .metrics_log import note_run
 from .nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
 from .replicas import ReplicaCheck
 from .step_report import StepClock, step_stats as _step_stats
@@ -130,12 +131,28 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
                                                    check_replicas_every).after_step)
+    note_run({"strategy": strategy, "precision": precision, "world": comm.world,
+              "backend": comm.backend, "device": str(runtime.device()),
+              "bucket_mb": float(bucket_mb), "comm_dtype": COMM_DTYPES[comm_dtype],
+              "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+              "optimizer": _optimizer_name(optimizer)})
     clock = StepClock(comm, runtime.device()) if step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
                              original_dtypes=original_dtypes, clock=clock)
     return wrapped, optimizer
+
+
+def _optimizer_name(optimizer) -> str | None:
+    """The planner's name for the optimizer's state (memory.py's OPTIMIZERS), where known."""
+    if optimizer is None:
+        return None
+    name = type(optimizer).__name__.lower()
+    if name == "sgd":
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return "sgd-momentum" if momentum else "sgd"
+    return name if name in ("adamw", "adam", "adafactor") else None
 
 
 def _uncompiled(model):

@@ -9,7 +9,8 @@ Reads RUN_DIR/metrics.csv (written by `px.log`, see metrics_log.py) and writes, 
                     px.step_stats(model, all_ranks=True)), else rank 0's
     loss.png        `loss` over the steps, when it was logged
     summary.txt     medians of the step report, the throughput, bytes per step, the slowest
-                    rank (also printed)
+                    rank, and `phalanx plan`'s prediction for the run (RUN_DIR/run.json)
+                    beside what was measured (also printed)
 
 Plots need matplotlib (`pip install 'phalanx[report]'`).
 """
@@ -113,6 +114,51 @@ def summary(series: dict, skip: int = 1) -> str:
     return "\n".join(lines)
 
 
+_PLAN_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+
+
+def against_plan(run_dir: str, series: dict, skip: int = 1) -> str | None:
+    """`phalanx plan`'s prediction for the run's model, strategy and world size (RUN_DIR/
+    run.json, written by px.log from what px.prepare saw) beside the measured medians."""
+    path = os.path.join(run_dir, "run.json")
+    if not os.path.exists(path) or "wall_s" not in series:
+        return None
+    import json
+
+    from .planner import plan
+
+    with open(path) as f:
+        run = json.load(f)
+    try:
+        planned = plan(params=run["trainable_params"], gpus=run["world"],
+                       strategy=run["strategy"], precision=_PLAN_PRECISION[run["precision"]],
+                       optimizer=run.get("optimizer") or "adamw",
+                       backend="gloo" if run["backend"] == "gloo" else "nccl",
+                       bucket_mb=run["bucket_mb"],
+                       comm_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(
+                           str(run.get("comm_dtype")).replace("torch.", "")))[run["strategy"]]
+    except (KeyError, ValueError) as exc:
+        return f"(no comparison with phalanx plan: {exc})"
+    lines = [f"phalanx plan for this run ({run['trainable_params'] / 1e6:.2f}M parameters, "
+             f"{run['strategy']}, {run['precision']}, {run['world']} ranks) against the "
+             "measured medians:",
+             f"  {'':24s} {'planned':>12s} {'measured':>12s}"]
+    for op, nbytes in sorted(planned.comm_payload_bytes.items()):
+        measured = _median(series, f"{op}/bytes", skip)
+        lines.append(f"  {op + ' bytes/step':24s} {_size(nbytes):>12s} "
+                     f"{_size(measured) if measured is not None else '-':>12s}")
+    if run.get("device", "cpu").startswith("cuda") and "gpu_peak_allocated_mb" in series:
+        peak = max(v for _, v in series["gpu_peak_allocated_mb"])
+        lines.append(f"  {'peak memory':24s} {_size(planned.total_bytes):>12s} "
+                     f"{_size(peak * 2**20):>12s}")
+        lines.append(f"  {'step time':24s} {1e3 * planned.step_time_s:9.1f} ms "
+                     f"{1e3 * _median(series, 'wall_s', skip):9.1f} ms (planned for the "
+                     "planner's GPU preset)")
+    else:
+        lines.append("  (memory and time are planned for a GPU; on CPU only the bytes compare)")
+    return "\n".join(lines)
+
+
 def plot(series: dict, out_dir: str) -> list[str]:
     """The PNGs of the module's docstring; returns their paths."""
     import matplotlib
@@ -187,6 +233,9 @@ def main(args: argparse.Namespace) -> int:
 
     series = read_metrics(args.run_dir)
     text = summary(series, max(args.skip, 0))
+    compared = against_plan(args.run_dir, series, max(args.skip, 0))
+    if compared:
+        text += "\n" + compared
     with open(os.path.join(args.run_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
