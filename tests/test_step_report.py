@@ -66,8 +66,9 @@ def test_the_parts_match_the_loops_own_clock_and_add_up():
     for rank_rows in run_ranks(timed_loop, 2, args=(6,), timeout=120):
         for mine, stats, _ in rank_rows[2:]:
             wall = stats["wall_s"]
-            tolerance = 0.05 * wall + 0.002
-            parts = sum(stats[k] for k in ("forward_s", "backward_s", "optimizer_s", "other_s"))
+            tolerance = 0.05 * wall + 0.003
+            parts = sum(stats[k] for k in ("forward_s", "backward_s", "optimizer_s", "data_s",
+                                           "other_s"))
             assert parts == pytest.approx(wall, abs=tolerance), stats
             for name in ("forward", "backward", "optimizer"):
                 assert stats[f"{name}_s"] == pytest.approx(mine[name], abs=tolerance), \
@@ -83,14 +84,16 @@ def test_the_parts_match_the_loops_own_clock_and_add_up():
 def test_overlap_is_near_zero_with_one_bucket_and_clearly_above_with_many():
     """The engine's own collectives only: the all-gather of step_stats(all_ranks=True) is a
     blocking call, exposed by nature, and is outside the window of the step it reports."""
-    one = run_ranks(timed_loop, 2, kwargs={"steps": 6, "depth": 1}, timeout=120)
+    one = run_ranks(timed_loop, 2, kwargs={"steps": 6, "depth": 1, "slow_rank": 1,
+                                           "slow_s": 0.03}, timeout=120)
     many = run_ranks(timed_loop, 2, kwargs={"steps": 6, "bucket_mb": 0.2, "batch": 512},
                      timeout=120)
-    # one layer, one bucket: it goes out with the last gradient, nothing is left to overlap
-    one_overlap = statistics.median(s["overlap"] for rows in one for _, s, _ in rows[2:])
+    # one layer, one bucket: it goes out with the last gradient, and rank 0 waits in it for
+    # rank 1, which is 30 ms late: nothing is left to overlap with
+    one_overlap = statistics.median(s["overlap"] for _, s, _ in one[0][2:])
     # a bucket per layer goes out while earlier layers' gradients are still computed
     many_overlap = statistics.median(s["overlap"] for rows in many for _, s, _ in rows[2:])
-    assert one_overlap < 0.15, one_overlap
+    assert one_overlap < 0.1, one_overlap
     assert many_overlap > 0.3, many_overlap
     assert all(s["all_reduce/count"] == 1 for rows in one for _, s, _ in rows[2:])
     # (a weight over the 0.2 MiB cap is a unit of its own, its bias another)
@@ -194,3 +197,35 @@ def test_the_trace_has_every_phase_and_collective_and_profiler_labels_match(tmp_
             assert sum(e["args"]["bytes"] for e in grads) == report["all_reduce/bytes"]
         # the profiler names the same collectives the same way
         assert {f"phalanx::unit[{i}]:grads::all_reduce" for i in range(6)} <= labels, labels
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """Each sample takes 5 ms to load."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.005)
+        return torch.full((256,), float(i))
+
+
+def loader_loop():
+    px.init()
+    model = deep_model(depth=2)
+    model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    seen = []
+    for x in px.data_loader(SlowDataset(), 4, shuffle=False):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(px.step_stats(model))
+    return seen
+
+
+def test_the_wait_for_px_data_loader_is_its_own_part():
+    for seen in run_ranks(loader_loop, 2, timeout=120):
+        for stats in seen[1:]:
+            # 4 samples of 5 ms each per batch (and the loader's own work)
+            assert 0.02 <= stats["data_s"] <= 0.02 + 0.05 * stats["wall_s"] + 0.01, stats
+            assert stats["other_s"] < stats["data_s"], stats

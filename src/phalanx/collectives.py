@@ -222,7 +222,10 @@ class Comm:
             rec.waited = rec.completed - rec.started
         else:
             def done(_fut, rec=rec):
-                rec.completed = time.perf_counter()
+                # The first sign of completion wins: the future's callback can run after a
+                # wait() already saw the work complete (a busy machine schedules it late).
+                if rec.completed is None:
+                    rec.completed = time.perf_counter()
             try:
                 work.get_future().add_done_callback(done)
             except (RuntimeError, AttributeError):  # a backend without futures

@@ -2,7 +2,7 @@
 
 Reads RUN_DIR/metrics.csv (written by `px.log`, see metrics_log.py) and writes, next to it:
 
-    step_time.png   the step's wall time broken down (forward, backward, optimizer, other)
+    step_time.png   the step's wall time broken down (forward, backward, optimizer, data, other)
                     over the steps, with the exposed communication drawn over it
     overlap.png     communication in flight and exposed per step, and the overlap
     memory.png      resident memory per rank (rank0/rss_mb... when the steps were logged with
@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 
 __all__ = ["add_arguments", "main", "read_metrics", "summary"]
 
-PARTS = ("forward_s", "backward_s", "optimizer_s", "other_s")
+PARTS = ("forward_s", "backward_s", "optimizer_s", "data_s", "other_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ synchronisation:
   end-of-backward callback, after the last bucket's collective was waited for);
 - optimizer: from the end of the last backward to the end of `optimizer.step()` (clipping
   and anything the loop does there included);
-- other: the rest of the wall time, which is the data loader's wait and the loop's own code;
+- data: time spent waiting for the next batch of a `px.data_loader` (its iterator, timed);
+- other: the rest of the wall time: the loop's own code, and loading data by other means;
 - communication: the union of the intervals during which the step's collectives were in
   flight, from their records (collectives.py: issue time, and completion time read from the
   work's future when it completes, never waited for); per kind, the collectives' count, bytes
@@ -65,6 +66,13 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+_data_wait = [0.0]  # seconds spent waiting for batches of px.data_loader, ever
+
+
+def add_data_wait(seconds: float) -> None:
+    _data_wait[0] += seconds
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for lo, hi in sorted(intervals):
@@ -94,6 +102,7 @@ class StepClock:
         self.steps = 0
         self.last: dict | None = None
         self._start = time.perf_counter()
+        self._data_at_start = _data_wait[0]
         self.trace = tracer(comm.rank)  # trace.py: None unless PHALANX_TRACE asks
         self._reset()
 
@@ -139,6 +148,7 @@ class StepClock:
         records = [r for r in collectives.records_since(self.comm.group, self._start)
                    if r.completed is not None]
         exposed = sum(r.waited for r in records)
+        data = min(_data_wait[0] - self._data_at_start, wall)
         comm = union_length([(r.started, r.completed) for r in records])
         kinds: dict[str, list] = {}
         for r in records:
@@ -159,7 +169,8 @@ class StepClock:
             "forward_s": self.forward_s,
             "backward_s": self.backward_s,
             "optimizer_s": optimizer,
-            "other_s": max(wall - self.forward_s - self.backward_s - optimizer, 0.0),
+            "data_s": data,
+            "other_s": max(wall - self.forward_s - self.backward_s - optimizer - data, 0.0),
             "comm_s": comm,
             "exposed_comm_s": min(exposed, wall),
             "overlap": (comm - min(exposed, comm)) / comm if comm > 0 else 0.0,
@@ -181,6 +192,7 @@ class StepClock:
             torch.cuda.reset_peak_memory_stats()
         self.last = report
         self._start = now
+        self._data_at_start = _data_wait[0]
         self._reset()
 
 

@@ -25,12 +25,14 @@ error, and resuming mid-epoch needs a map-style dataset.
 from __future__ import annotations
 
 import collections.abc as abc
+import time
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from .. import runtime
+from ..step_report import add_data_wait
 from .sampler import DistributedSampler, check_batch_size, split_evenly
 
 __all__ = ["data_loader", "DistributedLoader"]
@@ -89,7 +91,14 @@ class DistributedLoader(DataLoader):
 
     def __iter__(self):
         sampler = self.distributed_sampler
-        for batch in super().__iter__():
+        batches = super().__iter__()
+        while True:
+            began = time.perf_counter()  # the wait for the batch: the step report's data_s
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            add_data_wait(time.perf_counter() - began)
             if sampler is not None:
                 sampler._batch_consumed()
             yield batch
