@@ -229,3 +229,30 @@ def test_the_wait_for_px_data_loader_is_its_own_part():
             # 4 samples of 5 ms each per batch (and the loader's own work)
             assert 0.02 <= stats["data_s"] <= 0.02 + 0.05 * stats["wall_s"] + 0.01, stats
             assert stats["other_s"] < stats["data_s"], stats
+
+
+def test_the_progress_bar_is_drawn_on_the_launchers_terminal_by_rank0_only():
+    """Workers' output is piped through the launcher, line by line; the bar goes to the
+    terminal `phalanx run` was started from (here a pseudo-terminal)."""
+    import pty
+
+    master, slave = pty.openpty()
+    script = os.path.join(os.path.dirname(__file__), "launch_scripts", "progress.py")
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-n", "2", script],
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # every holder of the terminal is gone
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert proc.wait(timeout=30) == 0, seen.decode(errors="replace")
+    text = seen.decode(errors="replace")
+    assert "work0: 100%" in text and "10/10" in text, text
+    assert "work1" not in text, text

@@ -128,7 +128,6 @@ def progress(iterable=None, **tqdm_kwargs):
             pass
     tqdm_kwargs.setdefault("file", sys.stderr)
     tqdm_kwargs.setdefault("disable", None)
-    tqdm_kwargs.setdefault("dynamic_ncols", True)
     return tqdm(iterable, **tqdm_kwargs)
 
 
