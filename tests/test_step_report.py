@@ -256,3 +256,20 @@ def test_the_progress_bar_is_drawn_on_the_launchers_terminal_by_rank0_only():
     text = seen.decode(errors="replace")
     assert "work0: 100%" in text and "10/10" in text, text
     assert "work1" not in text, text
+
+
+def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from phalanx import metrics_log
+
+    monkeypatch.setenv("PHALANX_RUN_DIR", str(tmp_path))
+    monkeypatch.setattr(metrics_log, "_state", {})
+    for step in range(4):
+        px.log({"loss": 1.0 / (step + 1)}, step, every=0)
+    metrics_log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(s, pytest.approx(1.0 / (s + 1))) for s in range(4)]
