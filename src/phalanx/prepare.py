@@ -42,11 +42,10 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype, check_replicas_ev
     if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of "
                          "'ddp', 'zero1', 'zero2', 'zero3' (alias 'fsdp')")
-    strategy = strategy.lower()
-    if strategy in ("zero3", "fsdp"):
-        raise NotImplementedError(
-            "strategy 'zero3' (parameter sharding) is not available in this version; use "
-            "'zero2' (gradients and optimizer state sharded) or 'ddp'")
+    strategy = {"fsdp": "zero3"}.get(strategy.lower(), strategy.lower())
+    if strategy == "zero3" and check_replicas_every is not None:
+        raise ValueError("check_replicas_every compares whole parameters, which zero3 never "
+                         "keeps between steps; use it with ddp, zero1 or zero2")
     if not isinstance(precision, str) or precision.lower() not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of 'fp32', 'bf16', 'fp16'")
     if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)

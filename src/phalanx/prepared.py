@@ -58,7 +58,8 @@ class PreparedModule(torch.nn.Module):
                 "the set of trainable parameters changed after px.prepare (requires_grad was "
                 "switched, or parameters were added); freeze or unfreeze before px.prepare, or "
                 "prepare a new model")
-        if any(p.data_ptr() != ptr for p, ptr in zip(now, self._storage)):
+        if not getattr(self._engine, "reshards", False) and \
+                any(p.data_ptr() != ptr for p, ptr in zip(now, self._storage)):
             raise RuntimeError(
                 "a parameter was given new storage after px.prepare (`param.data = ...` or a "
                 "module re-created); change values in place (`with torch.no_grad(): "
@@ -127,8 +128,13 @@ class PreparedModule(torch.nn.Module):
             return getattr(self._modules["module"], name)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        sd = self.module.state_dict(*args, destination=destination, prefix=prefix,
-                                    keep_vars=keep_vars)
+        """(Under zero3 a collective: every rank calls it, the parameters are gathered.)"""
+        with self._engine.full_params():
+            sd = self.module.state_dict(*args, destination=destination, prefix=prefix,
+                                        keep_vars=keep_vars)
+            if getattr(self._engine, "reshards", False) and not keep_vars:  # copies, before
+                # the storage is freed
+                sd = type(sd)((k, v.detach().clone()) for k, v in sd.items())
         masters = self._engine.master_values() if self._precision.low else None
         by_id = {id(p): name for name, p in self.module.named_parameters()}
         for pid, value in (masters or {}).items():
@@ -145,7 +151,8 @@ class PreparedModule(torch.nn.Module):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace parameters that phalanx "
                              "holds in its buffers; load with assign=False (the default)")
-        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        with self._engine.full_params():  # zero3: the parameters must exist to be written
+            result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         values = {id(p): state_dict[name] for name, p in self.module.named_parameters()
                   if p.requires_grad and name in state_dict}
         self._engine.load_masters(values)

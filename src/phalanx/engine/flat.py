@@ -55,10 +55,15 @@ class FlatUnit:
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,
                  sharded: bool, compute_dtype: torch.dtype, adopt: bool,
-                 pool: BufferPool | None):
+                 pool: BufferPool | None, reshards: bool = False):
         self.index = index
         self.params = params
         self.sharded = sharded
+        # zero3: the full flat buffer exists only while the unit computes (see [Note: zero3's
+        # gather and free] in flat_engine.py); its storage is freed between uses, and the
+        # master, the truth, has storage of its own.
+        self.reshards = reshards
+        self.gathered = True
         self.bucket = GradBucket(index, params, pad_to=world if sharded else 1, with_flags=True,
                                  dtype=compute_dtype, pool=pool)
         n = self.bucket.padded_numel
@@ -83,7 +88,7 @@ class FlatUnit:
 
     @property
     def master_is_view(self) -> bool:
-        return self.compute_dtype == self.master_dtype
+        return self.compute_dtype == self.master_dtype and not self.reshards
 
     @torch.no_grad()
     def _lay_out_flat(self) -> None:
@@ -111,7 +116,7 @@ class FlatUnit:
     @torch.no_grad()
     def sync_master_from_cache(self) -> bool:
         """Take values written into the parameters behind phalanx's back into the master."""
-        if self.flat is None or self.master_is_view:
+        if self.flat is None or self.master_is_view or self.reshards:
             return False
         cache = self.flat[self.lo:self.hi]
         changed = cache != self.master.to(self.compute_dtype)
@@ -122,10 +127,21 @@ class FlatUnit:
         return True
 
     @torch.no_grad()
+    def reshard(self) -> None:
+        """Free the full buffer's storage (zero3); the parameters stay views of it, valid
+        again after the next `unshard`."""
+        if self.reshards and self.gathered and self.flat is not None:
+            self.flat.untyped_storage().resize_(0)
+            self.gathered = False
+
+    @torch.no_grad()
     def unshard(self, comm, async_op: bool = True):
         """Refresh the full compute-dtype buffer from the masters of every rank."""
         if self.flat is None:
             return None
+        if not self.gathered:  # zero3: give the storage back its size, then fill it
+            self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+            self.gathered = True
         if not self.master_is_view:
             self.flat[self.lo:self.hi].copy_(self.master)
         if not self.sharded:

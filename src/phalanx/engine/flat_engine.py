@@ -19,12 +19,15 @@ hooks to the unused-parameter rule and the launch order, is the same code.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .. import collectives
 from ..collectives import Comm
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit, Piece
+from .gather import UnitGatherer
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
 from .reducer import GradReducer
@@ -44,6 +47,7 @@ class FlatEngine:
         self.world, self.rank = comm.world, comm.rank
         self.sharded = policy.optimizer is SHARD and self.world > 1
         self.shard_grads = policy.grads is SHARD and self.world > 1
+        self.reshards = policy.params is SHARD and self.world > 1  # zero3: gather.py
         self.params = [p for p in module.parameters() if p.requires_grad]
         compute = precision.compute_dtype
         low = any(compute is not None and p.dtype != compute for p in self.params)
@@ -71,8 +75,12 @@ class FlatEngine:
                                    keep=3)
         self.units = [FlatUnit(i, run, world=self.world, rank=self.rank, sharded=self.sharded,
                                compute_dtype=compute or run[0].dtype, adopt=self.adopt,
-                               pool=self.pool)
+                               pool=self.pool, reshards=self.reshards)
                       for i, run in enumerate(runs)]
+        self.gatherer = None
+        if self.reshards and self.units:
+            self.gatherer = UnitGatherer(module, self.units, comm)
+            self.gatherer.free_all()
         self.nonfinite = None  # a NonFiniteWatch (nonfinite.py), set by px.prepare
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
@@ -159,8 +167,23 @@ class FlatEngine:
     def _launch(self, bucket: GradBucket):
         if self.world == 1:
             return None
-        return self.units[bucket.index].reduce_grad(self.comm, self.precision.comm_dtype,
-                                                    shard=self.shard_grads)
+        unit = self.units[bucket.index]
+        work = unit.reduce_grad(self.comm, self.precision.comm_dtype, shard=self.shard_grads)
+        unit.reshard()  # zero3: every gradient of the unit is there, its values are not needed
+        return work
+
+    @contextmanager
+    def full_params(self):
+        """zero3: every unit gathered for the duration (a collective), then freed; for
+        state_dict() and load_state_dict(). Nothing to do under the other strategies."""
+        if self.gatherer is None:
+            yield
+            return
+        self.gatherer.gather(self.units)
+        try:
+            yield
+        finally:
+            self.gatherer.free_all()
 
     def _finish(self, bucket: GradBucket) -> None:
         self.units[bucket.index].finish_grad(shard=self.shard_grads)
@@ -204,7 +227,8 @@ class FlatEngine:
             unit.set_piece_grads(grad)
             step_one()
             unit.set_piece_grads(None)
-            works.append(unit.unshard(self.comm))  # on the wire while the next unit steps
+            if not self.reshards:  # zero3 gathers at the next forward (gather.py)
+                works.append(unit.unshard(self.comm))  # on the wire while the next unit steps
         for work in works:
             if work is not None:
                 work.wait()
@@ -282,7 +306,10 @@ class FlatEngine:
     @torch.no_grad()
     def publish_masters(self) -> None:
         """Refresh the parameters from masters written in place (through `master_pieces`):
-        a collective when the masters are sharded, so every rank calls it."""
+        a collective when the masters are sharded, so every rank calls it. (zero3 keeps no
+        parameters between steps: the next forward gathers them from the masters.)"""
+        if self.reshards:
+            return
         for unit in self.units:
             unit.unshard(self.comm, async_op=False)
 
@@ -292,7 +319,7 @@ class FlatEngine:
         parameters from them (no collective: every rank was given the same values)."""
         for unit in self.units:
             unit.load_master([values.get(id(p)) for p in unit.params])
-            if unit.flat is not None and not unit.master_is_view:
+            if unit.flat is not None and not unit.master_is_view and not unit.reshards:
                 for p, offset in zip(unit.params, unit.bucket.offsets):
                     v = values.get(id(p))
                     if v is not None:

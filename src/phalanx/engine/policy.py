@@ -4,7 +4,7 @@
     ddp       full        full       full
     zero1     full        full       shard
     zero2     full        shard      shard
-    zero3     shard       shard      shard   (not available in this version)
+    zero3     shard       shard      shard   (alias fsdp; engine/gather.py)
 
 ZeRO: Rajbhandari et al., 2020, arXiv:1910.02054. The engine (flat_engine.py) reads these fields
 and never the strategy's name: `optimizer is SHARD` means each rank owns 1/N of every unit and
@@ -41,4 +41,5 @@ POLICIES = {
     "ddp": ShardPolicy("ddp", params=FULL, grads=FULL, optimizer=FULL),
     "zero1": ShardPolicy("zero1", params=FULL, grads=FULL, optimizer=SHARD),
     "zero2": ShardPolicy("zero2", params=FULL, grads=SHARD, optimizer=SHARD),
+    "zero3": ShardPolicy("zero3", params=SHARD, grads=SHARD, optimizer=SHARD),
 }
