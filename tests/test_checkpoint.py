@@ -69,8 +69,11 @@ def _optimizer(model):
 
 def _state(model, opt):
     """Parameters and buffers by name, and the optimizer state by parameter name, as one
-    process has them (float64)."""
-    params = {k: v.detach().double().clone() for k, v in px.unwrap(model).state_dict().items()}
+    process has them (float64). (zero3 keeps no whole parameter: the prepared model's
+    state_dict() gathers them.)"""
+    zero3 = getattr(getattr(model, "_engine", None), "reshards", False)
+    source = model if zero3 else px.unwrap(model)
+    params = {k: v.detach().double().clone() for k, v in source.state_dict().items()}
     names = [n for n, _ in px.unwrap(model).named_parameters()]  # the optimizer's order
     sd = px.optimizer_state_dict(opt)
     optim = {}
@@ -122,13 +125,15 @@ def _assert_close(got, want, rtol):
             assert _rel(optim[name][key], ref_optim[name][key]) <= rtol, (name, key)
 
 
-LAYOUTS = [(s, n) for s in ("ddp", "zero1", "zero2") for n in (1, 2, 3, 4)]
+LAYOUTS = [(s, n) for s in ("ddp", "zero1", "zero2", "zero3") for n in (1, 2, 3, 4)]
 PAIRS = [(a, b) for a in LAYOUTS for b in LAYOUTS] if os.environ.get("PHALANX_SLOW") == "1" else [
     (("ddp", 2), ("zero2", 3)),
     (("zero2", 3), ("ddp", 2)),
     (("zero1", 4), ("zero2", 2)),
     (("zero2", 2), ("zero1", 1)),
-]  # PHALANX_SLOW=1: every pair of 3 strategies x 1-4 ranks (144)
+    (("zero3", 2), ("ddp", 3)),
+    (("zero1", 3), ("zero3", 2)),
+]  # PHALANX_SLOW=1: every pair of 4 strategies x 1-4 ranks (256)
 
 
 @pytest.mark.parametrize("saved,loaded", PAIRS)
@@ -172,7 +177,7 @@ def _noisy_run(path, strategy, mode):
     return _state(model, opt)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_resuming_at_the_same_world_size_is_bit_for_bit(tmp_path, strategy):
     path = str(tmp_path / "ckpt")
     whole = run_ranks(_noisy_run, 2, args=(path, strategy, "whole"))
