@@ -1,0 +1,103 @@
+"""zero3 beyond the float64 parity matrix (test_parity64.py) and checkpoints (test_checkpoint.py):
+what it keeps between steps, mixed precision, evaluation, state_dict, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.testing import run_ranks
+
+
+class Blocks(nn.Module):
+    """Tied embeddings (vocabulary 13, not divisible by 2 or 3) around repeated blocks."""
+
+    def __init__(self, vocab=13, d=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 2, 64, dropout=0.0, batch_first=True)
+            for _ in range(3))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def batch(step, rank, world, rows=4):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 13, (rows * world, 9), generator=g)
+    return tokens[rank * rows:(rank + 1) * rows]
+
+
+def train(strategy, precision, steps=3):
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision, bucket_mb=0.01)
+    freed = []
+    for step in range(steps):
+        tokens = batch(step, px.rank(), px.world_size())
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, 13), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        # between steps: no trainable parameter has storage (zero3), all have (zero2)
+        freed.append(all(p.untyped_storage().size() == 0
+                         for p in px.unwrap(model).parameters() if p.requires_grad))
+    model.eval()
+    with torch.no_grad():
+        evaluated = [model(batch(9, 0, 1)[:, :-1]).float() for _ in range(2)]  # generation-like
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return freed, evaluated, state
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_zero3_trains_as_zero2_does_and_keeps_no_whole_parameter(precision):
+    z3 = run_ranks(train, 2, args=("zero3", precision), timeout=120)
+    z2 = run_ranks(train, 2, args=("zero2", precision), timeout=120)
+    for (freed3, eval3, state3), (freed2, eval2, state2) in zip(z3, z2):
+        assert all(freed3) and not any(freed2)
+        # the same arithmetic in the same order: bit for bit, masters and evaluation alike
+        assert state3.keys() == state2.keys()
+        for key in state2:
+            assert state3[key].dtype == state2[key].dtype, key
+            assert torch.equal(state3[key], state2[key]), key
+        for a, b in zip(eval3, eval2):
+            assert torch.equal(a, b)
+    # state_dict() gives the original names (head.weight is embed.weight) in fp32
+    assert "head.weight" in z3[0][2] and z3[0][2]["embed.weight"].dtype == torch.float32
+
+
+def _load_and_compare(path_state):
+    torch.manual_seed(1 + px.rank())  # other values: only load_state_dict sets them
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = px.prepare(model, opt, strategy="zero3")
+    model.load_state_dict(path_state)
+    got = model.state_dict()
+    return all(torch.equal(got[k], v) for k, v in path_state.items())
+
+
+def test_load_state_dict_sets_the_sharded_masters():
+    torch.manual_seed(5)
+    want = Blocks().state_dict()
+    assert all(run_ranks(_load_and_compare, 2, args=(want,), timeout=120))
+
+
+def test_check_replicas_every_is_refused_with_zero3():
+    with pytest.raises(ValueError, match="check_replicas_every compares whole parameters"):
+        px.prepare(Blocks(), strategy="zero3", check_replicas_every=10)
+
+
+def test_fsdp_is_an_alias_of_zero3():
+    for freed, _, _ in run_ranks(train, 2, args=("fsdp", "fp32", 1), timeout=120):
+        assert freed == [True]
