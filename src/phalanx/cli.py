@@ -28,7 +28,7 @@ class CommandError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phalanx",
-        description="phalanx: data-parallel training for PyTorch (DDP, ZeRO-1 and ZeRO-2).",
+        description="phalanx: data-parallel training for PyTorch (DDP, ZeRO-1, ZeRO-2 and ZeRO-3).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
