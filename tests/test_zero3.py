@@ -101,3 +101,18 @@ def test_check_replicas_every_is_refused_with_zero3():
 def test_fsdp_is_an_alias_of_zero3():
     for freed, _, _ in run_ranks(train, 2, args=("fsdp", "fp32", 1), timeout=120):
         assert freed == [True]
+
+
+def _call_a_part_alone():
+    model = Blocks()
+    model, _ = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3")
+    with pytest.raises(RuntimeError, match="zero3: module 'head' was called on its own, but "
+                                           "its parameters are gathered only during the "
+                                           "forward of 'the model'"):
+        px.unwrap(model).head(torch.randn(2, 32))
+    px.unwrap(model).blocks[1](torch.randn(2, 3, 32))  # a block is a root: it gathers itself
+    return True
+
+
+def test_a_part_called_outside_its_root_is_refused_by_name():
+    assert all(run_ranks(_call_a_part_alone, 2, timeout=120))

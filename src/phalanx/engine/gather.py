@@ -102,11 +102,21 @@ class UnitGatherer:
             root = _callable_root(_common_prefix(names), blocks, modules)
             by_root.setdefault(root, []).append(unit)
         self.roots = []
+        root_of = {}
         for name, units_here in by_root.items():
             root = modules[name]
             root.register_forward_pre_hook(self._before(units_here))
             root.register_forward_hook(self._after(units_here))
             self.roots.append((name, units_here))
+            root_of.update({id(u): name for u in units_here})
+        # A module inside a root, called on its own, would compute on freed storage: it gets
+        # an error that says so instead (a check of a flag per call).
+        unit_of = {id(p): u for u in self.units for p in u.params}
+        for name, sub in modules.items():
+            mine = {id(unit_of[id(p)]): unit_of[id(p)] for p in sub._parameters.values()
+                    if p is not None and id(p) in unit_of}
+            if any(root_of[k] != name for k in mine):
+                sub.register_forward_pre_hook(self._guard(name, list(mine.values()), root_of))
         self._callback_queued = False
 
     def gather(self, units) -> None:
@@ -118,6 +128,19 @@ class UnitGatherer:
     def free_all(self) -> None:
         for unit in self.units:
             unit.reshard()
+
+    @staticmethod
+    def _guard(name, units, root_of):
+        def hook(_module, _args):
+            for unit in units:
+                if not unit.gathered:
+                    root = root_of[id(unit)] or "the model"
+                    raise RuntimeError(
+                        f"zero3: module {name!r} was called on its own, but its parameters "
+                        f"are gathered only during the forward of {root!r} (between uses each "
+                        "rank keeps 1/N of them); call the prepared model instead, or prepare "
+                        "with strategy='zero2', which keeps whole parameters")
+        return hook
 
     def _before(self, units):
         def hook(_module, _args):
