@@ -10,11 +10,14 @@ bytes, a ring moves (Patarasuk & Yuan 2009; the NCCL "bus bandwidth" convention)
     ddp    all-reduce G                                  ~ 2x the gradient bytes
     zero1  reduce-scatter G + all-gather P (new weights)  ~ 2x
     zero2  the same as zero1                             ~ 2x
-    zero3  all-gather P (forward) + all-gather P (backward) + reduce-scatter G, per micro-step ~ 3x
+    zero3  all-gather P (forward) + all-gather P (backward), per micro-step, + reduce-scatter G ~ 3x
 
 On gloo phalanx all-reduces instead of reduce-scattering (faster there, see collectives.py), so
 zero1/zero2 move 2G + P. With gradient accumulation (`px.no_sync`) gradients are reduced once
-per step; zero3 gathers parameters in every micro-step. The time is bytes / bandwidth, where the
+per step, under zero3 too (phalanx's zero3 accumulates full gradients in its buckets under
+`no_sync`, as zero2 does, where FSDP reduce-scatters in every micro-step: less communication
+for the memory of one unsharded gradient); zero3 gathers parameters in every micro-step. The
+time is bytes / bandwidth, where the
 bandwidth is the intra-node link on one node and the slower of the two links across nodes (a
 ring through every GPU crosses the inter-node links). Latency is left out: it matters only for
 small messages, and buckets are megabytes.
@@ -68,7 +71,7 @@ def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
     if strategy == "zero3":
         return [Collective("all_gather", param_bytes, "forward", per_micro_step=True),
                 Collective("all_gather", param_bytes, "backward", per_micro_step=True),
-                Collective(reduce, grad_bytes, "backward", per_micro_step=True)]
+                Collective(reduce, grad_bytes, "backward")]
     raise ValueError(f"unknown strategy {strategy!r}")
 
 

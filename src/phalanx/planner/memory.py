@@ -29,9 +29,11 @@ separate fp32 gradient between steps.
   on NCCL; zero1 keeps full gradients and all-reduces).
 - grad_staging: autograd makes each parameter's gradient as a fresh tensor, which the engine
   then copies into its bucket; the largest parameter's gradient exists twice for a moment.
-- gathered_params, unit_grads (zero3): two gather units of full parameters (the one in use and
-  the one prefetched) and their gradients. The zero3 engine is not written yet; this is the
-  layout it is meant to have.
+- gathered_params, unit_grads (zero3): two gather units of full parameters and their
+  gradients. The engine (engine/gather.py) holds the block in use and the units rooted at the
+  model's level (embeddings, head), which stay gathered for the whole forward; it does not
+  prefetch. Two of the largest unit is exact for a model whose model-level units are no larger
+  than a block, and low by the difference otherwise.
 
 [Note: Optimizer step working memory]
 Adam's update makes temporaries (the square root of the second moment, then its quotient).
