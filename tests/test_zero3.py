@@ -116,3 +116,76 @@ def _call_a_part_alone():
 
 def test_a_part_called_outside_its_root_is_refused_by_name():
     assert all(run_ranks(_call_a_part_alone, 2, timeout=120))
+
+
+class Plain(nn.Module):
+    """Layers whose constructors draw in module order, tied embeddings, a LayerNorm."""
+
+    def __init__(self, vocab=13, d=24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 48), nn.GELU(), nn.Linear(48, d))
+                                    for _ in range(3))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def _meta_or_full(meta, strategy):
+    torch.manual_seed(3)  # the same seed for both builds; other ranks' seeds do not matter
+    if meta:
+        if px.rank() == 1:
+            torch.manual_seed(99)  # rank 0's generator is the one that counts
+        with torch.device("meta"):
+            model = Plain()
+    else:
+        model = Plain()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = px.prepare(model, opt, strategy=strategy)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(2):
+        tokens = batch(step, px.rank(), px.world_size())
+        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 13), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    tied = px.unwrap(model).head.weight is px.unwrap(model).embed.weight
+    return initial, {k: v.clone() for k, v in model.state_dict().items()}, tied
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_a_meta_device_build_gives_what_a_full_build_gives(strategy):
+    meta = run_ranks(_meta_or_full, 2, args=(True, strategy), timeout=120)
+    full = run_ranks(_meta_or_full, 2, args=(False, strategy), timeout=120)
+    for (init_m, trained_m, tied), (init_f, trained_f, _) in zip(meta, full):
+        assert tied
+        for key in init_f:
+            assert torch.equal(init_m[key], init_f[key]), key
+            assert torch.equal(trained_m[key], trained_f[key]), key
+
+
+def test_a_meta_buffer_nothing_would_fill_is_refused():
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)))
+
+    class WithRotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = Rotary()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) * self.rope.inv_freq.sum()
+
+    with torch.device("meta"):
+        model = WithRotary()
+    with pytest.raises(ValueError, match="the buffer 'rope.inv_freq' is on the meta device and "
+                                         "Rotary has no reset_parameters"):
+        px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

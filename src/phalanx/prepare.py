@@ -23,6 +23,7 @@ from . import runtime
 from .collectives import Comm, count_step
 from .consistency import broadcast_from_rank0, check_same_structure
 from .engine import build_engine
+from .materialize import materialize, on_meta
 from .metrics_log import note_run
 from .nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
 from .replicas import ReplicaCheck
@@ -72,7 +73,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
             broadcast_buffers: bool = True, comm: Comm | None = None,
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
-            step_stats: bool = True):
+            step_stats: bool = True, init=None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
@@ -90,6 +91,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         (nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its gradients
         dropped), "skip" the step with a warning, "warn" only, or None (no check).
     step_stats: time every optimizer step for `px.step_stats(model)` (step_report.py).
+    init: for a model built on the meta device, fn(model) that sets every parameter and buffer
+        (default: each module's reset_parameters(), in order; materialize.py).
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
@@ -104,6 +107,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
     runtime.init()
     comm = comm if comm is not None else Comm(runtime.default_group())
+    built_on_meta = on_meta(model)
+    if built_on_meta:  # every rank draws the same values: no broadcast of the model below
+        materialize(model, optimizer, runtime.device(), comm, init)
     model.to(runtime.device())
     if sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
@@ -115,7 +121,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "broadcast_buffers": bool(broadcast_buffers),
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite}
     check_same_structure(model, comm, options)
-    broadcast_from_rank0(model, comm)
+    if not built_on_meta:
+        broadcast_from_rank0(model, comm)
 
     policy = make_precision(precision, comm_dtype)
     original_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()
