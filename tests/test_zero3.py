@@ -12,15 +12,18 @@ import phalanx as px
 from phalanx.testing import run_ranks
 
 
-class Blocks(nn.Module):
-    """Tied embeddings (vocabulary 13, not divisible by 2 or 3) around repeated blocks."""
+def encoder_layer(d):
+    return nn.TransformerEncoderLayer(d, 2, 64, dropout=0.0, batch_first=True)
 
-    def __init__(self, vocab=13, d=32):
+
+class Blocks(nn.Module):
+    """Tied embeddings (vocabulary 13, not divisible by 2 or 3) around 3 repeated blocks."""
+
+    def __init__(self, vocab=13, d=32, make_block=encoder_layer, residual=False):
         super().__init__()
+        self.residual = residual
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(d, 2, 64, dropout=0.0, batch_first=True)
-            for _ in range(3))
+        self.blocks = nn.ModuleList(make_block(d) for _ in range(3))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
@@ -28,7 +31,7 @@ class Blocks(nn.Module):
     def forward(self, tokens):
         h = self.embed(tokens)
         for block in self.blocks:
-            h = block(h)
+            h = h + block(h) if self.residual else block(h)
         return self.head(self.norm(h))
 
 
@@ -118,23 +121,13 @@ def test_a_part_called_outside_its_root_is_refused_by_name():
     assert all(run_ranks(_call_a_part_alone, 2, timeout=120))
 
 
-class Plain(nn.Module):
+def mlp_block(d):
+    return nn.Sequential(nn.Linear(d, 48), nn.GELU(), nn.Linear(48, d))
+
+
+def Plain():
     """Layers whose constructors draw in module order, tied embeddings, a LayerNorm."""
-
-    def __init__(self, vocab=13, d=24):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 48), nn.GELU(), nn.Linear(48, d))
-                                    for _ in range(3))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(self.norm(h))
+    return Blocks(d=24, make_block=mlp_block, residual=True)
 
 
 def _meta_or_full(meta, strategy):
