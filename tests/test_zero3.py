@@ -229,3 +229,24 @@ def test_a_cnn_with_batchnorm_trains_as_one_process_in_float64(world):
                 torch.testing.assert_close(got[key], value, rtol=1e-10, atol=1e-12)
             else:
                 assert torch.equal(got[key], value), key
+
+
+def _compiled(strategy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = px.prepare(model, opt, strategy=strategy)
+    compiled = torch.compile(model, backend="eager")
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + px.rank())
+        compiled(torch.randn(4, 8, dtype=torch.float64, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_torch_compile_of_a_zero3_model_trains_as_zero2():
+    z3 = run_ranks(_compiled, 2, args=("zero3",), timeout=120)
+    z2 = run_ranks(_compiled, 2, args=("zero2",), timeout=120)
+    for key in z2[0]:
+        assert torch.equal(z3[0][key], z2[0][key]), key
