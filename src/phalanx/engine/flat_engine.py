@@ -141,6 +141,8 @@ class FlatEngine:
 
     def before_forward(self) -> None:
         """See [Note: a backward that raised] in reducer.py."""
+        if self.gatherer is not None:
+            self.gatherer.forget_unfinished_backward()
         if self.reducer.in_progress():
             if self.reducer.launched_any():
                 self.reducer.drain()

@@ -101,13 +101,11 @@ class UnitGatherer:
             names = [n for p in unit.params for n in owners.get(id(p), [""])]
             root = _callable_root(_common_prefix(names), blocks, modules)
             by_root.setdefault(root, []).append(unit)
-        self.roots = []
         root_of = {}
         for name, units_here in by_root.items():
             root = modules[name]
             root.register_forward_pre_hook(self._before(units_here))
             root.register_forward_hook(self._after(units_here))
-            self.roots.append((name, units_here))
             root_of.update({id(u): name for u in units_here})
         # A module inside a root, called on its own, would compute on freed storage: it gets
         # an error that says so instead (a check of a flag per call).
@@ -128,6 +126,14 @@ class UnitGatherer:
     def free_all(self) -> None:
         for unit in self.units:
             unit.reshard()
+
+    def forget_unfinished_backward(self) -> None:
+        """Before a forward: a backward that raised before its end (see [Note: a backward
+        that raised] in reducer.py) left its end-of-backward free queued in vain; free what it
+        gathered, and let the next backward queue it again."""
+        if self._callback_queued:
+            self._callback_queued = False
+            self.free_all()
 
     @staticmethod
     def _guard(name, units, root_of):
