@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import phalanx as px  # noqa: E402
 from phalanx.testing import run_ranks  # noqa: E402
 from ddp import batch_for, loss_for, make  # noqa: E402
+from peak_rss import _reset_peak, _status  # noqa: E402
 
 NAMES = ("phalanx zero3", "FSDP2", "phalanx zero2")
 
@@ -79,14 +80,6 @@ def time_rank(rounds, steps, warmup):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def memory_rank(name):
     torch.set_num_threads(1)
     px.init()
@@ -96,8 +89,7 @@ def memory_rank(name):
     model, optimizer = build(name)
     for i in range(2):
         step(model, optimizer, i)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_peak()
     for i in range(2, 5):
         step(model, optimizer, i)
     return _status("VmHWM") - baseline

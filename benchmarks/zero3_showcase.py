@@ -17,12 +17,16 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-import phalanx as px
-from phalanx.testing import run_ranks
+sys.path.insert(0, str(Path(__file__).parent))
+
+import phalanx as px  # noqa: E402
+from phalanx.testing import run_ranks  # noqa: E402
+from peak_rss import _status  # noqa: E402
 
 
 class Wide(nn.Module):
@@ -35,14 +39,6 @@ class Wide(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return x
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def train_rank(blocks, d, hidden, steps, rows):
@@ -63,7 +59,7 @@ def train_rank(blocks, d, hidden, steps, rows):
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    return {"peak": _hwm(), "prepare_s": prepared, "steps_s": times}
+    return {"peak": _status("VmHWM"), "prepare_s": prepared, "steps_s": times}
 
 
 def main(argv=None):

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Comm", "CollectiveRecord", "Handle", "default_comm", "close_all", "comm_device",
-           "bytes_by_kind", "reset_counts", "records_on", "records_since", "count_step", "CollectiveMismatch"]
+           "bytes_by_kind", "reset_counts", "records_on", "records_since", "count_step",
+           "CollectiveMismatch"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -147,6 +147,10 @@ def _main_stack(limit: int = 8) -> list[str]:
     return out
 
 
+def _oldest_in_flight(records):
+    return next((r for r in records if r.completed is None), None)
+
+
 def _as_dict(rec, now: float) -> dict:
     return {"group_seq": rec.group_seq, "kind": rec.kind, "tag": rec.tag, "step": rec.step,
             "done": rec.completed is not None, "age": now - rec.started}
@@ -186,7 +190,7 @@ class HangWatch:
     def _state(self) -> dict:
         now = time.perf_counter()
         records = collectives.records_on(self.group)
-        waiting = next((r for r in records if r.completed is None), None)
+        waiting = _oldest_in_flight(records)
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "step": collectives.steps_taken,
                 "entered": records[-1].group_seq if records else 0,
@@ -201,8 +205,7 @@ class HangWatch:
             self._answer_and_end(reporter=False)
             return
         now = time.perf_counter()
-        oldest = next((r for r in collectives.records_on(self.group) if r.completed is None),
-                      None)
+        oldest = _oldest_in_flight(collectives.records_on(self.group))
         if oldest is not None and now - oldest.started > self.threshold:
             first = self.store.add(flag, 1) == 1
             self._answer_and_end(reporter=first)

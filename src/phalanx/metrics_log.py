@@ -26,12 +26,16 @@ __all__ = ["log", "progress", "run_dir", "close"]
 _state: dict = {}
 
 
+def default_run_dir() -> str:
+    """`runs/phalanx-<date>-<time>` under the working directory."""
+    return os.path.join("runs", time.strftime("phalanx-%Y%m%d-%H%M%S"))
+
+
 def run_dir() -> str:
     """The run directory that rank 0 writes to (made on first use)."""
     path = _state.get("dir")
     if path is None:
-        path = os.environ.get("PHALANX_RUN_DIR") or os.path.join(
-            "runs", time.strftime("phalanx-%Y%m%d-%H%M%S"))
+        path = os.environ.get("PHALANX_RUN_DIR") or default_run_dir()
         os.makedirs(path, exist_ok=True)
         _state["dir"] = path
     return path

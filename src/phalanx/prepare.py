@@ -129,7 +129,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                        if isinstance(v, torch.Tensor)}
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb)
-    if on_nonfinite is not None and hasattr(engine, "nonfinite"):
+    if on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)
     if optimizer is not None:  # the step that collective records and reports name
         engine.watch_steps(optimizer, count_step)

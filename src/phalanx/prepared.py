@@ -58,7 +58,8 @@ class PreparedModule(torch.nn.Module):
                 "the set of trainable parameters changed after px.prepare (requires_grad was "
                 "switched, or parameters were added); freeze or unfreeze before px.prepare, or "
                 "prepare a new model")
-        if not getattr(self._engine, "reshards", False) and \
+        # (zero3 resizes the storage the parameters view between uses: their addresses move)
+        if not self._engine.reshards and \
                 any(p.data_ptr() != ptr for p, ptr in zip(now, self._storage)):
             raise RuntimeError(
                 "a parameter was given new storage after px.prepare (`param.data = ...` or a "
@@ -132,9 +133,9 @@ class PreparedModule(torch.nn.Module):
         with self._engine.full_params():
             sd = self.module.state_dict(*args, destination=destination, prefix=prefix,
                                         keep_vars=keep_vars)
-            if getattr(self._engine, "reshards", False) and not keep_vars:  # copies, before
-                # the storage is freed
-                sd = type(sd)((k, v.detach().clone()) for k, v in sd.items())
+            if self._engine.reshards and not keep_vars:  # copies, before the storage is freed
+                for key, value in sd.items():
+                    sd[key] = value.detach().clone()
         masters = self._engine.master_values() if self._precision.low else None
         by_id = {id(p): name for name, p in self.module.named_parameters()}
         for pid, value in (masters or {}).items():

@@ -322,8 +322,12 @@ def default_group():
 
 def barrier() -> None:
     """Wait until every rank gets here. A no-op in a world of one."""
+    _barrier("px.barrier")
+
+
+def _barrier(tag: str) -> None:
     if is_distributed():
-        collectives.default_comm().barrier(tag="px.barrier")
+        collectives.default_comm().barrier(tag=tag)
 
 
 _before_shutdown: list = []
@@ -359,8 +363,7 @@ def shutdown() -> None:
                 error = error or exc
         if _state.owns_group and dist.is_available() and dist.is_initialized():
             try:
-                if is_distributed():
-                    collectives.default_comm().barrier(tag="px.shutdown")
+                _barrier("px.shutdown")
             finally:
                 _stop_watching()
                 _end_group()

@@ -99,7 +99,6 @@ class StepClock:
     def __init__(self, comm, device: torch.device):
         self.comm = comm
         self.cuda = device.type == "cuda"
-        self.steps = 0
         self.last: dict | None = None
         self._start = time.perf_counter()
         self._data_at_start = _data_wait[0]
@@ -156,13 +155,13 @@ class StepClock:
             entry[0] += 1
             entry[1] += r.nbytes
             entry[2] += r.completed - r.started
-        self.steps += 1
         if self.trace is not None:
             if self._backward_end is not None:
                 self.trace.phase("optimizer", self._backward_end, now,
                                  collectives.steps_taken - 1)
             for r in sorted(records, key=lambda r: r.started):
                 self.trace.collective(r)
+        rss = rss_bytes()
         report = {
             "step": collectives.steps_taken - 1,  # the index of the step, from 0
             "wall_s": wall,
@@ -179,8 +178,8 @@ class StepClock:
             "samples_per_s": self.samples / wall if wall > 0 else 0.0,
             "tokens": self.tokens,
             "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
-            "rss_mb": rss_bytes() / 2**20,
-            "peak_rss_mb": max(peak_rss_bytes(), rss_bytes()) / 2**20,
+            "rss_mb": rss / 2**20,
+            "peak_rss_mb": max(peak_rss_bytes(), rss) / 2**20,
         }
         for kind, (count, nbytes, seconds) in sorted(kinds.items()):
             report[f"{kind}/count"] = count

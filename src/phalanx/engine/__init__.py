@@ -25,6 +25,8 @@ class Engine(Protocol):
 
     params: list[torch.nn.Parameter]
     require_backward_grad_sync: bool
+    reshards: bool   # zero3: parameters exist only while their unit computes (gather.py)
+    nonfinite: object  # the NonFiniteWatch of nonfinite.py, or None
 
     def no_sync(self) -> ContextManager: ...
     def backward_started(self, grad=None) -> None: ...

@@ -88,8 +88,9 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.reconfigure(line_buffering=True)  # workers' lines appear as they come
     # One run directory for every worker's px.log and trace files (metrics_log.py), and the
     # same after a restart.
-    os.environ.setdefault("PHALANX_RUN_DIR", os.path.join(
-        "runs", time.strftime("phalanx-%Y%m%d-%H%M%S")))
+    from phalanx.metrics_log import default_run_dir
+
+    os.environ.setdefault("PHALANX_RUN_DIR", default_run_dir())
     # Workers' output reaches the console line by line through the agent's log files, where a
     # progress bar (redrawn with carriage returns) would come out as one long line at the
     # end: px.progress on rank 0 draws on the terminal the launcher was started from instead.
