@@ -235,6 +235,7 @@ def test_the_progress_bar_is_drawn_on_the_launchers_terminal_by_rank0_only():
     """Workers' output is piped through the launcher, line by line; the bar goes to the
     terminal `phalanx run` was started from (here a pseudo-terminal)."""
     import pty
+    import select
 
     master, slave = pty.openpty()
     script = os.path.join(os.path.dirname(__file__), "launch_scripts", "progress.py")
@@ -244,6 +245,8 @@ def test_the_progress_bar_is_drawn_on_the_launchers_terminal_by_rank0_only():
     seen = b""
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
+        if not select.select([master], [], [], 1.0)[0]:
+            continue  # nothing yet: look at the clock again rather than block on the read
         try:
             chunk = os.read(master, 65536)
         except OSError:  # every holder of the terminal is gone
@@ -252,6 +255,8 @@ def test_the_progress_bar_is_drawn_on_the_launchers_terminal_by_rank0_only():
             break
         seen += chunk
     os.close(master)
+    if proc.poll() is None:  # still running after the deadline: a stuck job fails the test
+        proc.kill()
     assert proc.wait(timeout=30) == 0, seen.decode(errors="replace")
     text = seen.decode(errors="replace")
     assert "work0: 100%" in text and "10/10" in text, text
