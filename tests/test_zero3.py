@@ -184,53 +184,6 @@ def test_a_meta_buffer_nothing_would_fill_is_refused():
         px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def _cnn():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent))
-    from parity import CNN
-
-    torch.manual_seed(4)
-    return CNN().double()
-
-
-def _cnn_batches(world, rows=2):
-    g = torch.Generator().manual_seed(8)
-    return [(torch.randn(rows * world, 3, 6, 6, generator=g, dtype=torch.float64),
-             torch.randn(rows * world, 4, generator=g, dtype=torch.float64)) for _ in range(4)]
-
-
-def _cnn_rank(world):
-    model = _cnn()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, opt = px.prepare(model, opt, strategy="zero3", sync_batchnorm=True)
-    rows = 2
-    for x, y in _cnn_batches(world, rows):
-        r = px.rank()
-        F.mse_loss(model(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_cnn_with_batchnorm_trains_as_one_process_in_float64(world):
-    """With sync BatchNorm the statistics are those of the whole batch, as in one process."""
-    reference = _cnn()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    for x, y in _cnn_batches(world):
-        F.mse_loss(reference(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    want = reference.state_dict()
-    for got in run_ranks(_cnn_rank, world, args=(world,), timeout=120):
-        for key, value in want.items():
-            if value.is_floating_point():
-                torch.testing.assert_close(got[key], value, rtol=1e-10, atol=1e-12)
-            else:
-                assert torch.equal(got[key], value), key
-
-
 def _compiled(strategy):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()

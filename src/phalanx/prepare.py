@@ -16,6 +16,7 @@ The order of what prepare does matters, and is the same on every rank:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -73,7 +74,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
             broadcast_buffers: bool = True, comm: Comm | None = None,
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
-            step_stats: bool = True, init=None):
+            step_stats: bool = True, init=None, prefetch: int = 1,
+            max_gathered_mb: float | None = None, reshard_after_forward: bool = True):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
@@ -93,11 +95,20 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     step_stats: time every optimizer step for `px.step_stats(model)` (step_report.py).
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
         (default: each module's reset_parameters(), in order; materialize.py).
+    zero3 only (engine/gather.py):
+    prefetch: how many units ahead to gather while one computes, in the last forward's order
+        and the last backward's (0: gather each when it is needed).
+    max_gathered_mb: a bound on the full parameters gathered at once, in MiB; prefetching stops
+        short of it (a unit needed now is gathered whatever its size). None: no bound.
+    reshard_after_forward: False keeps each unit's parameters from its forward to its backward
+        (one all-gather per unit and step instead of two, for the memory of every unit).
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
     strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
                                          check_replicas_every)
+    gather_options = _check_gather_options(strategy, prefetch, max_gathered_mb,
+                                           reshard_after_forward)
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}: one of 'raise' (the default), 'skip', "
                          "'warn' or None (no check)")
@@ -119,7 +130,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     options = {"strategy": strategy, "precision": precision, "bucket_mb": float(bucket_mb),
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
                "broadcast_buffers": bool(broadcast_buffers),
-               "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite}
+               "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
+               **{k: v for k, v in gather_options.items()}}
     check_same_structure(model, comm, options)
     if not built_on_meta:
         broadcast_from_rank0(model, comm)
@@ -128,7 +140,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     original_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
     cast_model(model, policy)
-    engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb)
+    engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
+                          gather_options if strategy == "zero3" else None)
+    _warn_oversized(engine, max_gathered_mb)
     if on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)
     if optimizer is not None:  # the step that collective records and reports name
@@ -148,6 +162,40 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
                              original_dtypes=original_dtypes, clock=clock)
     return wrapped, optimizer
+
+
+def _check_gather_options(strategy, prefetch, max_gathered_mb, reshard_after_forward) -> dict:
+    """zero3's gathering options: checked before any collective, refused elsewhere (the other
+    strategies keep whole parameters, so there is nothing to gather)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: how many units to gather ahead, 0 or more "
+                         "(default 1)")
+    if max_gathered_mb is not None and not (
+            isinstance(max_gathered_mb, (int, float)) and not isinstance(max_gathered_mb, bool)
+            and math.isfinite(max_gathered_mb) and max_gathered_mb > 0):
+        raise ValueError(f"max_gathered_mb={max_gathered_mb!r}: a positive number of MiB, or "
+                         "None (no bound)")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
+    if strategy != "zero3" and (max_gathered_mb is not None or not reshard_after_forward):
+        raise ValueError(f"max_gathered_mb and reshard_after_forward are zero3's: strategy "
+                         f"{strategy!r} keeps whole parameters and gathers nothing")
+    limit = None if max_gathered_mb is None else int(max_gathered_mb * 2**20)
+    return {"prefetch": prefetch, "max_gathered_bytes": limit,
+            "reshard_after_forward": reshard_after_forward}
+
+
+def _warn_oversized(engine, max_gathered_mb) -> None:
+    gatherer = engine.gatherer
+    if gatherer is None or max_gathered_mb is None:
+        return
+    big = gatherer.oversized()
+    if big and runtime.rank() == 0:
+        names = ", ".join(f"{name!r} ({size / 2**10:.1f} KiB)" for name, size in big[:5])
+        warnings.warn(f"zero3: max_gathered_mb={max_gathered_mb} is below what these units need "
+                      f"on their own: {names}; each is gathered whole when it computes, with "
+                      "nothing prefetched beside it (raise the bound, or lower bucket_mb to "
+                      "split what is not a repeated block)", stacklevel=3)
 
 
 def _optimizer_name(optimizer) -> str | None:

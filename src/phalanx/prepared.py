@@ -45,8 +45,13 @@ class PreparedModule(torch.nn.Module):
         self._buffers_to_sync = list(module.buffers()) \
             if broadcast_buffers and comm.world > 1 else []
         self._trainable = [p for p in module.parameters() if p.requires_grad]
-        self._storage = [p.data_ptr() for p in self._trainable]
+        self._storage = [self._where(p) for p in self._trainable]
         self._original_dtypes = original_dtypes or {}
+
+    def _where(self, p):
+        """The address of a parameter's values; under zero3, whose units' storage is freed and
+        allocated again between uses (the address moves), the storage object itself."""
+        return p.untyped_storage()._cdata if self._engine.reshards else p.data_ptr()
 
     def _check_trainable(self) -> None:
         """Freezing or unfreezing after prepare would silently desynchronise the ranks (a newly
@@ -56,11 +61,9 @@ class PreparedModule(torch.nn.Module):
         if len(now) != len(self._trainable) or any(a is not b for a, b in zip(now, self._trainable)):
             raise RuntimeError(
                 "the set of trainable parameters changed after px.prepare (requires_grad was "
-                "switched, or parameters were added); freeze or unfreeze before px.prepare, or "
-                "prepare a new model")
-        # (zero3 resizes the storage the parameters view between uses: their addresses move)
-        if not self._engine.reshards and \
-                any(p.data_ptr() != ptr for p, ptr in zip(now, self._storage)):
+                "switched, or a parameter was added or replaced); freeze or unfreeze before "
+                "px.prepare, load new values with model.load_state_dict, or prepare a new model")
+        if any(self._where(p) != where for p, where in zip(now, self._storage)):
             raise RuntimeError(
                 "a parameter was given new storage after px.prepare (`param.data = ...` or a "
                 "module re-created); change values in place (`with torch.no_grad(): "

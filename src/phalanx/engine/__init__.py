@@ -27,6 +27,7 @@ class Engine(Protocol):
     require_backward_grad_sync: bool
     reshards: bool   # zero3: parameters exist only while their unit computes (gather.py)
     nonfinite: object  # the NonFiniteWatch of nonfinite.py, or None
+    gatherer: object   # zero3's UnitGatherer (gather.py), or None
 
     def no_sync(self) -> ContextManager: ...
     def backward_started(self, grad=None) -> None: ...
@@ -41,9 +42,12 @@ class Engine(Protocol):
     def watch_steps(self, optimizer, fn) -> None: ...
 
 
-def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float) -> Engine:
+def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
+                 gather_options: dict | None = None) -> Engine:
+    """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (gather.py)."""
     policy = POLICIES[strategy]
-    engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb)
+    engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,
+                        gather_options=gather_options)
     if (policy.grads is SHARD and comm.world > 1) or precision.loss_scaler is not None:
         route_torch_clip(engine)
     return engine

@@ -7,7 +7,7 @@ fp32 model, fp64 for an fp64 one), is the truth: the optimizer updates it and no
 The full flat buffer in the compute dtype, which the model's parameters are views into, is a
 cache of the masters of every rank: `unshard()` refreshes it (writes the owned master into it,
 cast, then gathers the other ranks' slices) and the policy decides whether it stays between
-steps (ddp, zero1, zero2) or is freed (zero3, not in this version). When compute and master
+steps (ddp, zero1, zero2) or is freed (zero3, gather.py). When compute and master
 dtypes agree, the master is the owned slice of the flat buffer itself (no copy). When neither
 sharding nor low precision is asked for (fp32 ddp) there is no flat buffer and no master at all:
 each parameter is its own master and the optimizer is left exactly as the user built it.
@@ -60,10 +60,11 @@ class FlatUnit:
         self.params = params
         self.sharded = sharded
         # zero3: the full flat buffer exists only while the unit computes (see [Note: zero3's
-        # gather and free] in flat_engine.py); its storage is freed between uses, and the
+        # gather and free] in gather.py); its storage is freed between uses, and the
         # master, the truth, has storage of its own.
         self.reshards = reshards
         self.gathered = True
+        self.pending = None  # zero3: the all-gather of a prefetch, until someone waits on it
         self.bucket = GradBucket(index, params, pad_to=world if sharded else 1, with_flags=True,
                                  dtype=compute_dtype, pool=pool)
         n = self.bucket.padded_numel
@@ -126,11 +127,25 @@ class FlatUnit:
         self.master[changed] = cache[changed].to(self.master_dtype)
         return True
 
+    @property
+    def full_bytes(self) -> int:
+        """What the full buffer takes while gathered."""
+        return self.bucket.padded_numel * self.flat.element_size() if self.flat is not None \
+            else 0
+
+    def wait_gathered(self) -> None:
+        """Wait for a prefetched all-gather, if one is on the wire."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+
     @torch.no_grad()
     def reshard(self) -> None:
         """Free the full buffer's storage (zero3); the parameters stay views of it, valid
-        again after the next `unshard`."""
+        again after the next `unshard`. An all-gather still writing into it is waited for
+        first."""
         if self.reshards and self.gathered and self.flat is not None:
+            self.wait_gathered()
             self.flat.untyped_storage().resize_(0)
             self.gathered = False
 

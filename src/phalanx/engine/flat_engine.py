@@ -40,7 +40,7 @@ class FlatEngine:
     """Implements the `Engine` protocol (engine/__init__.py) for ddp, zero1 and zero2."""
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
-                 precision, bucket_mb: float = 25.0):
+                 precision, bucket_mb: float = 25.0, gather_options: dict | None = None):
         self.comm = comm
         self.policy = policy
         self.precision = precision
@@ -79,7 +79,7 @@ class FlatEngine:
                       for i, run in enumerate(runs)]
         self.gatherer = None
         if self.reshards and self.units:
-            self.gatherer = UnitGatherer(module, self.units, comm)
+            self.gatherer = UnitGatherer(module, self.units, comm, **(gather_options or {}))
             self.gatherer.free_all()
         self.nonfinite = None  # a NonFiniteWatch (nonfinite.py), set by px.prepare
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
@@ -142,7 +142,7 @@ class FlatEngine:
     def before_forward(self) -> None:
         """See [Note: a backward that raised] in reducer.py."""
         if self.gatherer is not None:
-            self.gatherer.forget_unfinished_backward()
+            self.gatherer.forward_starts()
         if self.reducer.in_progress():
             if self.reducer.launched_any():
                 self.reducer.drain()

@@ -86,12 +86,36 @@ def _callable_root(common: str, blocks: list[str], modules: dict) -> str:
     return parts[0]
 
 
-class UnitGatherer:
-    """The hooks of [Note: zero3's gather and free] for one model."""
+class _Root:
+    """The units one module's forward brackets (see [Note: zero3's gather and free])."""
 
-    def __init__(self, module: nn.Module, units, comm):
+    def __init__(self, index: int, name: str, units: list):
+        self.index = index
+        self.name = name
+        self.units = units
+        self.is_model = name == ""
+
+    def missing_bytes(self) -> int:
+        return sum(u.full_bytes for u in self.units if not u.gathered)
+
+
+class UnitGatherer:
+    """The hooks of [Note: zero3's gather and free] and [Note: prefetch] for one model.
+
+    prefetch: how many roots ahead to gather while the current one computes (0: none).
+    max_gathered_bytes: a bound on the full parameters gathered at once; prefetching stops
+        short of it (a root needed now is gathered whatever its size).
+    reshard_after_forward: False keeps each unit gathered from its forward to its backward
+        (less communication, more memory); the model's own root always stays (see the Note).
+    """
+
+    def __init__(self, module: nn.Module, units, comm, *, prefetch: int = 1,
+                 max_gathered_bytes: int | None = None, reshard_after_forward: bool = True):
         self.comm = comm
         self.units = list(units)
+        self.prefetch = prefetch
+        self.limit = max_gathered_bytes
+        self.reshard_after_forward = reshard_after_forward
         owners = _owners(module)
         modules = dict(module.named_modules(remove_duplicate=False))
         names_of = {id(m): n for n, m in modules.items()}
@@ -101,12 +125,14 @@ class UnitGatherer:
             names = [n for p in unit.params for n in owners.get(id(p), [""])]
             root = _callable_root(_common_prefix(names), blocks, modules)
             by_root.setdefault(root, []).append(unit)
+        self.roots = [_Root(i, name, units_here)
+                      for i, (name, units_here) in enumerate(by_root.items())]
         root_of = {}
-        for name, units_here in by_root.items():
-            root = modules[name]
-            root.register_forward_pre_hook(self._before(units_here))
-            root.register_forward_hook(self._after(units_here))
-            root_of.update({id(u): name for u in units_here})
+        for root in self.roots:
+            modules[root.name].register_forward_pre_hook(self._before(root))
+            modules[root.name].register_forward_hook(self._after(root))
+            root_of.update({id(u): root.name for u in root.units})
+        module.register_forward_hook(self._forward_done)  # after the roots' own hooks
         # A module inside a root, called on its own, would compute on freed storage: it gets
         # an error that says so instead (a check of a flag per call).
         unit_of = {id(p): u for u in self.units for p in u.params}
@@ -115,25 +141,79 @@ class UnitGatherer:
                     if p is not None and id(p) in unit_of}
             if any(root_of[k] != name for k in mine):
                 sub.register_forward_pre_hook(self._guard(name, list(mine.values()), root_of))
-        self._callback_queued = False
+        self._callback_queued = False  # also: backward is under way
+        self._forward_seen: list[int] = []    # roots in the order this forward reached them
+        self._forward_order: list[int] = []   # ... and the last complete forward's
+        self._backward_seen: list[int] = []
+        self._backward_order: list[int] = []
+        self._prefetched: set[int] = set()    # roots gathered ahead and not used yet
+        self.peak_bytes = 0                   # the most full parameters gathered at once
+        self.prefetched = 0                   # roots gathered ahead (counted for tests/reports)
+        self.prefetched_unused = 0            # ... and freed without being used
+
+    def oversized(self) -> list[tuple[str, int]]:
+        """Roots bigger than the bound on their own: (name, bytes)."""
+        if self.limit is None:
+            return []
+        return [(r.name or "the model", sum(u.full_bytes for u in r.units))
+                for r in self.roots if sum(u.full_bytes for u in r.units) > self.limit]
+
+    def gathered_bytes(self) -> int:
+        return sum(u.full_bytes for u in self.units if u.gathered)
 
     def gather(self, units) -> None:
         works = [u.unshard(self.comm, async_op=True) for u in units if not u.gathered]
+        for unit in units:
+            unit.wait_gathered()
         for work in works:
             if work is not None:
                 work.wait()
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
 
     def free_all(self) -> None:
         for unit in self.units:
             unit.reshard()
+        self.prefetched_unused += len(self._prefetched)
+        self._prefetched.clear()
 
-    def forget_unfinished_backward(self) -> None:
-        """Before a forward: a backward that raised before its end (see [Note: a backward
-        that raised] in reducer.py) left its end-of-backward free queued in vain; free what it
-        gathered, and let the next backward queue it again."""
-        if self._callback_queued:
-            self._callback_queued = False
-            self.free_all()
+    def forward_starts(self) -> None:
+        """Before each forward of the prepared model: the last forward's order is the one to
+        prefetch in; what a forward without backward, or a prefetch never used, left gathered
+        is freed; and a backward that raised before its end (see [Note: a backward that
+        raised] in reducer.py) no longer counts as under way."""
+        if self._forward_seen:
+            self._forward_order, self._forward_seen = self._forward_seen, []
+        self._callback_queued = False
+        self._backward_seen = []
+        self.free_all()
+
+    def _forward_done(self, _module, _args, _output):
+        for index in self._prefetched:  # the forward took another path than the last one
+            for unit in self.roots[index].units:
+                unit.reshard()
+        self.prefetched_unused += len(self._prefetched)
+        self._prefetched.clear()
+
+    def _prefetch(self, order: list[int], seen: list[int]) -> None:
+        """See [Note: prefetch]: gather the roots that followed this one in `order`."""
+        pos = len(seen) - 1
+        if not self.prefetch or pos >= len(order) or order[pos] != seen[-1]:
+            return  # no order yet, or this pass went another way: gather on demand
+        gathered = self.gathered_bytes()
+        for index in order[pos + 1:pos + 1 + self.prefetch]:
+            root = self.roots[index]
+            need = root.missing_bytes()
+            if not need:
+                continue
+            if self.limit is not None and gathered + need > self.limit:
+                break
+            for unit in root.units:
+                if not unit.gathered:
+                    unit.pending = unit.unshard(self.comm, async_op=True)
+            self._prefetched.add(index)
+            self.prefetched += 1
+            gathered += need
+        self.peak_bytes = max(self.peak_bytes, gathered)
 
     @staticmethod
     def _guard(name, units, root_of):
@@ -146,36 +226,55 @@ class UnitGatherer:
                         f"are gathered only during the forward of {root!r} (between uses each "
                         "rank keeps 1/N of them); call the prepared model instead, or prepare "
                         "with strategy='zero2', which keeps whole parameters")
+                unit.wait_gathered()
         return hook
 
-    def _before(self, units):
+    def _before(self, root: _Root):
         def hook(_module, _args):
-            self.gather(units)
+            self._prefetched.discard(root.index)
+            self.gather(root.units)
+            if not self._callback_queued:  # not a recomputation inside backward
+                self._forward_seen.append(root.index)
+                self._prefetch(self._forward_order, self._forward_seen)
         return hook
 
-    def _after(self, units):
+    def _after(self, root: _Root):
         def hook(_module, _args, output):
-            for unit in units:
-                unit.reshard()
-            if torch.is_grad_enabled():
-                map_tensors(lambda t: self._watch_output(t, units), output)
+            grad = torch.is_grad_enabled()
+            # Kept: the model's own root (backward starts with it), everything when asked,
+            # and a root recomputed inside backward (activation checkpointing), which its
+            # backward is about to read.
+            keep = grad and (root.is_model or not self.reshard_after_forward
+                             or self._callback_queued)
+            if not keep:
+                for unit in root.units:
+                    unit.reshard()
+            if grad:
+                map_tensors(lambda t: self._watch_output(t, root), output)
             return None
         return hook
 
-    def _watch_output(self, t, units):
+    def _watch_output(self, t, root):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(self._before_backward(units))
+            t.register_hook(self._before_backward(root))
         return t
 
-    def _before_backward(self, units):
+    def _before_backward(self, root: _Root):
         def hook(grad):
-            self.gather(units)
+            self._prefetched.discard(root.index)
+            self.gather(root.units)
             if not self._callback_queued:  # free whatever is left at the end of backward
                 self._callback_queued = True
                 Variable._execution_engine.queue_callback(self._end_of_backward)
+            seen = self._backward_seen
+            if not seen or seen[-1] != root.index:  # a root's several outputs: once
+                seen.append(root.index)
+                self._prefetch(self._backward_order, seen)
             return grad
         return hook
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        if self._backward_seen:
+            self._backward_order, self._backward_seen = self._backward_seen, []
         self.free_all()

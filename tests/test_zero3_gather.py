@@ -1,0 +1,277 @@
+"""zero3's gathering (engine/gather.py): prefetch in forward and backward order, the bound on
+what is gathered at once, parameters kept from forward to backward, recomputation under
+activation checkpointing, a forward that takes another path than the last one; all in float64
+against one process with the whole batch, at 2, 3 and 4 ranks.
+
+The models: a small transformer with tied input and output embeddings (vocabulary 13, divisible
+by none of 2, 3, 4), three blocks, the last one checkpointed, and block 1 skipped on odd steps
+(by every rank: the order of the forward changes between steps); and a CNN with BatchNorm
+(synchronized, so its statistics are those of the whole batch, as in one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import phalanx as px
+from phalanx.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import CNN, one_thread  # noqa: E402
+
+DTYPE = torch.float64
+STEPS = 5
+B = 2
+VOCAB = 13
+RTOL = 1e-10  # as in test_parity64.py, where the reference's own round-off is measured
+# Each unit at most 256 float64 elements: every block is a root of several units.
+BUCKET_MB = 0.002
+
+
+class TiedBlocks(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=24, dropout=0.0,
+                                       batch_first=True, bias=False) for _ in range(3))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, step=0):
+        h = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            if i == 1 and step % 2:
+                continue  # another path on odd steps: what was prefetched goes unused
+            h = checkpoint(block, h, use_reentrant=False) if i == 2 else block(h)
+        return self.head(self.norm(h))
+
+
+MODELS = ("tied", "cnn")
+GATHERING = {  # name -> px.prepare options (the default, prefetch=1, is test_parity64.py's)
+    "no-prefetch": {"prefetch": 0},
+    "prefetch-2-bounded": {"prefetch": 2, "max_gathered_mb": 0.04},  # 2.8 blocks
+    "keep-until-backward": {"reshard_after_forward": False},
+}
+COMBOS = [(model, gathering, opt, accum) for model in MODELS for gathering in GATHERING
+          for opt in ("sgd", "adamw") for accum in (1, 2)]
+
+
+def make_model(name):
+    torch.manual_seed(7)
+    return (TiedBlocks() if name == "tied" else CNN()).to(DTYPE)
+
+
+def make_optimizer(kind, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def make_data(name, rows, step):
+    g = torch.Generator().manual_seed(500 + step)
+    if name == "tied":
+        tokens = torch.randint(0, VOCAB, (rows, 7), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return (torch.randn(rows, 3, 6, 6, generator=g, dtype=DTYPE),
+            torch.randn(rows, 4, generator=g, dtype=DTYPE))
+
+
+def loss_of(name, model, x, y, step):
+    if name == "tied":
+        logits = model(x, step)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+    return F.mse_loss(model(x), y)
+
+
+def reference(name, opt_kind, world, accum):
+    """One process; micro-step a is the rows every rank takes at its micro-step a, together
+    (BatchNorm's statistics are per micro-step, over all ranks)."""
+    with one_thread():
+        model = make_model(name)
+        opt = make_optimizer(opt_kind, model)
+        for step in range(STEPS):
+            x, y = make_data(name, world * accum * B, step)
+            rows = world * B
+            for a in range(accum):
+                part = slice(a * rows, (a + 1) * rows)
+                (loss_of(name, model, x[part], y[part], step) / accum).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict(), opt.state_dict()
+
+
+def _train(name, gathering, opt_kind, world, accum):
+    model = make_model(name)
+    opt = make_optimizer(opt_kind, model)
+    model, opt = px.prepare(model, opt, strategy="zero3", bucket_mb=BUCKET_MB,
+                            sync_batchnorm=name == "cnn", **GATHERING[gathering])
+    rank = px.rank()
+    for step in range(STEPS):
+        x, y = make_data(name, world * accum * B, step)
+        for a in range(accum):
+            rows = slice((a * world + rank) * B, (a * world + rank + 1) * B)
+            with contextlib.nullcontext() if a == accum - 1 else px.no_sync(model):
+                (loss_of(name, model, x[rows], y[rows], step) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+    gatherer = model._engine.gatherer
+    freed = all(p.untyped_storage().size() == 0 for p in px.unwrap(model).parameters())
+    counts = {"prefetched": gatherer.prefetched, "unused": gatherer.prefetched_unused,
+              "peak_bytes": gatherer.peak_bytes, "freed": freed}
+    return ({k: v.clone() for k, v in model.state_dict().items()}, px.optimizer_state_dict(opt),
+            counts)
+
+
+def _train_all(world):
+    return {combo: _train(*combo[:3], world, combo[3]) for combo in COMBOS}
+
+
+def assert_close(got, want, context):
+    assert got.shape == want.shape, context
+    if not want.is_floating_point():
+        assert torch.equal(got, want), context
+        return
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    assert err <= RTOL * scale + 1e-13, f"{context}: differs by {err:.3e} (scale {scale:.3e})"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zero3_gathering_options_keep_float64_parity_with_one_process(world):
+    results = run_ranks(_train_all, world, args=(world,), timeout=300)
+    for combo in COMBOS:
+        name, gathering, opt_kind, accum = combo
+        want_params, want_state = reference(name, opt_kind, world, accum)
+        for rank, got in enumerate(results):
+            params, state, counts = got[combo]
+            context = f"{combo} world {world} rank {rank}"
+            assert params.keys() == want_params.keys(), context
+            for key, value in want_params.items():
+                assert_close(params[key], value, f"{context}: {key}")
+            assert sorted(state["state"]) == sorted(want_state["state"]), context
+            for index, entries in want_state["state"].items():
+                for key, value in entries.items():
+                    got_value = state["state"][index][key]
+                    if isinstance(value, torch.Tensor):
+                        assert_close(got_value, value.to(got_value.dtype),
+                                     f"{context}: state[{index}][{key}]")
+                    else:
+                        assert got_value == value, context
+            assert counts["freed"], f"{context}: a parameter kept storage between steps"
+            if gathering == "no-prefetch":
+                assert counts["prefetched"] == 0, context
+            else:
+                assert counts["prefetched"] > 0, f"{context}: nothing was prefetched"
+            if name == "tied" and gathering != "no-prefetch":
+                # block 1 is skipped on odd steps: what was gathered for it on the strength
+                # of the last order went unused (and was freed), and training is unchanged
+                assert counts["unused"] > 0, context
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+                                    for _ in range(6))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _peaks(options):
+    torch.manual_seed(3)
+    model = Stack()
+    model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            strategy="zero3", **options)
+    for step in range(3):
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    gatherer = model._engine.gatherer
+    return (gatherer.peak_bytes, gatherer.prefetched, len(gatherer.roots),
+            sum(u.full_bytes for u in gatherer.roots[1].units))
+
+
+def test_the_bound_on_what_is_gathered_at_once_holds():
+    """Six equal blocks of 16.6 kB: prefetching 4 ahead gathers 5 at once; a bound of 2.5
+    blocks lets 2 be gathered at once; prefetch=0 gathers 1."""
+    far, far_count, roots, block = run_ranks(_peaks, 2, args=({"prefetch": 4},))[0]
+    bounded, bounded_count, _, _ = run_ranks(
+        _peaks, 2, args=({"prefetch": 4, "max_gathered_mb": 2.5 * 64 * 65 * 4 / 2**20},))[0]
+    none, none_count, _, _ = run_ranks(_peaks, 2, args=({"prefetch": 0},))[0]
+    assert roots == 6 and block == 64 * 65 * 4
+    assert none == block and none_count == 0
+    assert far >= 4 * block and far_count > 0
+    assert bounded <= 2.5 * block and bounded_count > 0
+
+
+def _oversized():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3",
+                   max_gathered_mb=0.001)
+    return [str(w.message) for w in caught]
+
+
+def test_a_unit_bigger_than_the_bound_is_named_in_a_warning():
+    """Once, from rank 0: the unit is still gathered whole when it computes."""
+    first, second = run_ranks(_oversized, 2)
+    assert second == []
+    assert len(first) == 1 and "max_gathered_mb=0.001 is below what these units need on " \
+        "their own: 'the model' (17.3 KiB)" in first[0], first
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"prefetch": -1}, "prefetch=-1: how many units to gather ahead"),
+    ({"prefetch": True}, "prefetch=True"),
+    ({"max_gathered_mb": 0}, "max_gathered_mb=0: a positive number"),
+    ({"strategy": "zero2", "max_gathered_mb": 10}, "are zero3's: strategy 'zero2'"),
+    ({"strategy": "ddp", "reshard_after_forward": False}, "are zero3's: strategy 'ddp'"),
+])
+def test_gathering_options_are_checked_before_anything_else(options, match):
+    model = nn.Linear(4, 4)
+    options = {"strategy": "zero3", **options}
+    with pytest.raises(ValueError, match=match):
+        px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)
+
+
+def _replaced(how):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3")
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    inner = px.unwrap(model)
+    if how == "data":
+        inner[0].weight.data = torch.zeros(8, 4)
+    else:
+        inner[0].weight = nn.Parameter(torch.zeros(8, 4))
+    try:
+        model(torch.randn(2, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("how, match", [
+    ("data", "a parameter was given new storage after px.prepare"),
+    ("module", "a parameter was added or replaced"),
+])
+def test_a_parameter_replaced_after_prepare_is_refused_under_zero3(how, match):
+    for message in run_ranks(_replaced, 2, args=(how,)):
+        assert message is not None and match in message
