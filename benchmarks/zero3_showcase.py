@@ -7,7 +7,8 @@ the meta device (no rank ever holds an fp32 AdamW state of 16 bytes per paramete
 rank, 32 GB for 2 ranks under ddp, on a 24 GiB machine), prepared with strategy="zero3", and
 trained a few steps on a batch of 8 x 2048 per rank. Printed: the planner's verdict for ddp
 and its zero3 prediction for a rank with half the machine's memory, and each rank's measured
-peak resident memory (VmHWM) and step time. Not a test: it takes minutes and most of the
+peak resident memory (VmHWM) after prepare (materialising only the rank's shards) and after
+training, and step time. Not a test: it takes minutes and most of the
 machine's memory.
 """
 
@@ -50,6 +51,7 @@ def train_rank(blocks, d, hidden, steps, rows):
     began = time.perf_counter()
     model, optimizer = px.prepare(model, optimizer, strategy="zero3")
     prepared = time.perf_counter() - began
+    prepare_peak = _status("VmHWM")  # materialised from the meta build: the masters, 4 Psi / N
     times = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step * 10 + px.rank())
@@ -59,7 +61,8 @@ def train_rank(blocks, d, hidden, steps, rows):
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    return {"peak": _status("VmHWM"), "prepare_s": prepared, "steps_s": times}
+    return {"peak": _status("VmHWM"), "prepare_peak": prepare_peak, "prepare_s": prepared,
+            "steps_s": times}
 
 
 def main(argv=None):
@@ -74,8 +77,11 @@ def main(argv=None):
     params = args.blocks * (2 * args.d * args.hidden + args.d + args.hidden)
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     per_rank = machine // ranks
-    plan = px.plan(params=params, gpus=ranks, precision="fp32", optimizer="adamw",
-                   backend="gloo", gpu_memory=per_rank, strategy="all")
+    with torch.device("meta"):  # the planner reads the engine's units and roots from it
+        described = Wide(args.blocks, args.d, args.hidden)
+    plan = px.plan(described, gpus=ranks, precision="fp32", optimizer="adamw", backend="gloo",
+                   gpu_memory=per_rank, strategy="all", batch=args.rows,
+                   input_shape=str(args.d))
     print(f"{params / 1e9:.3f}B parameters, fp32 AdamW, {ranks} ranks on a machine with "
           f"{machine / 2**30:.1f} GiB ({per_rank / 2**30:.1f} GiB per rank)")
     for strategy in ("ddp", "zero3"):
@@ -90,7 +96,9 @@ def main(argv=None):
     for rank, r in enumerate(results):
         steps = ", ".join(f"{t:.1f}" for t in r["steps_s"])
         print(f"  rank {rank}: peak resident {r['peak'] / 2**30:.2f} GiB (planned "
-              f"{plan['zero3'].total_bytes / 2**30:.2f}); prepare {r['prepare_s']:.1f} s; "
+              f"{plan['zero3'].total_bytes / 2**30:.2f}); after prepare "
+              f"{r['prepare_peak'] / 2**30:.2f} GiB (masters {4 * params / ranks / 2**30:.2f}, "
+              f"whole model {4 * params / 2**30:.2f}); prepare {r['prepare_s']:.1f} s; "
               f"steps {steps} s")
 
 

@@ -162,6 +162,52 @@ def test_a_meta_device_build_gives_what_a_full_build_gives(strategy):
             assert torch.equal(trained_m[key], trained_f[key]), key
 
 
+def _status(key):
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(32))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _prepare_peak(init):
+    torch.set_num_threads(1)
+    warm = nn.Linear(2, 2)  # what a first prepare allocates once (gloo, imports) is not counted
+    px.prepare(warm, torch.optim.SGD(warm.parameters(), lr=0.1), strategy="zero3")
+    baseline = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts from here
+    with torch.device("meta"):
+        model = Wide()
+    px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3", init=init)
+    return _status("VmHWM") - baseline
+
+
+def _reset_all(model):
+    for block in model.blocks:
+        block.reset_parameters()
+
+
+def test_a_meta_build_under_zero3_never_holds_the_whole_model_on_a_rank():
+    """134 MB of parameters, 2 ranks: the masters (67 MB) plus one module's temporaries
+    (measured rise 89-93 MB per rank with glibc's defaults); with `init=`, which needs the whole
+    model first, 150 MB, so this can fail."""
+    whole = 32 * 1024 * 1025 * 4
+    for rise in run_ranks(_prepare_peak, 2, args=(None,), timeout=120):
+        assert rise < whole, f"peak rise {rise / 1e6:.1f} MB >= the whole model's {whole / 1e6:.1f} MB"
+    for rise in run_ranks(_prepare_peak, 2, args=(_reset_all,), timeout=120):
+        assert rise > whole
+
+
 def test_a_meta_buffer_nothing_would_fill_is_refused():
     class Rotary(nn.Module):
         def __init__(self):

@@ -17,8 +17,18 @@ new ones.
 
 Modules whose construction initialises several things in another order (torch's
 MultiheadAttention draws its output projection before its input projection) need `init=`.
-Every rank materialises the whole model once, 4 bytes per fp32 parameter, before zero3 keeps
-1/N of it: a model whose training state does not fit a rank, but whose parameters do, trains.
+
+[Note: only the shards are kept]
+Under zero3 (more than one rank, no `init=`) the values are drawn after the engine is built, so
+that no rank ever holds the whole model: `materialize(..., values=False)` gives every parameter
+storage that is never written (pages the kernel maps only when touched) and the engine lays its
+units out over it, keeping masters of the owned slices only; then `fill_shards` runs each
+module's `reset_parameters()` in order on temporary tensors for that module's own parameters,
+copies the owned pieces into the masters (frozen parameters whole) and drops the rest. The
+generator draws exactly what the full build draws, so the values are the same; what exists at
+once is the masters plus one module's parameters. A `reset_parameters` that writes parameters of
+other modules cannot be split this way: pass `init=`, and the whole model is materialised first
+(4 bytes per fp32 parameter, once, before zero3 keeps 1/N of it).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["on_meta", "materialize"]
+__all__ = ["on_meta", "materialize", "fill_shards"]
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -42,24 +52,24 @@ def _same_generator_state(comm) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=None) -> None:
-    """Give `model` storage on `device` and its initial values (see the module's docstring)."""
-    if init is None:  # a buffer only a constructor fills would stay garbage: refuse it
+def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=None, *,
+                values: bool = True) -> None:
+    """Give `model` storage on `device` and its initial values (see the module's docstring);
+    `values=False`: storage only, for `fill_shards` after the engine is built."""
+    if init is None:  # what only a constructor fills would stay garbage: refuse it
         for name, module in model.named_modules():
-            for attr, b in module._buffers.items():
-                if b is not None and b.is_meta and not callable(
-                        getattr(module, "reset_parameters", None)):
-                    raise ValueError(
-                        f"the buffer {(name + '.' if name else '') + attr!r} is on the meta "
-                        f"device and {type(module).__name__} has no reset_parameters() to "
-                        "fill it: pass px.prepare(..., init=fn), fn(model) setting every "
-                        "parameter and buffer, or build that module on a real device")
-    _same_generator_state(comm)
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for attr, p in module._parameters.items():
-            if p is not None:
-                places.setdefault(id(p), []).append((module, attr))
+            for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+                for attr, t in tensors.items():
+                    if t is not None and t.is_meta and not callable(
+                            getattr(module, "reset_parameters", None)):
+                        raise ValueError(
+                            f"the {kind} {(name + '.' if name else '') + attr!r} is on the meta "
+                            f"device and {type(module).__name__} has no reset_parameters() to "
+                            "fill it: pass px.prepare(..., init=fn), fn(model) setting every "
+                            "parameter and buffer, or build that module on a real device")
+    if values:
+        _same_generator_state(comm)
+    places = _places(model)
     old_names = {id(p): name for name, p in model.named_parameters()}
     # Untie: each registration its own parameter for the initialisation.
     for module in model.modules():
@@ -70,9 +80,9 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
         for attr, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[attr] = torch.empty_like(b, device=device)
-    if init is not None:
+    if values and init is not None:
         init(model)
-    else:
+    elif values:
         for module in model.modules():
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
@@ -88,3 +98,49 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
         for group in optimizer.param_groups:
             group["params"] = [new[old_names[id(p)]] if id(p) in old_names else p
                                for p in group["params"]]
+
+
+def _places(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every (module, attribute) registering it, first registrant first."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, attr))
+    return places
+
+
+@torch.no_grad()
+def fill_shards(model: nn.Module, pieces: dict, comm) -> None:
+    """See [Note: only the shards are kept]. `pieces`: id(param) -> the master pieces this rank
+    holds (the engine's `master_pieces()`), for every parameter the engine manages."""
+    _same_generator_state(comm)
+    first = {key: where[0] for key, where in _places(model).items()}
+    for name, module in model.named_modules():
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            continue
+        real = dict(module._parameters)
+        for attr, p in real.items():
+            if p is not None:
+                module._parameters[attr] = nn.Parameter(torch.empty_like(p),
+                                                        requires_grad=p.requires_grad)
+        try:
+            reset()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{type(module).__name__}.reset_parameters() of {name or 'the model'!r} failed "
+                "while zero3 initialised the model one module at a time (it may write "
+                "parameters of other modules); pass px.prepare(..., init=fn), fn(model) "
+                f"setting every parameter and buffer: {exc}") from exc
+        drawn = dict(module._parameters)
+        module._parameters.update(real)
+        for attr, p in real.items():
+            if p is None or first[id(p)] != (module, attr):
+                continue  # a tie: the first registrant's values are the ones kept
+            value = drawn[attr].detach().reshape(-1)
+            if id(p) in pieces:
+                for piece in pieces[id(p)]:
+                    piece.master.view(-1).copy_(value[piece.start:piece.end])
+            else:
+                p.copy_(drawn[attr])

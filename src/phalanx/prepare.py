@@ -24,7 +24,7 @@ from . import runtime
 from .collectives import Comm, count_step
 from .consistency import broadcast_from_rank0, check_same_structure
 from .engine import build_engine
-from .materialize import materialize, on_meta
+from .materialize import fill_shards, materialize, on_meta
 from .metrics_log import note_run
 from .nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
 from .replicas import ReplicaCheck
@@ -119,8 +119,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     runtime.init()
     comm = comm if comm is not None else Comm(runtime.default_group())
     built_on_meta = on_meta(model)
+    # zero3 draws the values after the engine is built, keeping only each rank's shards
+    shards_only = built_on_meta and strategy == "zero3" and comm.world > 1 and init is None
     if built_on_meta:  # every rank draws the same values: no broadcast of the model below
-        materialize(model, optimizer, runtime.device(), comm, init)
+        materialize(model, optimizer, runtime.device(), comm, init, values=not shards_only)
     model.to(runtime.device())
     if sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
@@ -143,6 +145,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
                           gather_options if strategy == "zero3" else None)
     _warn_oversized(engine, max_gathered_mb)
+    if shards_only:  # see [Note: only the shards are kept] in materialize.py
+        fill_shards(model, engine.master_pieces(), comm)
     if on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)
     if optimizer is not None:  # the step that collective records and reports name

@@ -94,14 +94,26 @@ class FlatUnit:
     @torch.no_grad()
     def _lay_out_flat(self) -> None:
         n, device = self.bucket.padded_numel, self.params[0].device
-        full = torch.zeros(n, dtype=self.master_dtype, device=device)
-        for p, offset in zip(self.params, self.bucket.offsets):
-            full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-        # The master starts from the user's full-precision values, not from a low-precision copy.
-        self.flat = full if self.master_is_view else full.to(self.compute_dtype)
-        self.master = self.flat[self.lo:self.hi] if self.master_is_view \
-            else full[self.lo:self.hi].clone()
-        del full
+        if self.reshards:
+            # zero3: only the owned slice is read and kept; the full buffer is never written
+            # here (its pages are not touched) and is freed below, so building the engine takes
+            # the masters and nothing more, however large the unit.
+            self.flat = torch.empty(n, dtype=self.compute_dtype, device=device)
+            self.master = torch.zeros(self.hi - self.lo, dtype=self.master_dtype, device=device)
+            for p, offset in zip(self.params, self.bucket.offsets):
+                a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
+                if a < b:
+                    self.master[a - self.lo:b - self.lo].copy_(
+                        p.detach().reshape(-1)[a - offset:b - offset])
+        else:
+            full = torch.zeros(n, dtype=self.master_dtype, device=device)
+            for p, offset in zip(self.params, self.bucket.offsets):
+                full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            # The master starts from the user's full-precision values, not a low-precision copy.
+            self.flat = full if self.master_is_view else full.to(self.compute_dtype)
+            self.master = self.flat[self.lo:self.hi] if self.master_is_view \
+                else full[self.lo:self.hi].clone()
+            del full
         for p, offset in zip(self.params, self.bucket.offsets):
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
         for i, (p, offset) in enumerate(zip(self.params, self.bucket.offsets)):
@@ -112,6 +124,7 @@ class FlatUnit:
             whole = (a, b) == (offset, offset + p.numel())
             master = torch.nn.Parameter(view.view_as(p) if whole else view)
             self.pieces.append(Piece(i, a - offset, b - offset, master, a - self.lo, b - self.lo))
+        self.reshard()  # zero3: the full buffer's storage exists only while gathered
 
     # -- the cache and the truth ---------------------------------------------------------------
     @torch.no_grad()

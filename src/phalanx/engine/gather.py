@@ -38,7 +38,7 @@ from torch.autograd import Variable
 from .._tree import map_tensors
 from .units import find_blocks
 
-__all__ = ["UnitGatherer"]
+__all__ = ["UnitGatherer", "unit_roots"]
 
 
 def _owners(module: nn.Module) -> dict[int, list[str]]:
@@ -86,6 +86,18 @@ def _callable_root(common: str, blocks: list[str], modules: dict) -> str:
     return parts[0]
 
 
+def unit_roots(module: nn.Module, runs) -> list[str]:
+    """The root (a module's qualified name, "" for the model) of each unit, given as the list of
+    its parameters: the module whose forward brackets every use of them. The planner reads it
+    too: units rooted at the model are gathered once per forward and backward, not twice."""
+    owners = _owners(module)
+    modules = dict(module.named_modules(remove_duplicate=False))
+    names_of = {id(m): n for n, m in modules.items()}
+    blocks = [names_of[id(b)] for b in find_blocks(module)]
+    return [_callable_root(_common_prefix([n for p in run for n in owners.get(id(p), [""])]),
+                           blocks, modules) for run in runs]
+
+
 class _Root:
     """The units one module's forward brackets (see [Note: zero3's gather and free])."""
 
@@ -116,14 +128,9 @@ class UnitGatherer:
         self.prefetch = prefetch
         self.limit = max_gathered_bytes
         self.reshard_after_forward = reshard_after_forward
-        owners = _owners(module)
         modules = dict(module.named_modules(remove_duplicate=False))
-        names_of = {id(m): n for n, m in modules.items()}
-        blocks = [names_of[id(b)] for b in find_blocks(module)]
         by_root: dict[str, list] = {}
-        for unit in self.units:
-            names = [n for p in unit.params for n in owners.get(id(p), [""])]
-            root = _callable_root(_common_prefix(names), blocks, modules)
+        for unit, root in zip(self.units, unit_roots(module, [u.params for u in self.units])):
             by_root.setdefault(root, []).append(unit)
         self.roots = [_Root(i, name, units_here)
                       for i, (name, units_here) in enumerate(by_root.items())]

@@ -18,7 +18,7 @@ import torch
 
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
-from .layout import unit_sizes
+from .layout import unit_sizes, zero3_gathering
 from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
                      optimizer_state_elements, peak_bytes, step_working_bytes)
 from .model_desc import ModelDesc, describe, input_from_shape
@@ -114,6 +114,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight, bucket_mb,
                         desc.trainable_blocks)
     largest_unit = max(units_)
+    gathering = zero3_gathering(desc, prec.weight, bucket_mb)
     largest_param = (max((math.prod(s) for s in desc.trainable_shapes), default=0)
                      if desc.trainable_shapes is not None else largest_unit)
     grad_comm = (comm_bytes or prec.grad) * desc.trainable_params
@@ -133,7 +134,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         states = model_states(strategy, prec, desc.params, desc.trainable_params,
                               state_elements, n)
         buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
-                               comm_bytes, largest_unit, largest_param)
+                               comm_bytes, largest_unit, largest_param,
+                               gathered_numel=gathering[0])
         step_bytes = step_working_bytes(optimizer, prec, _stepped(strategy, n),
                                         foreach=backend == "nccl",
                                         per_unit=not (strategy == "ddp" and replicated))
@@ -145,7 +147,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     for name in STRATEGIES:
         states, buffers, step_bytes, total, phase = memory_at(name, world)
         gathered = prec.weight * (desc.params if name == "zero3" else desc.trainable_params)
-        colls = collectives(name, grad_comm, gathered, world, reduce_scatter)
+        kept = prec.weight * gathering[1] if name == "zero3" else 0
+        colls = collectives(name, grad_comm, gathered, world, reduce_scatter, kept)
         t = step_time(colls, world, compute_s, grad_accum, bandwidth, activation_checkpointing,
                       units=len(units_))
         plans[name] = StrategyPlan(

@@ -11,6 +11,7 @@ bytes, a ring moves (Patarasuk & Yuan 2009; the NCCL "bus bandwidth" convention)
     zero1  reduce-scatter G + all-gather P (new weights)  ~ 2x
     zero2  the same as zero1                             ~ 2x
     zero3  all-gather P (forward) + all-gather P (backward), per micro-step, + reduce-scatter G ~ 3x
+           (backward does not gather again what stays gathered: the units rooted at the model)
 
 On gloo phalanx all-reduces instead of reduce-scattering (faster there, see collectives.py), so
 zero1/zero2 move 2G + P. With gradient accumulation (`px.no_sync`) gradients are reduced once
@@ -55,8 +56,10 @@ def wire_bytes(op: str, payload: int, world: int) -> float:
 
 
 def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
-                reduce_scatter: bool) -> list[Collective]:
-    """The collectives of one optimizer step (see [Note: Communication model])."""
+                reduce_scatter: bool, kept_bytes: int = 0) -> list[Collective]:
+    """The collectives of one optimizer step (see [Note: Communication model]). `kept_bytes`:
+    zero3's parameters that stay gathered from forward to backward (the units rooted at the
+    model itself, engine/gather.py), which backward does not gather again."""
     if world <= 1:
         return []
     reduce = "reduce_scatter" if reduce_scatter else "all_reduce"
@@ -69,9 +72,10 @@ def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
         return [Collective(reduce, grad_bytes, "backward"),
                 Collective("all_gather", param_bytes, "after_step")]
     if strategy == "zero3":
+        again = [Collective("all_gather", param_bytes - kept_bytes, "backward",
+                            per_micro_step=True)] if param_bytes > kept_bytes else []
         return [Collective("all_gather", param_bytes, "forward", per_micro_step=True),
-                Collective("all_gather", param_bytes, "backward", per_micro_step=True),
-                Collective(reduce, grad_bytes, "backward")]
+                *again, Collective(reduce, grad_bytes, "backward")]
     raise ValueError(f"unknown strategy {strategy!r}")
 
 

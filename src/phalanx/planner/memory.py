@@ -29,11 +29,11 @@ separate fp32 gradient between steps.
   on NCCL; zero1 keeps full gradients and all-reduces).
 - grad_staging: autograd makes each parameter's gradient as a fresh tensor, which the engine
   then copies into its bucket; the largest parameter's gradient exists twice for a moment.
-- gathered_params, unit_grads (zero3): two gather units of full parameters and their
-  gradients. The engine (engine/gather.py) holds the block in use and the units rooted at the
-  model's level (embeddings, head), which stay gathered for the whole forward; it does not
-  prefetch. Two of the largest unit is exact for a model whose model-level units are no larger
-  than a block, and low by the difference otherwise.
+- gathered_params (zero3): the full parameters gathered at once (planner/layout.py's
+  `zero3_gathering`): the units rooted at the model itself (tied embeddings and head), which
+  stay gathered through the forward and into backward, plus two of the largest root (a block:
+  the one computing and the one prefetched); unit_grads: the full gradients of two units in
+  flight.
 
 [Note: Optimizer step working memory]
 Adam's update makes temporaries (the square root of the second moment, then its quotient).
@@ -163,7 +163,7 @@ def model_states(strategy: str, precision: Precision, params: int, trainable: in
 
 def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int,
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
-                 largest_param: int = 0) -> dict:
+                 largest_param: int = 0, gathered_numel: int | None = None) -> dict:
     """The engine's working memory by kind (see [Note: Engine buffers]); values in bytes."""
     # Only strategies that shard gradients reduce-scatter (zero1 keeps full gradients, so it
     # all-reduces whatever the backend: engine/policy.py).
@@ -178,7 +178,8 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
         out["grad_pool"] = 3 * g * (largest_unit + world)
     elif strategy == "zero3" and world > 1:
         out["unit_grads"] = min(g_full, 2 * g * largest_unit)
-        out["gathered_params"] = 2 * precision.weight * largest_unit
+        out["gathered_params"] = precision.weight * (
+            2 * largest_unit if gathered_numel is None else gathered_numel)
     comm_elem = comm_bytes if compressed else g
     if compressed and (strategy != "ddp" or precision.mixed):
         out["comm_buffers"] = comm_bytes * trainable
