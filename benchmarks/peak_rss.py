@@ -108,8 +108,11 @@ def _minflt() -> int:
 ADAMW = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
+BLOCKS = [8]  # --blocks: the model's size (set before the ranks are forked)
+
+
 def _build(config: str, adamw: str, bucket_mb: float, tiny: bool = False):
-    model = make_model(blocks=2, d=64, hidden=128) if tiny else make_model()
+    model = make_model(blocks=2, d=64, hidden=128) if tiny else make_model(blocks=BLOCKS[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW[adamw])
     if config.startswith("phalanx"):
         model, optimizer = px.prepare(model, optimizer, strategy=config.split()[1],
@@ -271,6 +274,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the peak is reset")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=8,
+                        help="blocks of Linear 1024 -> 2048 -> 1024 (8: 33.6M parameters)")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--adamw", choices=tuple(ADAMW), default="default",
                         help="AdamW as built (on CPU its default is the per-tensor loop), "
@@ -287,6 +292,7 @@ def main(argv=None):
     parser.add_argument("--malloc", default=None,
                         help=f"comma-separated glibc settings to compare: {', '.join(MALLOC)}")
     args = parser.parse_args(argv)
+    BLOCKS[0] = args.blocks
     if args.malloc is None:
         setting = " ".join(f"{k}={os.environ[k]}" for k in _MALLOC_VARS if k in os.environ)
         setting = setting or "default"
@@ -294,9 +300,10 @@ def main(argv=None):
             setting += ", malloc_trim(0) every step"
         if args.mallopt:
             setting += f", mallopt(M_MMAP_THRESHOLD, {args.mallopt}) in each rank"
-        print(f"{args.ranks} ranks, CPU, gloo; fp32 AdamW ({args.adamw}), batch "
-              f"{args.batch} x {D}; {args.warmup} warm-up + {args.steps} measured steps; glibc "
-              f"malloc: {setting}; before the baseline: {args.prewarm}")
+        print(f"{args.ranks} ranks, CPU, gloo; {args.blocks} blocks; fp32 AdamW "
+              f"({args.adamw}), batch {args.batch} x {D}; {args.warmup} warm-up + "
+              f"{args.steps} measured steps; glibc malloc: {setting}; before the baseline: "
+              f"{args.prewarm}")
         print_table(measure_all(args), "rise of the peak resident set per rank over training, "
                                        "from before the model was built (MB = MiB)",
                     args.phases)

@@ -12,6 +12,7 @@ by none of 2, 3, 4), three blocks, the last one checkpointed, and block 1 skippe
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -63,8 +64,11 @@ GATHERING = {  # name -> px.prepare options (the default, prefetch=1, is test_pa
     "prefetch-2-bounded": {"prefetch": 2, "max_gathered_mb": 0.04},  # 2.8 blocks
     "keep-until-backward": {"reshard_after_forward": False},
 }
+# Both optimizers and accumulation on and off, in two pairs (every pair: PHALANX_SLOW=1).
+OPT_ACCUM = [(opt, accum) for opt in ("sgd", "adamw") for accum in (1, 2)] \
+    if os.environ.get("PHALANX_SLOW") == "1" else [("sgd", 2), ("adamw", 1)]
 COMBOS = [(model, gathering, opt, accum) for model in MODELS for gathering in GATHERING
-          for opt in ("sgd", "adamw") for accum in (1, 2)]
+          for opt, accum in OPT_ACCUM]
 
 
 def make_model(name):
