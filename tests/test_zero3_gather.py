@@ -4,7 +4,8 @@ activation checkpointing, a forward that takes another path than the last one; a
 against one process with the whole batch, at 2, 3 and 4 ranks.
 
 The models: a small transformer with tied input and output embeddings (vocabulary 13, divisible
-by none of 2, 3, 4), three blocks, the last one checkpointed, and block 1 skipped on odd steps
+by none of 2, 3, 4), three blocks, the first and last checkpointed (reentrant and not), and
+block 1 skipped on odd steps
 (by every rank: the order of the forward changes between steps); and a CNN with BatchNorm
 (synchronized, so its statistics are those of the whole batch, as in one process).
 """
@@ -54,7 +55,8 @@ class TiedBlocks(nn.Module):
         for i, block in enumerate(self.blocks):
             if i == 1 and step % 2:
                 continue  # another path on odd steps: what was prefetched goes unused
-            h = checkpoint(block, h, use_reentrant=False) if i == 2 else block(h)
+            # block 0 recomputed by the reentrant checkpoint, block 2 by the other kind
+            h = checkpoint(block, h, use_reentrant=i == 0) if i != 1 else block(h)
         return self.head(self.norm(h))
 
 

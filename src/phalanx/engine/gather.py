@@ -86,6 +86,11 @@ def _callable_root(common: str, blocks: list[str], modules: dict) -> str:
     return parts[0]
 
 
+def _in_backward() -> bool:
+    """Inside a backward pass (a recomputation under activation checkpointing runs there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def unit_roots(module: nn.Module, runs) -> list[str]:
     """The root (a module's qualified name, "" for the model) of each unit, given as the list of
     its parameters: the module whose forward brackets every use of them. The planner reads it
@@ -148,7 +153,7 @@ class UnitGatherer:
                     if p is not None and id(p) in unit_of}
             if any(root_of[k] != name for k in mine):
                 sub.register_forward_pre_hook(self._guard(name, list(mine.values()), root_of))
-        self._callback_queued = False  # also: backward is under way
+        self._callback_queued = False  # the end-of-backward free is queued
         self._forward_seen: list[int] = []    # roots in the order this forward reached them
         self._forward_order: list[int] = []   # ... and the last complete forward's
         self._backward_seen: list[int] = []
@@ -240,7 +245,7 @@ class UnitGatherer:
         def hook(_module, _args):
             self._prefetched.discard(root.index)
             self.gather(root.units)
-            if not self._callback_queued:  # not a recomputation inside backward
+            if not _in_backward():  # not a recomputation (activation checkpointing)
                 self._forward_seen.append(root.index)
                 self._prefetch(self._forward_order, self._forward_seen)
         return hook
@@ -252,7 +257,7 @@ class UnitGatherer:
             # and a root recomputed inside backward (activation checkpointing), which its
             # backward is about to read.
             keep = grad and (root.is_model or not self.reshard_after_forward
-                             or self._callback_queued)
+                             or _in_backward())
             if not keep:
                 for unit in root.units:
                     unit.reshard()
