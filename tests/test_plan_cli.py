@@ -3,6 +3,7 @@ errors for bad input."""
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +186,21 @@ def test_recommendation_is_what_fits_and_communicates_least():
     needed = int(none.reason.split("would fit on ")[1].split()[0])
     assert px.plan(params=1e12, gpus=needed, gpu_memory="80GB")["zero3"].fits_with_headroom
     assert not px.plan(params=1e12, gpus=needed - 1, gpu_memory="80GB")["zero3"].fits_with_headroom
+
+
+def test_blocks_names_the_repeated_layers_of_a_factory(capsys):
+    """`--blocks Layer`: zero3 gathers one layer and prefetches the next (32 * 64 * 2 + 96
+    parameters each, in fp32), not the whole model at once."""
+    factory = f"{Path(__file__).parent / 'test_zero3_gather.py'}:Sequential4"
+    gathered = {}
+    for extra in ([], ["--blocks", "Layer"]):
+        code, out, err = run(capsys, "--model", factory, "--input-shape", "8", "--gpus", "2",
+                             "--precision", "fp32", "--strategy", "zero3", "--json", *extra)
+        assert code == 0, err
+        entry = json.loads(out)["strategies"]["zero3"]
+        gathered[bool(extra)] = entry["buffers_detail"]["gathered_params"]
+    layer = 32 * 64 * 2 + 64 + 32
+    assert gathered[True] == 2 * layer * 4
+    assert gathered[False] == (8 * 32 + 32 + 4 * layer + 32 * 3 + 3) * 4  # one root: the model
+    code, _, err = run(capsys, "--params", "1e9", "--blocks", "Layer")
+    assert code != 0 and "--blocks goes with --model" in err

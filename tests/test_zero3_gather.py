@@ -281,3 +281,74 @@ def _replaced(how):
 def test_a_parameter_replaced_after_prepare_is_refused_under_zero3(how, match):
     for message in run_ranks(_replaced, 2, args=(how,)):
         assert message is not None and match in message
+
+
+class Layer(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Sequential4(nn.Module):
+    """Repeated layers in an nn.Sequential: no ModuleList for the default rule to find."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.layers = nn.Sequential(*(Layer() for _ in range(4)))
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.out(self.layers(self.inp(x)))
+
+
+def _named_blocks(blocks):
+    torch.manual_seed(0)
+    model = Sequential4().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = px.prepare(model, opt, strategy="zero3", blocks=blocks)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 8, generator=g, dtype=DTYPE)[px.rank() * 2:(px.rank() + 1) * 2]
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    gatherer = model._engine.gatherer
+    return ([r.name for r in gatherer.roots], gatherer.peak_bytes,
+            {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def test_named_block_classes_become_the_units_gathered_one_at_a_time():
+    """blocks=Layer (or its name): each layer is gathered on its own, one prefetched beside it,
+    as the planner predicts; the training is the same, in float64, as with the default units."""
+    default = run_ranks(_named_blocks, 2, args=(None,))
+    named = run_ranks(_named_blocks, 2, args=(Layer,))
+    by_name = run_ranks(_named_blocks, 2, args=("Layer",))
+    roots, peak, state = named[0]
+    assert roots == by_name[0][0]
+    assert {f"layers.{i}" for i in range(4)} <= set(roots)
+    assert not any(r.startswith("layers.") for r in default[0][0])  # one root held them all
+    layer = sum(p.numel() for p in Layer().parameters())
+    assert peak == 2 * layer * 8 < default[0][1]  # measured: 67072 bytes against 137248
+    planned = px.plan(Sequential4().double(), gpus=2, strategy="zero3", precision="fp32",
+                      optimizer="adamw", backend="gloo", blocks="Layer", input_shape="8")
+    assert planned["zero3"].buffers_detail["gathered_params"] == 2 * layer * 4  # fp32 there
+    for got in named + by_name:
+        for key, value in default[0][2].items():
+            torch.testing.assert_close(got[2][key], value, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("blocks, match", [
+    ("Nope", "blocks: no module of class 'Nope' in the model"),
+    (nn.Conv2d, "blocks: no module of class 'Conv2d' in the model"),
+    (Sequential4, "blocks: the model itself is a Sequential4"),
+    (3, "blocks=3: a module class, a class name, or a tuple of them"),
+])
+def test_block_classes_that_name_nothing_are_refused(blocks, match):
+    model = Sequential4()
+    with pytest.raises(ValueError, match=match):
+        px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3",
+                   blocks=blocks)

@@ -31,6 +31,7 @@ from .replicas import ReplicaCheck
 from .step_report import StepClock, step_stats as _step_stats
 from .engine import optimizer_state_dict as _optimizer_state_dict
 from .engine.optim import optimizer_groups
+from .engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
 from .prepared import PreparedModule
 
@@ -75,13 +76,17 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             broadcast_buffers: bool = True, comm: Comm | None = None,
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
             step_stats: bool = True, init=None, prefetch: int = 1,
-            max_gathered_mb: float | None = None, reshard_after_forward: bool = True):
+            max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
+            blocks=None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
     precision: "fp32" (the parameters' own dtype), or "bf16"/"fp16" compute with master
         weights in the parameters' dtype (fp16 with dynamic loss scaling).
     bucket_mb: cap of a unit (gradient bucket), in MiB; the first is at most 1 MiB.
+    blocks: the repeated blocks, each a unit (split under bucket_mb) and, under zero3, gathered
+        as one: a module class, its name, or a tuple of them (default: the children of the
+        model's largest nn.ModuleList; engine/units.py).
     comm_dtype: torch.bfloat16 / torch.float16 to compress gradient communication.
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
     broadcast_buffers: keep buffers equal to rank 0's before each forward with gradients.
@@ -116,6 +121,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise ValueError("this model was already prepared; call px.prepare once per model")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
+    block_classes = resolve_block_classes(model, blocks)
     runtime.init()
     comm = comm if comm is not None else Comm(runtime.default_group())
     built_on_meta = on_meta(model)
@@ -133,7 +139,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
                "broadcast_buffers": bool(broadcast_buffers),
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
-               **{k: v for k, v in gather_options.items()}}
+               **{k: v for k, v in gather_options.items()},
+               "blocks": None if block_classes is None else [c.__name__ for c in block_classes]}
     check_same_structure(model, comm, options)
     if not built_on_meta:
         broadcast_from_rank0(model, comm)
@@ -143,7 +150,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                        if isinstance(v, torch.Tensor)}
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
-                          gather_options if strategy == "zero3" else None)
+                          gather_options if strategy == "zero3" else None, block_classes)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in materialize.py
         fill_shards(model, engine.master_pieces(), comm)

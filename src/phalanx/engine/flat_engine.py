@@ -40,7 +40,8 @@ class FlatEngine:
     """Implements the `Engine` protocol (engine/__init__.py) for ddp, zero1 and zero2."""
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
-                 precision, bucket_mb: float = 25.0, gather_options: dict | None = None):
+                 precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
+                 block_classes: tuple[type, ...] | None = None):
         self.comm = comm
         self.policy = policy
         self.precision = precision
@@ -63,7 +64,7 @@ class FlatEngine:
         # In a world of one with nothing to adopt there is nothing to do: the module is trained
         # exactly as without phalanx, with no hooks at all.
         plain = self.world == 1 and not self.adopt
-        runs = module_units(module, self.params, itemsize, bucket_mb) \
+        runs = module_units(module, self.params, itemsize, bucket_mb, block_classes) \
             if self.params and not plain else []
         # ZeRO-2 lends its short-lived bucket buffers from a pool of three: at most two reduced
         # but unfinished (max_in_flight below) and one filling.
@@ -79,7 +80,8 @@ class FlatEngine:
                       for i, run in enumerate(runs)]
         self.gatherer = None
         if self.reshards and self.units:
-            self.gatherer = UnitGatherer(module, self.units, comm, **(gather_options or {}))
+            self.gatherer = UnitGatherer(module, self.units, comm, block_classes=block_classes,
+                                         **(gather_options or {}))
             self.gatherer.free_all()
         self.nonfinite = None  # a NonFiniteWatch (nonfinite.py), set by px.prepare
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,

@@ -91,14 +91,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def unit_roots(module: nn.Module, runs) -> list[str]:
+def unit_roots(module: nn.Module, runs, block_classes=None) -> list[str]:
     """The root (a module's qualified name, "" for the model) of each unit, given as the list of
     its parameters: the module whose forward brackets every use of them. The planner reads it
     too: units rooted at the model are gathered once per forward and backward, not twice."""
     owners = _owners(module)
     modules = dict(module.named_modules(remove_duplicate=False))
     names_of = {id(m): n for n, m in modules.items()}
-    blocks = [names_of[id(b)] for b in find_blocks(module)]
+    blocks = [names_of[id(b)] for b in find_blocks(module, block_classes)]
     return [_callable_root(_common_prefix([n for p in run for n in owners.get(id(p), [""])]),
                            blocks, modules) for run in runs]
 
@@ -127,7 +127,8 @@ class UnitGatherer:
     """
 
     def __init__(self, module: nn.Module, units, comm, *, prefetch: int = 1,
-                 max_gathered_bytes: int | None = None, reshard_after_forward: bool = True):
+                 max_gathered_bytes: int | None = None, reshard_after_forward: bool = True,
+                 block_classes=None):
         self.comm = comm
         self.units = list(units)
         self.prefetch = prefetch
@@ -135,7 +136,8 @@ class UnitGatherer:
         self.reshard_after_forward = reshard_after_forward
         modules = dict(module.named_modules(remove_duplicate=False))
         by_root: dict[str, list] = {}
-        for unit, root in zip(self.units, unit_roots(module, [u.params for u in self.units])):
+        runs = [u.params for u in self.units]
+        for unit, root in zip(self.units, unit_roots(module, runs, block_classes)):
             by_root.setdefault(root, []).append(unit)
         self.roots = [_Root(i, name, units_here)
                       for i, (name, units_here) in enumerate(by_root.items())]

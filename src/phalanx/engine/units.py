@@ -3,7 +3,8 @@
 A unit is the run of parameters whose gradients are reduced by one collective and whose flat
 buffer is sharded, gathered and stepped together. Units follow the module tree: each repeated
 block (a child of the model's largest `nn.ModuleList` holding more than one module: transformer
-layers, ResNet stages) starts a unit of its own, so a unit never mixes two layers, and what sits
+layers, ResNet stages; or each outermost instance of the classes named by `px.prepare(...,
+blocks=...)`) starts a unit of its own, so a unit never mixes two layers, and what sits
 outside the blocks (embeddings, the head, norms) is grouped between them. Within that, a size
 cap in bytes of the compute dtype splits large runs: the first unit (the last parameters of the
 model, whose gradients arrive first in backward) is capped at 1 MiB so its collective starts
@@ -17,13 +18,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "plan_units", "module_units", "unit_caps", "FIRST_UNIT_MIB"]
+__all__ = ["find_blocks", "resolve_block_classes", "plan_units", "module_units", "unit_caps",
+           "FIRST_UNIT_MIB"]
 
 FIRST_UNIT_MIB = 1.0
 
 
-def find_blocks(module: nn.Module) -> list[nn.Module]:
-    """The children of the ModuleList holding the most parameters: the repeated layers."""
+def find_blocks(module: nn.Module, classes: tuple[type, ...] | None = None) -> list[nn.Module]:
+    """The repeated layers: the outermost instances of `classes` when given (px.prepare's
+    `blocks=`), else the children of the ModuleList holding the most parameters."""
+    if classes:
+        found: list[nn.Module] = []
+
+        def visit(parent):
+            for child in parent.children():
+                if isinstance(child, classes):
+                    found.append(child)
+                else:
+                    visit(child)
+        visit(module)
+        return found
     best, best_params = [], 0
     for sub in module.modules():
         if isinstance(sub, nn.ModuleList) and len(sub) > 1:
@@ -31,6 +45,34 @@ def find_blocks(module: nn.Module) -> list[nn.Module]:
             if n > best_params:
                 best, best_params = list(sub), n
     return best
+
+
+def resolve_block_classes(model: nn.Module, blocks) -> tuple[type, ...] | None:
+    """`blocks=` of px.prepare and px.plan as a tuple of classes, each with an instance in the
+    model (checked before any collective: the same model and option fail alike on every
+    rank); None stays None (the default rule of `find_blocks`)."""
+    if blocks is None:
+        return None
+    given = list(blocks) if isinstance(blocks, (tuple, list)) else [blocks]
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    classes = []
+    for b in given:
+        if isinstance(b, str):
+            if b not in present:
+                raise ValueError(f"blocks: no module of class {b!r} in the model (its classes: "
+                                 f"{', '.join(sorted(present)[:12])})")
+            classes.append(present[b])
+        elif isinstance(b, type) and issubclass(b, nn.Module):
+            if not any(isinstance(m, b) for m in model.modules()):
+                raise ValueError(f"blocks: no module of class {b.__name__!r} in the model")
+            classes.append(b)
+        else:
+            raise ValueError(f"blocks={blocks!r}: a module class, a class name, or a tuple of "
+                             "them")
+    if isinstance(model, tuple(classes)):
+        raise ValueError(f"blocks: the model itself is a {type(model).__name__}; name the class "
+                         "of its repeated layers")
+    return tuple(classes)
 
 
 def unit_caps(bucket_mb: float, itemsize: int) -> tuple[int, int]:
@@ -64,11 +106,11 @@ def plan_units(entries, first_cap: int, cap: int) -> list[list[int]]:
 
 
 def module_units(module: nn.Module, params: list[torch.Tensor], itemsize: int,
-                 bucket_mb: float) -> list[list[torch.Tensor]]:
+                 bucket_mb: float, block_classes=None) -> list[list[torch.Tensor]]:
     """The units of `params` (trainable parameters of `module`, in registration order), for a
     compute dtype of `itemsize` bytes."""
     block_of = {}
-    for b, block in enumerate(find_blocks(module)):
+    for b, block in enumerate(find_blocks(module, block_classes)):
         for p in block.parameters():
             block_of.setdefault(p, b)
     ordered = list(reversed(params))

@@ -56,7 +56,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          activation_checkpointing: bool = False, intra_node_bw=None,
          inter_node_bw="ib-400g", bucket_mb: float = 25.0, comm_dtype=None,
          attention: str = "eager", backend: str = "nccl", input_shape=None,
-         input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB") -> PlanResult:
+         input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB",
+         blocks=None) -> PlanResult:
     """Plan data-parallel training of a model; see the module docstring.
 
     The model is one of: `params` (a count such as 8e9 or "7.5B"), `config` (a Hugging Face style
@@ -64,10 +65,14 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     "PATH:FUNCTION" string, or any of the former). `gpus` is per node; the data-parallel world
     is gpus x nodes. `batch` is the micro-batch per device, `seq` its sequence length.
     Bandwidths are GB/s or LINKS presets; the intra-node default is the GPU preset's own link.
-    Raises ValueError with a one-line message for bad input.
+    `blocks` names the repeated blocks' classes as px.prepare's `blocks=` does (a module or
+    factory only). Raises ValueError with a one-line message for bad input.
     """
     desc = describe(model, params=params, config=config,
-                    make_input=input_from_shape(input_shape, input_dtype) if input_shape else None)
+                    make_input=input_from_shape(input_shape, input_dtype) if input_shape else None,
+                    blocks=blocks)
+    if blocks is not None and desc.module is None:
+        raise ValueError("blocks names module classes: give the model as a module or a factory")
     gpus, nodes = _positive_int(gpus, "gpus"), _positive_int(nodes, "nodes")
     batch, grad_accum = _positive_int(batch, "batch"), _positive_int(grad_accum, "grad_accum")
     world = gpus * nodes

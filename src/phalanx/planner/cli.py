@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--input-shape", metavar="SHAPE",
                        help="with --model: per-sample input shape, e.g. 3x224x224 or seq")
     model.add_argument("--input-dtype", default="float32", choices=("float32", "long"))
+    model.add_argument("--blocks", metavar="CLASS[,CLASS]",
+                       help="with --model: the repeated blocks' class names, as px.prepare's "
+                            "blocks= (default: the children of the largest nn.ModuleList)")
 
     hw = p.add_argument_group("devices")
     hw.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
@@ -85,9 +88,11 @@ def main(args: argparse.Namespace) -> int:
         if args.model:
             make_input = (input_from_shape(args.input_shape, args.input_dtype)
                           if args.input_shape else None)
-            model = from_factory(args.model, make_input=make_input)
-        elif args.input_shape:
-            raise ValueError("--input-shape goes with --model")
+            model = from_factory(args.model, make_input=make_input,
+                                 blocks=args.blocks.split(",") if args.blocks else None)
+        elif args.input_shape or args.blocks:
+            raise ValueError(f"{'--input-shape' if args.input_shape else '--blocks'} goes with "
+                             "--model")
         result = plan(
             model=model, params=args.params, config=args.config, gpus=args.gpus,
             nodes=args.nodes, gpu=args.gpu, gpu_memory=args.gpu_memory,

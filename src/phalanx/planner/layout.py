@@ -45,9 +45,9 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[
         params = [p for p in desc.module.parameters() if p.requires_grad]
         if not params:
             return 0, 0
-        runs = module_units(desc.module, params, compute_bytes, bucket_mb)
+        runs = module_units(desc.module, params, compute_bytes, bucket_mb, desc.block_classes)
         sizes: dict[str, int] = {}
-        for run, root in zip(runs, unit_roots(desc.module, runs)):
+        for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes)):
             sizes[root] = sizes.get(root, 0) + sum(p.numel() for p in run)
         kept = sizes.pop("", 0)
     else:

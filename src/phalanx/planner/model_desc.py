@@ -40,6 +40,7 @@ class ModelDesc:
     trainable_blocks: list | None = None  # the repeated block of each (None outside), if known
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
+    block_classes: tuple | None = None  # px.plan's `blocks=`, resolved (engine/units.py)
     make_input: Callable[[int, int], tuple] | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -120,28 +121,33 @@ def input_from_shape(spec, dtype: str = "float32") -> Callable[[int, int], tuple
     return make
 
 
-def _blocks_of(module: nn.Module, params) -> list:
+def _blocks_of(module: nn.Module, params, classes=None) -> list:
     """The repeated block (index) each parameter sits in, as the engine's units see it."""
     from ..engine.units import find_blocks
 
     block_of = {}
-    for b, block in enumerate(find_blocks(module)):
+    for b, block in enumerate(find_blocks(module, classes)):
         for p in block.parameters():
             block_of.setdefault(p, b)
     return [block_of.get(p) for p in params]
 
 
 def from_module(module: nn.Module, name: str | None = None,
-                make_input: Callable[[int, int], tuple] | None = None) -> ModelDesc:
+                make_input: Callable[[int, int], tuple] | None = None,
+                blocks=None) -> ModelDesc:
+    from ..engine.units import resolve_block_classes
+
     if not isinstance(module, nn.Module):
         raise ValueError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    classes = resolve_block_classes(module, blocks)
     params = list(module.parameters())  # unique: tied weights appear once
     trainable = [p for p in params if p.requires_grad]
     desc = ModelDesc(name=name or type(module).__name__, source="module",
                      params=sum(p.numel() for p in params),
                      trainable_params=sum(p.numel() for p in trainable),
                      trainable_shapes=[tuple(p.shape) for p in trainable],
-                     trainable_blocks=_blocks_of(module, trainable), module=module)
+                     trainable_blocks=_blocks_of(module, trainable, classes), module=module,
+                     block_classes=classes)
     try:
         desc.make_input = make_input or _default_input(module)
     except ValueError as exc:
@@ -175,7 +181,7 @@ def _load_factory(spec: str) -> Callable[[], nn.Module]:
     return fn
 
 
-def from_factory(factory, make_input=None) -> ModelDesc:
+def from_factory(factory, make_input=None, blocks=None) -> ModelDesc:
     """`factory` is 'PATH:FUNCTION' or a callable; it is called with no arguments on the meta
     device, so even a 70B model costs no memory to describe."""
     name = factory if isinstance(factory, str) else getattr(factory, "__name__", "factory")
@@ -189,11 +195,12 @@ def from_factory(factory, make_input=None) -> ModelDesc:
     if not isinstance(module, nn.Module):
         raise ValueError(f"model factory {name} returned {type(module).__name__}, "
                          f"not a torch.nn.Module")
-    return from_module(module, name=str(name), make_input=make_input)
+    return from_module(module, name=str(name), make_input=make_input, blocks=blocks)
 
 
-def describe(model=None, *, params=None, config=None, make_input=None) -> ModelDesc:
-    """Whichever one description was given -> a ModelDesc."""
+def describe(model=None, *, params=None, config=None, make_input=None, blocks=None) -> ModelDesc:
+    """Whichever one description was given -> a ModelDesc. `blocks`: the repeated blocks' classes
+    (or names), as px.prepare takes them; for a module or factory only."""
     given = [x for x in (model, params, config) if x is not None]
     if len(given) != 1:
         raise ValueError("describe the model once: a parameter count (--params), a config "
@@ -205,7 +212,7 @@ def describe(model=None, *, params=None, config=None, make_input=None) -> ModelD
     if isinstance(model, ModelDesc):
         return model
     if isinstance(model, nn.Module):
-        return from_module(model, make_input=make_input)
+        return from_module(model, make_input=make_input, blocks=blocks)
     if isinstance(model, dict):
         return from_config(model)
     if isinstance(model, (int, float)) and not isinstance(model, bool):
@@ -215,9 +222,9 @@ def describe(model=None, *, params=None, config=None, make_input=None) -> ModelD
         if text.endswith(".json"):
             return from_config(text)
         if ":" in text:
-            return from_factory(text, make_input=make_input)
+            return from_factory(text, make_input=make_input, blocks=blocks)
         return from_count(text)
     if callable(model):
-        return from_factory(model, make_input=make_input)
+        return from_factory(model, make_input=make_input, blocks=blocks)
     raise ValueError(f"cannot plan for a model given as {type(model).__name__}: pass a module, "
                      f"a factory, a config or a parameter count")
