@@ -14,7 +14,10 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
   parameters stay views of it), and, when gradients are recorded, a hook on the root's outputs
   gathers them again when backward reaches them, before the root's backward needs the values
   that autograd saved (the saved tensors are views of the same storage, so they see the
-  gathered values again);
+  gathered values again). Not freed: the units rooted at the model itself, with which backward
+  starts (they are gathered through the whole forward anyway), every unit under
+  `reshard_after_forward=False`, and a root that runs forward inside backward (a recomputation
+  under activation checkpointing, which its backward is about to read);
 - when a unit's gradients are all there, the reducer sends them out (reduced to the owned
   shard, as zero2 does) and the unit is freed at once; at the end of backward every unit still
   gathered is freed (one that got no gradient on this rank, or under `no_sync`).
@@ -24,7 +27,20 @@ autograd: each parameter keeps its own version counter (it was given the view wi
 `param.data = ...`), so the saved tensors stay valid.
 
 The optimizer steps the masters; nothing is gathered after the step: the next forward gathers
-what it needs. A parameter used outside the forward of every module that registers it (read
+what it needs.
+
+[Note: prefetch]
+A gather waits for the slowest rank and the wire; issued early, it can proceed while the root
+before it computes. Each forward records the order in which it reached the roots, and each
+backward the order in which its output hooks fired. When a root starts (in forward or
+backward), the roots that followed it last time, up to `prefetch` of them and within
+`max_gathered_bytes` counting everything gathered now, are gathered asynchronously (the work
+handle waits on the unit: `unit.pending`, waited for before the unit is used or freed). Every
+rank runs the same model, so every rank issues the same all-gathers in the same order. When
+this pass departs from the last one (a block skipped) prefetching stops for the rest of it and
+roots are gathered on demand; what was gathered for nothing is freed at the end of the forward
+(or of backward), so a changing order costs time, never correctness or memory beyond the
+bound. The first step has no order yet and prefetches nothing. A parameter used outside the forward of every module that registers it (read
 through an attribute by an unrelated module) is not gathered there: register it in the module
 that uses it, as with PyTorch's FSDP.
 """
@@ -167,10 +183,9 @@ class UnitGatherer:
 
     def oversized(self) -> list[tuple[str, int]]:
         """Roots bigger than the bound on their own: (name, bytes)."""
-        if self.limit is None:
-            return []
-        return [(r.name or "the model", sum(u.full_bytes for u in r.units))
-                for r in self.roots if sum(u.full_bytes for u in r.units) > self.limit]
+        sizes = [(r.name or "the model", sum(u.full_bytes for u in r.units)) for r in self.roots]
+        return [(name, size) for name, size in sizes
+                if self.limit is not None and size > self.limit]
 
     def gathered_bytes(self) -> int:
         return sum(u.full_bytes for u in self.units if u.gathered)
