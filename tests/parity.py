@@ -85,6 +85,19 @@ class Branchy(nn.Module):
 MODELS = {"mlp": MLP, "cnn": CNN, "transformer": TinyTransformer, "branchy": Branchy}
 
 
+class Chain(nn.Module):
+    """Blocks in an nn.ModuleList (the repeated blocks phalanx finds by itself), applied in turn."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def make_model(name: str) -> nn.Module:
     torch.manual_seed(1234)  # every rank and the reference start from the same weights
     return MODELS[name]()

@@ -3,6 +3,9 @@ what it keeps between steps, mixed precision, evaluation, state_dict, and its re
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,6 +13,9 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import Chain  # noqa: E402
 
 
 def encoder_layer(d):
@@ -168,17 +174,6 @@ def _status(key):
     return int(line.split()[1]) * 1024
 
 
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(32))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _prepare_peak(init):
     torch.set_num_threads(1)
     warm = nn.Linear(2, 2)  # what a first prepare allocates once (gloo, imports) is not counted
@@ -187,7 +182,7 @@ def _prepare_peak(init):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts from here
     with torch.device("meta"):
-        model = Wide()
+        model = Chain([nn.Linear(1024, 1024) for _ in range(32)])
     px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3", init=init)
     return _status("VmHWM") - baseline
 

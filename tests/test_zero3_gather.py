@@ -28,7 +28,8 @@ import phalanx as px
 from phalanx.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import CNN, one_thread  # noqa: E402
+from parity import CNN, Chain, one_thread  # noqa: E402
+from test_parity64 import make_optimizer  # noqa: E402
 
 DTYPE = torch.float64
 STEPS = 5
@@ -76,12 +77,6 @@ COMBOS = [(model, gathering, opt, accum) for model in MODELS for gathering in GA
 def make_model(name):
     torch.manual_seed(7)
     return (TiedBlocks() if name == "tied" else CNN()).to(DTYPE)
-
-
-def make_optimizer(kind, model):
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
 
 
 def make_data(name, rows, step):
@@ -185,21 +180,9 @@ def test_zero3_gathering_options_keep_float64_parity_with_one_process(world):
                 assert counts["unused"] > 0, context
 
 
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh())
-                                    for _ in range(6))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _peaks(options):
     torch.manual_seed(3)
-    model = Stack()
+    model = Chain([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
     model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             strategy="zero3", **options)
     for step in range(3):
