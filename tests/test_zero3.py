@@ -136,7 +136,7 @@ def Plain():
     return Blocks(d=24, make_block=mlp_block, residual=True)
 
 
-def _meta_or_full(meta, strategy):
+def _meta_or_full(meta, strategy, precision="fp32"):
     torch.manual_seed(3)  # the same seed for both builds; other ranks' seeds do not matter
     if meta:
         if px.rank() == 1:
@@ -146,7 +146,7 @@ def _meta_or_full(meta, strategy):
     else:
         model = Plain()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = px.prepare(model, opt, strategy=strategy)
+    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     for step in range(2):
         tokens = batch(step, px.rank(), px.world_size())
@@ -157,15 +157,96 @@ def _meta_or_full(meta, strategy):
     return initial, {k: v.clone() for k, v in model.state_dict().items()}, tied
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
-def test_a_meta_device_build_gives_what_a_full_build_gives(strategy):
-    meta = run_ranks(_meta_or_full, 2, args=(True, strategy), timeout=120)
-    full = run_ranks(_meta_or_full, 2, args=(False, strategy), timeout=120)
+@pytest.mark.parametrize("strategy,precision", [("zero3", "fp32"), ("ddp", "fp32"),
+                                                ("zero3", "bf16")])
+def test_a_meta_device_build_gives_what_a_full_build_gives(strategy, precision):
+    """bf16: the values are drawn in fp32, as a CPU build draws them, not in the compute dtype."""
+    meta = run_ranks(_meta_or_full, 2, args=(True, strategy, precision), timeout=120)
+    full = run_ranks(_meta_or_full, 2, args=(False, strategy, precision), timeout=120)
     for (init_m, trained_m, tied), (init_f, trained_f, _) in zip(meta, full):
         assert tied
         for key in init_f:
             assert torch.equal(init_m[key], init_f[key]), key
             assert torch.equal(trained_m[key], trained_f[key]), key
+
+
+class Resets(nn.Module):
+    """A block whose reset_parameters initialises its children too, around a weight tied to a
+    module with no reset_parameters of its own."""
+
+    def __init__(self, reach_out=False):
+        super().__init__()
+        self.reach_out = reach_out
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.scale = nn.Parameter(torch.empty(8))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.scale)
+        for layer in self.inner:
+            nn.init.uniform_(layer.weight, -0.5, 0.5)
+        if self.reach_out and "sibling" in self.__dict__:  # outside this module's tree
+            nn.init.zeros_(self.sibling[0].weight)
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+class TiedHead(nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight  # registered second, by a module with no reset_parameters
+
+    def forward(self, h):
+        return F.linear(h, self.weight)
+
+
+class ResetsAround(nn.Module):
+    def __init__(self, reach_out=False):
+        super().__init__()
+        self.block = Resets(reach_out)
+        self.embed = nn.Embedding(11, 8)
+        self.head = TiedHead(self.embed.weight)
+        self.block.__dict__["sibling"] = [self.embed]
+
+    def forward(self, tokens):
+        return self.head(self.block(self.embed(tokens)))
+
+
+def _meta_resets(strategy, reach_out=False):
+    torch.manual_seed(4)
+    with torch.device("meta"):
+        model = ResetsAround(reach_out)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = px.prepare(model, opt, strategy=strategy)
+    F.cross_entropy(model(torch.arange(6).view(2, 3) + px.rank()).reshape(-1, 11),
+                    torch.arange(6) % 11).backward()
+    opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_meta_build_whose_blocks_reset_their_children_is_drawn_alike_under_zero3():
+    """zero3 draws module by module (fill_shards), ddp materialises everything then resets in
+    the same order (materialize): a reset_parameters that initialises its children, and a tie
+    whose second registrant has no reset_parameters, give the same values both ways."""
+    sharded = run_ranks(_meta_resets, 2, args=("zero3",), timeout=120)
+    whole = run_ranks(_meta_resets, 2, args=("ddp",), timeout=120)
+    for a, b in zip(sharded, whole):
+        assert a.keys() == b.keys()
+        for key in b:
+            assert torch.equal(a[key], b[key]), key
+    assert not torch.equal(whole[0]["block.inner.0.weight"], whole[0]["block.inner.1.weight"])
+
+
+def _reach_out():
+    with pytest.raises(RuntimeError, match="Resets.reset_parameters\\(\\) of 'block' writes "
+                                           "'embed.weight', outside its own module tree"):
+        _meta_resets("zero3", reach_out=True)
+    return True
+
+
+def test_a_reset_parameters_writing_outside_its_module_is_refused_by_name_under_zero3():
+    assert all(run_ranks(_reach_out, 2, timeout=120))
 
 
 def _status(key):
@@ -194,7 +275,7 @@ def _reset_all(model):
 
 def test_a_meta_build_under_zero3_never_holds_the_whole_model_on_a_rank():
     """134 MB of parameters, 2 ranks: the masters (67 MB) plus one module's temporaries
-    (measured rise 89-93 MB per rank with glibc's defaults); with `init=`, which needs the whole
+    (measured rise 88-110 MB per rank with glibc's defaults); with `init=`, which needs the whole
     model first, 150 MB, so this can fail."""
     whole = 32 * 1024 * 1025 * 4
     for rise in run_ranks(_prepare_peak, 2, args=(None,), timeout=120):

@@ -20,15 +20,21 @@ MultiheadAttention draws its output projection before its input projection) need
 
 [Note: only the shards are kept]
 Under zero3 (more than one rank, no `init=`) the values are drawn after the engine is built, so
-that no rank ever holds the whole model: `materialize(..., values=False)` gives every parameter
-storage that is never written (pages the kernel maps only when touched) and the engine lays its
-units out over it, keeping masters of the owned slices only; then `fill_shards` runs each
-module's `reset_parameters()` in order on temporary tensors for that module's own parameters,
-copies the owned pieces into the masters (frozen parameters whole) and drops the rest. The
-generator draws exactly what the full build draws, so the values are the same; what exists at
-once is the masters plus one module's parameters. A `reset_parameters` that writes parameters of
-other modules cannot be split this way: pass `init=`, and the whole model is materialised first
-(4 bytes per fp32 parameter, once, before zero3 keeps 1/N of it).
+that no rank ever holds the whole model: `materialize(..., values=False)` gives every trainable
+parameter a one-element storage seen through a zero stride (its shape, no room for values; the
+engine reads nothing from such a parameter and keeps masters of the owned slices only), frozen
+parameters and buffers real storage. Then `fill_shards` runs each module's `reset_parameters()`
+in order, on temporary CPU tensors in the parameters' own dtypes (what a CPU build draws into,
+whatever the precision or device), copies the owned pieces into the masters (frozen parameters
+whole) and drops the rest. What exists at once is the masters plus one module's parameters.
+
+A `reset_parameters` may initialise its children too (a block resetting its layers): the
+children's parameters are meta tensors during the first try, and if it wrote them (their version
+counters moved) the generator is rewound and the call repeated with temporaries for the whole
+subtree. The children's own `reset_parameters` run later in the same order as in a full
+build, so the last writer wins as it does there. A `reset_parameters` writing parameters outside
+its subtree cannot be split: it is refused by name, and `init=` (which materialises the whole
+model first, 4 bytes per fp32 parameter, once) does it.
 """
 
 from __future__ import annotations
@@ -56,27 +62,32 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
                 values: bool = True) -> None:
     """Give `model` storage on `device` and its initial values (see the module's docstring);
     `values=False`: storage only, for `fill_shards` after the engine is built."""
+    places = _places(model)
     if init is None:  # what only a constructor fills would stay garbage: refuse it
+        firsts = {where[0] for where in places.values()}
         for name, module in model.named_modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                continue
             for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
                 for attr, t in tensors.items():
-                    if t is not None and t.is_meta and not callable(
-                            getattr(module, "reset_parameters", None)):
-                        raise ValueError(
-                            f"the {kind} {(name + '.' if name else '') + attr!r} is on the meta "
-                            f"device and {type(module).__name__} has no reset_parameters() to "
-                            "fill it: pass px.prepare(..., init=fn), fn(model) setting every "
-                            "parameter and buffer, or build that module on a real device")
+                    if t is None or not t.is_meta or (
+                            kind == "parameter" and (module, attr) not in firsts):
+                        continue  # a tie: the first registrant's module fills it
+                    raise ValueError(
+                        f"the {kind} {(name + '.' if name else '') + attr!r} is on the meta "
+                        f"device and {type(module).__name__} has no reset_parameters() to "
+                        "fill it: pass px.prepare(..., init=fn), fn(model) setting every "
+                        "parameter and buffer, or build that module on a real device")
     if values:
         _same_generator_state(comm)
-    places = _places(model)
     old_names = {id(p): name for name, p in model.named_parameters()}
     # Untie: each registration its own parameter for the initialisation.
     for module in model.modules():
         for attr, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[attr] = nn.Parameter(
-                    torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                storage = torch.empty_like(p, device=device) if values or not p.requires_grad \
+                    else _no_room(p, device)
+                module._parameters[attr] = nn.Parameter(storage, requires_grad=p.requires_grad)
         for attr, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[attr] = torch.empty_like(b, device=device)
@@ -110,37 +121,82 @@ def _places(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return places
 
 
+def _no_room(p: torch.Tensor, device) -> torch.Tensor:
+    """`p`'s shape over one element of storage: nothing to read, nothing allocated."""
+    return torch.empty((), dtype=p.dtype, device=device).expand(p.shape)
+
+
 @torch.no_grad()
-def fill_shards(model: nn.Module, pieces: dict, comm) -> None:
+def fill_shards(model: nn.Module, pieces: dict, comm, dtypes: dict) -> None:
     """See [Note: only the shards are kept]. `pieces`: id(param) -> the master pieces this rank
-    holds (the engine's `master_pieces()`), for every parameter the engine manages."""
+    holds (the engine's `master_pieces()`), for every parameter the engine manages; `dtypes`:
+    id(param) -> its dtype before any cast for the precision."""
     _same_generator_state(comm)
-    first = {key: where[0] for key, where in _places(model).items()}
-    for name, module in model.named_modules():
-        reset = getattr(module, "reset_parameters", None)
-        if not callable(reset):
-            continue
-        real = dict(module._parameters)
-        for attr, p in real.items():
+    first = {where[0] for where in _places(model).values()}
+    real, names, by_module = {}, {}, {}
+    for name, m in model.named_modules():
+        for a, p in m._parameters.items():
             if p is not None:
-                module._parameters[attr] = nn.Parameter(torch.empty_like(p),
-                                                        requires_grad=p.requires_grad)
-        try:
-            reset()
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"{type(module).__name__}.reset_parameters() of {name or 'the model'!r} failed "
-                "while zero3 initialised the model one module at a time (it may write "
-                "parameters of other modules); pass px.prepare(..., init=fn), fn(model) "
-                f"setting every parameter and buffer: {exc}") from exc
-        drawn = dict(module._parameters)
-        module._parameters.update(real)
-        for attr, p in real.items():
-            if p is None or first[id(p)] != (module, attr):
-                continue  # a tie: the first registrant's values are the ones kept
-            value = drawn[attr].detach().reshape(-1)
-            if id(p) in pieces:
-                for piece in pieces[id(p)]:
-                    piece.master.view(-1).copy_(value[piece.start:piece.end])
-            else:
-                p.copy_(drawn[attr])
+                real[(m, a)] = p
+                names[(m, a)] = (name + "." if name else "") + a
+                by_module.setdefault(id(m), []).append((m, a))
+    # Every parameter is a meta stand-in while nobody draws into it: a write from outside the
+    # module being initialised moves a version counter instead of touching zero3's storage.
+    stand_in = {key: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                for key, p in real.items()}
+    _swap(stand_in)
+    try:
+        for name, module in model.named_modules():
+            reset = getattr(module, "reset_parameters", None)
+            if not callable(reset):
+                continue
+            own = by_module.get(id(module), [])
+            subtree = [key for sub in module.modules() for key in by_module.get(id(sub), [])]
+            rng = torch.get_rng_state()
+            drawn, written = _draw(module, name, reset, own, real, stand_in, dtypes)
+            if set(written) & set(subtree):  # it initialises its children: again, with them
+                torch.set_rng_state(rng)
+                drawn, written = _draw(module, name, reset, subtree, real, stand_in, dtypes)
+            if written:
+                raise RuntimeError(
+                    f"{type(module).__name__}.reset_parameters() of {name or 'the model'!r} "
+                    f"writes {names[written[0]]!r}, outside its own module tree, so zero3 cannot "
+                    "initialise the model one module at a time; pass px.prepare(..., init=fn), "
+                    "fn(model) setting every parameter and buffer")
+            for key, value in drawn.items():
+                if key not in first:
+                    continue  # a tie: the first registrant's values are the ones kept
+                p, flat = real[key], value.reshape(-1)
+                if id(p) in pieces:
+                    for piece in pieces[id(p)]:
+                        piece.master.view(-1).copy_(flat[piece.start:piece.end])
+                else:
+                    p.copy_(value)
+    finally:
+        _swap(real)
+
+
+def _swap(tensors: dict) -> None:
+    for (module, attr), p in tensors.items():
+        module._parameters[attr] = p
+
+
+def _draw(module, name, reset, keys, real, stand_in, dtypes) -> tuple[dict, list]:
+    """Run `reset` with CPU temporaries for `keys`: (the temporaries, the other parameters whose
+    stand-ins it wrote)."""
+    temps = {key: nn.Parameter(torch.empty(real[key].shape,
+                                           dtype=dtypes.get(id(real[key]), real[key].dtype)),
+                               requires_grad=real[key].requires_grad) for key in keys}
+    seen = {key: t._version for key, t in stand_in.items()}
+    _swap(temps)
+    try:
+        reset()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{type(module).__name__}.reset_parameters() of {name or 'the model'!r} failed "
+            "while zero3 initialised the model one module at a time: pass "
+            "px.prepare(..., init=fn), fn(model) setting every parameter and buffer: "
+            f"{exc}") from exc
+    finally:
+        _swap({key: stand_in[key] for key in temps})
+    return temps, [key for key, t in stand_in.items() if t._version != seen[key]]

@@ -148,12 +148,13 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     policy = make_precision(precision, comm_dtype)
     original_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
+    dtypes = {id(p): p.dtype for p in model.parameters()}  # what a full build draws into
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
                           gather_options if strategy == "zero3" else None, block_classes)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in materialize.py
-        fill_shards(model, engine.master_pieces(), comm)
+        fill_shards(model, engine.master_pieces(), comm, dtypes)
     if on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)
     if optimizer is not None:  # the step that collective records and reports name

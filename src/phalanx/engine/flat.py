@@ -102,7 +102,7 @@ class FlatUnit:
             self.master = torch.zeros(self.hi - self.lo, dtype=self.master_dtype, device=device)
             for p, offset in zip(self.params, self.bucket.offsets):
                 a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
-                if a < b:
+                if a < b and _has_room(p):  # a meta build's values come later (materialize.py)
                     self.master[a - self.lo:b - self.lo].copy_(
                         p.detach().reshape(-1)[a - offset:b - offset])
         else:
@@ -259,3 +259,9 @@ class FlatUnit:
     def clear_reduced(self) -> None:
         self.reduced = None
         self.used = None
+
+
+def _has_room(p: torch.Tensor) -> bool:
+    """False for a parameter seen through a zero stride (a meta build's zero3 parameters before
+    their shards are drawn): it holds no values to read."""
+    return p.numel() <= 1 or 0 not in p.stride()
