@@ -226,10 +226,12 @@ def test_a_unit_bigger_than_the_bound_is_named_in_a_warning():
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"prefetch": -1}, "prefetch=-1: how many units to gather ahead"),
+    ({"prefetch": -1}, "prefetch=-1: how many blocks to gather ahead"),
     ({"prefetch": True}, "prefetch=True"),
     ({"max_gathered_mb": 0}, "max_gathered_mb=0: a positive number"),
     ({"strategy": "zero2", "max_gathered_mb": 10}, "are zero3's: strategy 'zero2'"),
+    ({"strategy": "zero1", "prefetch": 2}, "prefetch, max_gathered_mb and reshard_after_forward "
+                                           "are zero3's: strategy 'zero1'"),
     ({"strategy": "ddp", "reshard_after_forward": False}, "are zero3's: strategy 'ddp'"),
 ])
 def test_gathering_options_are_checked_before_anything_else(options, match):
@@ -329,9 +331,84 @@ def test_named_block_classes_become_the_units_gathered_one_at_a_time():
     (nn.Conv2d, "blocks: no module of class 'Conv2d' in the model"),
     (Sequential4, "blocks: the model itself is a Sequential4"),
     (3, "blocks=3: a module class, a class name, or a tuple of them"),
+    (nn.ModuleList, "blocks: ModuleList is a container that is never called; name the class "
+                    "of the layers it holds"),
 ])
 def test_block_classes_that_name_nothing_are_refused(blocks, match):
     model = Sequential4()
     with pytest.raises(ValueError, match=match):
         px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3",
                    blocks=blocks)
+
+
+class Checkpointed(nn.Module):
+    """Eight blocks: one activation checkpoint over all of them, one per block (reentrant), or
+    none."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+                                    for _ in range(8))
+
+    def run(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True) if self.how == "each" else block(x)
+        return x
+
+    def forward(self, x):
+        if self.how == "segment":
+            return checkpoint(self.run, x, use_reentrant=False)
+        return self.run(x)
+
+
+def _checkpointed(how):
+    torch.manual_seed(0)
+    model = Checkpointed(how).double()
+    model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            strategy="zero3")
+    gatherer = model._engine.gatherer
+    for step in range(4):
+        g = torch.Generator().manual_seed(step * 7 + px.rank())
+        x = torch.randn(4, 32, generator=g, dtype=DTYPE, requires_grad=how == "each")
+        before = gatherer.prefetched
+        out = model(x)
+        forward = gatherer.prefetched - before
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    block = sum(u.full_bytes for u in gatherer.roots[0].units)
+    return (gatherer.peak_bytes / block, gatherer.prefetched - before - forward,
+            {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def test_checkpointed_blocks_are_freed_and_prefetched_in_backward():
+    """A checkpoint over all eight blocks recomputes them in backward: each is freed when the
+    next one's recomputation starts (3 blocks gathered at most: the one whose backward runs,
+    one prefetched, the one recomputing; all 8 were kept before). Reentrant checkpoints per
+    block run nested backwards: the end of the outer one frees, and backward still prefetches
+    in the recorded order. Training is the same as without checkpoints, in float64."""
+    plain = run_ranks(_checkpointed, 2, args=("none",))
+    for how in ("segment", "each"):
+        for (peak, backward_prefetches, state), (_, _, want) in zip(
+                run_ranks(_checkpointed, 2, args=(how,)), plain):
+            assert peak <= 3, (how, peak)
+            assert backward_prefetches >= 6, (how, backward_prefetches)
+            for key, value in want.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-14)
+
+
+def _part_of_a_kept_root():
+    torch.manual_seed(0)
+    model = Checkpointed("none")
+    model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            strategy="zero3", reshard_after_forward=False)
+    model(torch.randn(2, 32))  # every block stays gathered until backward
+    with pytest.raises(RuntimeError, match="zero3: module 'blocks.3.0' was called on its own"):
+        px.unwrap(model).blocks[3][0](torch.randn(2, 32))
+    return True
+
+
+def test_a_part_of_a_gathered_root_called_outside_its_forward_is_refused():
+    """Refused whether or not its parameters happen to be gathered (kept, or prefetched)."""
+    assert all(run_ranks(_part_of_a_kept_root, 2))

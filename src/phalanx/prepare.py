@@ -75,7 +75,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
             broadcast_buffers: bool = True, comm: Comm | None = None,
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
-            step_stats: bool = True, init=None, prefetch: int = 1,
+            step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
             blocks=None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
@@ -101,8 +101,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
         (default: each module's reset_parameters(), in order; materialize.py).
     zero3 only (engine/gather.py):
-    prefetch: how many units ahead to gather while one computes, in the last forward's order
-        and the last backward's (0: gather each when it is needed).
+    prefetch: how many roots ahead to gather while one computes (a root: a repeated block, or
+        the module whose forward brackets a unit's uses), in the last forward's order and the
+        last backward's; 0: gather each when it is needed; None: 1.
     max_gathered_mb: a bound on the full parameters gathered at once, in MiB; prefetching stops
         short of it (a unit needed now is gathered whatever its size). None: no bound.
     reshard_after_forward: False keeps each unit's parameters from its forward to its backward
@@ -179,8 +180,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 def _check_gather_options(strategy, prefetch, max_gathered_mb, reshard_after_forward) -> dict:
     """zero3's gathering options: checked before any collective, refused elsewhere (the other
     strategies keep whole parameters, so there is nothing to gather)."""
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch={prefetch!r}: how many units to gather ahead, 0 or more "
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or prefetch < 0):
+        raise ValueError(f"prefetch={prefetch!r}: how many blocks to gather ahead, 0 or more "
                          "(default 1)")
     if max_gathered_mb is not None and not (
             isinstance(max_gathered_mb, (int, float)) and not isinstance(max_gathered_mb, bool)
@@ -189,11 +191,12 @@ def _check_gather_options(strategy, prefetch, max_gathered_mb, reshard_after_for
                          "None (no bound)")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
-    if strategy != "zero3" and (max_gathered_mb is not None or not reshard_after_forward):
-        raise ValueError(f"max_gathered_mb and reshard_after_forward are zero3's: strategy "
-                         f"{strategy!r} keeps whole parameters and gathers nothing")
+    if strategy != "zero3" and (prefetch is not None or max_gathered_mb is not None
+                                or not reshard_after_forward):
+        raise ValueError(f"prefetch, max_gathered_mb and reshard_after_forward are zero3's: "
+                         f"strategy {strategy!r} keeps whole parameters and gathers nothing")
     limit = None if max_gathered_mb is None else int(max_gathered_mb * 2**20)
-    return {"prefetch": prefetch, "max_gathered_bytes": limit,
+    return {"prefetch": 1 if prefetch is None else prefetch, "max_gathered_bytes": limit,
             "reshard_after_forward": reshard_after_forward}
 
 

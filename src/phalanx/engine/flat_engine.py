@@ -82,7 +82,6 @@ class FlatEngine:
         if self.reshards and self.units:
             self.gatherer = UnitGatherer(module, self.units, comm, block_classes=block_classes,
                                          **(gather_options or {}))
-            self.gatherer.free_all()
         self.nonfinite = None  # a NonFiniteWatch (nonfinite.py), set by px.prepare
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
@@ -117,6 +116,8 @@ class FlatEngine:
         if grad is not None and self.nonfinite is not None:
             self.nonfinite.note(grad)
         self.reducer.backward_started()
+        if self.gatherer is not None:
+            self.gatherer.backward_started()
 
     def _signal(self):
         return self.nonfinite.signal() if self.nonfinite is not None else 0.0

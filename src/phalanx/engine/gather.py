@@ -16,11 +16,19 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
   that autograd saved (the saved tensors are views of the same storage, so they see the
   gathered values again). Not freed: the units rooted at the model itself, with which backward
   starts (they are gathered through the whole forward anyway), every unit under
-  `reshard_after_forward=False`, and a root that runs forward inside backward (a recomputation
-  under activation checkpointing, which its backward is about to read);
+  `reshard_after_forward=False`, and a root recomputed inside backward (activation
+  checkpointing) until the next root's recomputation starts: its backward may be about to read
+  it (a checkpointed block is recomputed after its output's hook gathered it), and a root
+  whose hook has not fired yet in this backward is freed then and gathered again by that hook,
+  so a segment of many blocks checkpointed at once holds two besides what is prefetched;
 - when a unit's gradients are all there, the reducer sends them out (reduced to the owned
-  shard, as zero2 does) and the unit is freed at once; at the end of backward every unit still
-  gathered is freed (one that got no gradient on this rank, or under `no_sync`).
+  shard, as zero2 does) and the unit is freed at once; at the end of the outermost backward
+  (queued from the prepared model's output gate, so a reentrant checkpoint's nested backward
+  does not end it) every unit still gathered is freed (one that got no gradient on this rank,
+  or under `no_sync`).
+
+A module inside a root, called while that root's forward is not running, is refused with an
+error naming both (it would compute on freed storage, or on whatever happens to be gathered).
 
 Writing the gathered values into the buffer does not count as modifying the parameters for
 autograd: each parameter keeps its own version counter (it was given the view with
@@ -37,12 +45,13 @@ backward), the roots that followed it last time, up to `prefetch` of them and wi
 `max_gathered_bytes` counting everything gathered now, are gathered asynchronously (the work
 handle waits on the unit: `unit.pending`, waited for before the unit is used or freed). Every
 rank runs the same model, so every rank issues the same all-gathers in the same order. When
-this pass departs from the last one (a block skipped) prefetching stops for the rest of it and
-roots are gathered on demand; what was gathered for nothing is freed at the end of the forward
-(or of backward), so a changing order costs time, never correctness or memory beyond the
-bound. The first step has no order yet and prefetches nothing. A parameter used outside the forward of every module that registers it (read
-through an attribute by an unrelated module) is not gathered there: register it in the module
-that uses it, as with PyTorch's FSDP.
+this pass departs from the last one (a block skipped), the roots no longer line up position
+by position and prefetching stops until they do again; roots are gathered on demand; what was
+gathered for nothing is freed at the end of the forward (or of backward), so a changing order
+costs time, never correctness or memory beyond the bound. The first step has no order yet and
+prefetches nothing. A parameter used outside the forward of every module that registers it
+(read through an attribute by an unrelated module) is not gathered there: register it in the
+module that uses it, as with PyTorch's FSDP.
 """
 
 from __future__ import annotations
@@ -166,11 +175,15 @@ class UnitGatherer:
         # A module inside a root, called on its own, would compute on freed storage: it gets
         # an error that says so instead (a check of a flag per call).
         unit_of = {id(p): u for u in self.units for p in u.params}
+        index_of = {r.name: r.index for r in self.roots}
         for name, sub in modules.items():
-            mine = {id(unit_of[id(p)]): unit_of[id(p)] for p in sub._parameters.values()
+            mine = {id(unit_of[id(p)]) for p in sub._parameters.values()
                     if p is not None and id(p) in unit_of}
             if any(root_of[k] != name for k in mine):
-                sub.register_forward_pre_hook(self._guard(name, list(mine.values()), root_of))
+                sub.register_forward_pre_hook(self._guard(
+                    name, sorted({index_of[root_of[k]] for k in mine})))
+        self._active: set[int] = set()        # roots whose forward is running
+        self._recomputed: list[int] = []      # roots kept after a recomputation in backward
         self._callback_queued = False  # the end-of-backward free is queued
         self._forward_seen: list[int] = []    # roots in the order this forward reached them
         self._forward_order: list[int] = []   # ... and the last complete forward's
@@ -214,7 +227,16 @@ class UnitGatherer:
             self._forward_order, self._forward_seen = self._forward_seen, []
         self._callback_queued = False
         self._backward_seen = []
+        self._active.clear()  # a forward that raised
+        self._recomputed = []
         self.free_all()
+
+    def backward_started(self) -> None:
+        """From the prepared model's output gate: the end of this (outermost) backward frees
+        what is left (see the Note)."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _forward_done(self, _module, _args, _output):
         for index in self._prefetched:  # the forward took another path than the last one
@@ -244,37 +266,47 @@ class UnitGatherer:
             gathered += need
         self.peak_bytes = max(self.peak_bytes, gathered)
 
-    @staticmethod
-    def _guard(name, units, root_of):
+    def _guard(self, name: str, roots: list[int]):
         def hook(_module, _args):
-            for unit in units:
-                if not unit.gathered:
-                    root = root_of[id(unit)] or "the model"
+            for index in roots:
+                if index not in self._active:
+                    root = self.roots[index].name or "the model"
                     raise RuntimeError(
                         f"zero3: module {name!r} was called on its own, but its parameters "
                         f"are gathered only during the forward of {root!r} (between uses each "
                         "rank keeps 1/N of them); call the prepared model instead, or prepare "
                         "with strategy='zero2', which keeps whole parameters")
-                unit.wait_gathered()
+                for unit in self.roots[index].units:
+                    unit.wait_gathered()
         return hook
 
     def _before(self, root: _Root):
         def hook(_module, _args):
+            self._active.add(root.index)
             self._prefetched.discard(root.index)
+            if _in_backward():  # a recomputation (activation checkpointing): see the Note
+                hooked = set(self._backward_seen)
+                for index in self._recomputed:
+                    if index not in hooked and index != root.index:
+                        for unit in self.roots[index].units:
+                            unit.reshard()
+                self._recomputed = []
             self.gather(root.units)
-            if not _in_backward():  # not a recomputation (activation checkpointing)
+            if not _in_backward():
                 self._forward_seen.append(root.index)
                 self._prefetch(self._forward_order, self._forward_seen)
         return hook
 
     def _after(self, root: _Root):
         def hook(_module, _args, output):
+            self._active.discard(root.index)
             grad = torch.is_grad_enabled()
+            recomputed = grad and _in_backward()
             # Kept: the model's own root (backward starts with it), everything when asked,
-            # and a root recomputed inside backward (activation checkpointing), which its
-            # backward is about to read.
-            keep = grad and (root.is_model or not self.reshard_after_forward
-                             or _in_backward())
+            # and a recomputed root until the next recomputation starts (see the Note).
+            keep = grad and (root.is_model or not self.reshard_after_forward or recomputed)
+            if recomputed and not root.is_model:
+                self._recomputed.append(root.index)
             if not keep:
                 for unit in root.units:
                     unit.reshard()
@@ -292,9 +324,7 @@ class UnitGatherer:
         def hook(grad):
             self._prefetched.discard(root.index)
             self.gather(root.units)
-            if not self._callback_queued:  # free whatever is left at the end of backward
-                self._callback_queued = True
-                Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.backward_started()  # in case backward began elsewhere than at the gate
             seen = self._backward_seen
             if not seen or seen[-1] != root.index:  # a root's several outputs: once
                 seen.append(root.index)
@@ -304,6 +334,7 @@ class UnitGatherer:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self._recomputed = []
         if self._backward_seen:
             self._backward_order, self._backward_seen = self._backward_seen, []
         self.free_all()

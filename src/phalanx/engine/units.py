@@ -54,21 +54,32 @@ def resolve_block_classes(model: nn.Module, blocks) -> tuple[type, ...] | None:
     if blocks is None:
         return None
     given = list(blocks) if isinstance(blocks, (tuple, list)) else [blocks]
-    present = {type(m).__name__: type(m) for m in model.modules()}
+    present: dict[str, list[type]] = {}
+    for m in model.modules():
+        same = present.setdefault(type(m).__name__, [])
+        if type(m) not in same:
+            same.append(type(m))
     classes = []
     for b in given:
         if isinstance(b, str):
             if b not in present:
                 raise ValueError(f"blocks: no module of class {b!r} in the model (its classes: "
                                  f"{', '.join(sorted(present)[:12])})")
-            classes.append(present[b])
+            classes.extend(present[b])  # every class of that name
         elif isinstance(b, type) and issubclass(b, nn.Module):
+            if issubclass(b, (nn.ModuleList, nn.ModuleDict)):
+                raise ValueError(f"blocks: {b.__name__} is a container that is never called; "
+                                 "name the class of the layers it holds")
             if not any(isinstance(m, b) for m in model.modules()):
                 raise ValueError(f"blocks: no module of class {b.__name__!r} in the model")
             classes.append(b)
         else:
             raise ValueError(f"blocks={blocks!r}: a module class, a class name, or a tuple of "
                              "them")
+    for cls in classes:
+        if issubclass(cls, (nn.ModuleList, nn.ModuleDict)):  # named by a string
+            raise ValueError(f"blocks: {cls.__name__} is a container that is never called; "
+                             "name the class of the layers it holds")
     if isinstance(model, tuple(classes)):
         raise ValueError(f"blocks: the model itself is a {type(model).__name__}; name the class "
                          "of its repeated layers")
