@@ -204,3 +204,9 @@ def test_blocks_names_the_repeated_layers_of_a_factory(capsys):
     assert gathered[False] == (8 * 32 + 32 + 4 * layer + 32 * 3 + 3) * 4  # one root: the model
     code, _, err = run(capsys, "--params", "1e9", "--blocks", "Layer")
     assert code != 0 and "--blocks goes with --model" in err
+
+
+def test_blocks_with_a_description_already_made_is_refused():
+    from phalanx.planner.model_desc import from_count
+    with pytest.raises(ValueError, match="blocks goes where the model is described"):
+        px.plan(from_count(1e9), gpus=2, blocks="Layer")

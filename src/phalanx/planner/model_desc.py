@@ -210,6 +210,9 @@ def describe(model=None, *, params=None, config=None, make_input=None, blocks=No
     if config is not None:
         return from_config(config)
     if isinstance(model, ModelDesc):
+        if blocks is not None:  # its units were laid out when it was described
+            raise ValueError("blocks goes where the model is described: "
+                             "describe(module, blocks=...), then plan that description")
         return model
     if isinstance(model, nn.Module):
         return from_module(model, make_input=make_input, blocks=blocks)
