@@ -1,6 +1,9 @@
 """Communication: the ring formulas, and the planner's payload per step against the bytes the
 collectives layer counts in a real run of px.prepare."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -8,6 +11,9 @@ from torch import nn
 import phalanx as px
 from phalanx.planner.comm import collectives, step_time, wire_bytes
 from phalanx.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import Chain  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 3, 8, 64])
@@ -45,21 +51,28 @@ def test_overlap_hides_communication_up_to_the_backward():
     assert t.scaling_efficiency == pytest.approx(1.5 / 2.25)
 
 
-def _model():
+def _model(blocks=False):
+    """blocks: an input layer, four repeated blocks and a head (zero3: a root per block, the
+    last one kept from forward into backward, and the model-level units kept too)."""
     torch.manual_seed(0)
+    if blocks:
+        return nn.Sequential(nn.Linear(32, 48), Chain([nn.Sequential(nn.Linear(48, 48),
+                                                                     nn.Tanh())
+                                                       for _ in range(4)]), nn.Linear(48, 5))
     return nn.Sequential(nn.Linear(32, 200), nn.Tanh(), nn.Linear(200, 100), nn.Tanh(),
                          nn.Linear(100, 5))
 
 
-CASES = [("ddp", "fp32"), ("ddp", "bf16"), ("zero1", "fp32"), ("zero1", "bf16"),
-         ("zero2", "fp32"), ("zero2", "bf16"), ("zero3", "fp32"), ("zero3", "bf16")]
+CASES = [("ddp", "fp32", False), ("ddp", "bf16", False), ("zero1", "fp32", False),
+         ("zero1", "bf16", False), ("zero2", "fp32", False), ("zero2", "bf16", False),
+         ("zero3", "fp32", False), ("zero3", "bf16", False), ("zero3", "fp32", True)]
 
 
 def _counted_payload(steps=2, accum=2):
     from phalanx import collectives
     results = []
-    for strategy, precision in CASES:
-        model = _model()
+    for strategy, precision, blocks in CASES:
+        model = _model(blocks)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
 
@@ -83,8 +96,8 @@ def _counted_payload(steps=2, accum=2):
 def test_planned_payload_matches_the_collectives_counter():
     world = 2
     measured = run_ranks(_counted_payload, world, timeout=120)
-    for (strategy, precision), counted in zip(CASES, measured[0]):
-        planned = px.plan(_model(), gpus=world, precision={"fp32": "fp32"}.get(precision,
+    for (strategy, precision, blocks), counted in zip(CASES, measured[0]):
+        planned = px.plan(_model(blocks), gpus=world, precision={"fp32": "fp32"}.get(precision,
                                                                                  "bf16-mixed"),
                           optimizer="sgd-momentum", strategy=strategy, backend="gloo",
                           grad_accum=2, input_shape="32")[strategy].comm_payload_bytes

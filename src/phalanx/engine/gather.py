@@ -15,8 +15,10 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
   gathers them again when backward reaches them, before the root's backward needs the values
   that autograd saved (the saved tensors are views of the same storage, so they see the
   gathered values again). Not freed: the units rooted at the model itself, with which backward
-  starts (they are gathered through the whole forward anyway), every unit under
-  `reshard_after_forward=False`, and a root recomputed inside backward (activation
+  starts (they are gathered through the whole forward anyway), the root the last forward
+  ended with when this forward reaches it last too (backward begins there, so freeing it
+  would only gather it again at once; FSDP2 keeps its root module's parameters for the same
+  reason), every unit under `reshard_after_forward=False`, and a root recomputed inside backward (activation
   checkpointing) until the next root's recomputation starts: its backward may be about to read
   it (a checkpointed block is recomputed after its output's hook gathered it), and a root
   whose hook has not fired yet in this backward is freed then and gathered again by that hook,
@@ -302,9 +304,11 @@ class UnitGatherer:
             self._active.discard(root.index)
             grad = torch.is_grad_enabled()
             recomputed = grad and _in_backward()
-            # Kept: the model's own root (backward starts with it), everything when asked,
-            # and a recomputed root until the next recomputation starts (see the Note).
-            keep = grad and (root.is_model or not self.reshard_after_forward or recomputed)
+            # Kept: the model's own root and the last one (backward starts with them),
+            # everything when asked, and a recomputed root until the next recomputation
+            # starts (see the Note).
+            keep = grad and (root.is_model or not self.reshard_after_forward or recomputed
+                             or self._ends_forward(root))
             if recomputed and not root.is_model:
                 self._recomputed.append(root.index)
             if not keep:
@@ -314,6 +318,12 @@ class UnitGatherer:
                 map_tensors(lambda t: self._watch_output(t, root), output)
             return None
         return hook
+
+    def _ends_forward(self, root: _Root) -> bool:
+        """This forward has followed the last one root for root, and that one ended here."""
+        order, seen = self._forward_order, self._forward_seen
+        return (not _in_backward() and len(seen) == len(order) and bool(order)
+                and order[-1] == root.index and seen[-1] == root.index)
 
     def _watch_output(self, t, root):
         if isinstance(t, torch.Tensor) and t.requires_grad:

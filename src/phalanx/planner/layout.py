@@ -34,10 +34,11 @@ def unit_sizes(shapes, count: int, compute_bytes: int, bucket_mb: float = 25.0,
 def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int, int]:
     """zero3: (elements gathered at once at most, elements kept gathered from forward to
     backward). Units are gathered together by root (engine/gather.py): the units rooted at the
-    model itself stay gathered through the forward and into backward; of the other roots, the
-    one computing and the one prefetched (prefetch=1) are gathered at once. From a module the
-    roots are the engine's own; from a config, each repeated block is a root and the rest is
-    left out (a model-level embedding tied to the head would add its size)."""
+    model itself, and the root the forward ends with, stay gathered into backward; of the other
+    roots, the one computing and the one prefetched (prefetch=1) are gathered at once. From a
+    module the roots are the engine's own, the last registered taken as the last to run; from
+    a config, each repeated block is a root and the rest is left out (a model-level embedding
+    tied to the head would add its size)."""
     if desc.module is not None:
         from ..engine.gather import unit_roots
         from ..engine.units import module_units
@@ -46,19 +47,22 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[
         if not params:
             return 0, 0
         runs = module_units(desc.module, params, compute_bytes, bucket_mb, desc.block_classes)
-        sizes: dict[str, int] = {}
+        sizes: dict[str, int] = {}  # in backward order: the forward's last root first
         for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes)):
             sizes[root] = sizes.get(root, 0) + sum(p.numel() for p in run)
-        kept = sizes.pop("", 0)
+        model_rooted = sizes.pop("", 0)
+        last = next(iter(sizes.values()), 0)
     else:
-        kept, sizes = 0, {}
+        model_rooted, sizes = 0, {}
         shapes, blocks = desc.trainable_shapes, desc.trainable_blocks
         if shapes is not None and blocks is not None:
-            for shape, block in zip(shapes, blocks):
+            for shape, block in reversed(list(zip(shapes, blocks))):
                 if block is not None:
                     sizes[block] = sizes.get(block, 0) + math.prod(shape)
         if not sizes:  # a bare count: two of the largest unit
             return 2 * max(unit_sizes(shapes, desc.trainable_params, compute_bytes, bucket_mb,
                                       blocks)), 0
+        last = next(iter(sizes.values()))
     largest = sorted(sizes.values(), reverse=True)[:2]
-    return kept + (2 * largest[0] if len(largest) == 2 else sum(largest)), kept
+    return (model_rooted + (2 * largest[0] if len(largest) == 2 else sum(largest)),
+            model_rooted + last)
