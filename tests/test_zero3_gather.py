@@ -412,3 +412,80 @@ def _part_of_a_kept_root():
 def test_a_part_of_a_gathered_root_called_outside_its_forward_is_refused():
     """Refused whether or not its parameters happen to be gathered (kept, or prefetched)."""
     assert all(run_ranks(_part_of_a_kept_root, 2))
+
+
+class Heads(nn.Module):
+    """Two equal heads, one chosen by the rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, h):
+        return self.left(h) if px.rank() == 0 else self.right(h)
+
+
+class RankBranch(nn.Module):
+    """grouped: the heads inside one module, gathered as a whole (its root); otherwise each
+    head is a child of the model, so a root of its own."""
+
+    def __init__(self, grouped):
+        super().__init__()
+        self.grouped = grouped
+        self.trunk = nn.Linear(16, 16)
+        if grouped:
+            self.heads = Heads()
+        else:
+            self.left, self.right = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        if self.grouped:
+            return self.heads(h)
+        return self.left(h) if px.rank() == 0 else self.right(h)
+
+    def head(self, r):
+        heads = self.heads if self.grouped else self
+        return heads.left if r == 0 else heads.right
+
+
+def _rank_branch(grouped, reference=False):
+    torch.manual_seed(0)
+    model = RankBranch(grouped).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if not reference:  # units of one parameter each: the heads apart, as in a large model
+        model, opt = px.prepare(model, opt, strategy="zero3", bucket_mb=1e-5)
+    for step in range(3):
+        ranks = range(2) if reference else [px.rank()]
+        loss = 0
+        for r in ranks:  # one process: rank r's batch through rank r's head, averaged
+            g = torch.Generator().manual_seed(step * 10 + r)
+            x = torch.randn(4, 16, generator=g, dtype=DTYPE)
+            out = model.head(r)(torch.tanh(model.trunk(x))) if reference else model(x)
+            loss = loss + out.square().mean() / len(ranks)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _refused_branch():
+    with pytest.raises(RuntimeError, match="zero3: the ranks gathered different modules in this "
+                                           "forward \\(gather 2: rank 0 'left', rank 1 "
+                                           "'right'\\)"):
+        _rank_branch(False)
+    return True
+
+
+def test_a_branch_on_the_rank_inside_one_gathered_module_trains_and_across_two_is_refused():
+    """Inside one root, rank 0's head gets gradients and rank 1's does not (and the other way
+    round): their units are ready mid-backward on one rank and at its end on the other, while
+    backward gathers the trunk; gathers and reductions are two sequences on two groups, so it
+    trains as one process does, in float64 (it hung before). Across roots, rank 0 would gather
+    'left' while rank 1 gathers 'right' (the same size, so the values would be each other's):
+    every rank raises, naming them."""
+    want = _rank_branch(True, reference=True)
+    for got in run_ranks(_rank_branch, 2, args=(True,)):
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-14)
+    assert all(run_ranks(_refused_branch, 2))

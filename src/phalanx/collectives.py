@@ -158,6 +158,20 @@ class Comm:
         self.tag: str | None = None  # a default tag for calls that name none
         _live.add(self)
 
+    def twin(self) -> "Comm":
+        """A Comm over the same ranks, with the same choice of primitives, on a process group
+        of its own: what is issued on it is a sequence of its own, ordered apart from this
+        one's (zero3's gathers beside the reductions, engine/gather.py). Only the ranks of
+        this group take part in making it."""
+        if self.group is None:
+            return self
+        group = dist.new_group(dist.get_process_group_ranks(self.group),
+                               use_local_synchronization=True)
+        twin = Comm(group)
+        twin.uses_reduce_scatter = self.uses_reduce_scatter
+        twin.gathers_by_broadcast = self.gathers_by_broadcast
+        return twin
+
     # -- bookkeeping ---------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

@@ -80,7 +80,9 @@ class FlatEngine:
                       for i, run in enumerate(runs)]
         self.gatherer = None
         if self.reshards and self.units:
-            self.gatherer = UnitGatherer(module, self.units, comm, block_classes=block_classes,
+            # Gathers on a group of their own: see [Note: two sequences of collectives]
+            self.gatherer = UnitGatherer(module, self.units, comm.twin(),
+                                         block_classes=block_classes,
                                          **(gather_options or {}))
         self.nonfinite = None  # a NonFiniteWatch (nonfinite.py), set by px.prepare
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,

@@ -32,6 +32,27 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
 A module inside a root, called while that root's forward is not running, is refused with an
 error naming both (it would compute on freed storage, or on whatever happens to be gathered).
 
+[Note: two sequences of collectives]
+A unit's gradients are reduced when they are all there, which can differ between ranks: a
+parameter used on one rank only (a branch on the rank inside one root) makes its unit ready
+mid-backward there and only at the end of backward elsewhere. The reducer keeps its own
+sequence the same everywhere (units go out in a fixed order, each once every rank has it),
+but a gather issued in backward between two reductions on one rank and after both on another
+would meet a reduction on the wire and hang. So the gathers run on a process group of their
+own (`Comm.twin`, made once in prepare): the reductions form one sequence, the gathers
+another, each the same on every rank.
+
+[Note: every rank runs the same roots]
+A gather is a collective: every rank must reach the same roots in the same order, as with
+PyTorch's FSDP and DeepSpeed's ZeRO-3. A branch that depends on the rank (or on per-rank
+randomness, such as layer drop) is fine inside one root: both branches' parameters are
+gathered together. Across roots it would pair one rank's gather of one block with another's
+of a different block, which gives wrong values when the two are the same size (a collective
+mismatch or a hang otherwise). So at the end of every forward that records gradients, the
+ranks compare the sequence of roots they ran (one all-gather of 16 bytes per rank) and, if it
+differs, every rank raises an error naming where, before backward or the step can use the
+values. Forwards under `torch.no_grad()` are not compared.
+
 Writing the gathered values into the buffer does not count as modifying the parameters for
 autograd: each parameter keeps its own version counter (it was given the view with
 `param.data = ...`), so the saved tensors stay valid.
@@ -57,6 +78,8 @@ module that uses it, as with PyTorch's FSDP.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 from torch import nn
@@ -241,11 +264,44 @@ class UnitGatherer:
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _forward_done(self, _module, _args, _output):
+        if self.comm.world > 1 and torch.is_grad_enabled():
+            self._same_roots_everywhere()
         for index in self._prefetched:  # the forward took another path than the last one
             for unit in self.roots[index].units:
                 unit.reshard()
         self.prefetched_unused += len(self._prefetched)
         self._prefetched.clear()
+
+    def _same_roots_everywhere(self) -> None:
+        """See [Note: two sequences of collectives]
+A unit's gradients are reduced when they are all there, which can differ between ranks: a
+parameter used on one rank only (a branch on the rank inside one root) makes its unit ready
+mid-backward there and only at the end of backward elsewhere. The reducer keeps its own
+sequence the same everywhere (units go out in a fixed order, each once every rank has it),
+but a gather issued in backward between two reductions on one rank and after both on another
+would meet a reduction on the wire and hang. So the gathers run on a process group of their
+own (`Comm.twin`, made once in prepare): the reductions form one sequence, the gathers
+another, each the same on every rank.
+
+[Note: every rank runs the same roots]."""
+        seen = self._forward_seen
+        mine = torch.tensor([len(seen), zlib.crc32(repr(seen).encode())], dtype=torch.int64,
+                            device=self.comm.device)
+        signatures = self.comm.all_gather_list(mine, tag="zero3:roots")
+        if all(torch.equal(s, signatures[0]) for s in signatures):
+            return
+        paths = self.comm.all_gather_object([self.roots[i].name or "the model" for i in seen],
+                                            tag="zero3:roots")
+        first = next((i for i in range(max(map(len, paths)))
+                      if len({tuple(p[i:i + 1]) for p in paths}) > 1), 0)
+        ran = ", ".join(f"rank {r} {p[first] if first < len(p) else 'nothing'!r}"
+                        for r, p in enumerate(paths))
+        raise RuntimeError(
+            f"zero3: the ranks gathered different modules in this forward (gather {first + 1}: "
+            f"{ran}). Each is gathered by a collective every rank joins in the same order, so "
+            "a branch that depends on the rank must stay inside one module gathered as a whole "
+            "(a repeated block; px.prepare(..., blocks=[its class]) makes one), or the choice "
+            "the same on every rank; strategy='zero2' keeps whole parameters")
 
     def _prefetch(self, order: list[int], seen: list[int]) -> None:
         """See [Note: prefetch]: gather the roots that followed this one in `order`."""
