@@ -18,11 +18,12 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
   starts (they are gathered through the whole forward anyway), the root the last forward
   ended with when this forward reaches it last too (backward begins there, so freeing it
   would only gather it again at once; FSDP2 keeps its root module's parameters for the same
-  reason), every unit under `reshard_after_forward=False`, and a root recomputed inside backward (activation
-  checkpointing) until the next root's recomputation starts: its backward may be about to read
-  it (a checkpointed block is recomputed after its output's hook gathered it), and a root
-  whose hook has not fired yet in this backward is freed then and gathered again by that hook,
-  so a segment of many blocks checkpointed at once holds two besides what is prefetched;
+  reason), every unit under `reshard_after_forward=False`, and a root recomputed inside
+  backward (activation checkpointing) until the next root's recomputation starts: its
+  backward may be about to read it (a checkpointed block is recomputed after its output's
+  hook gathered it), and a root whose hook has not fired yet in this backward is freed then
+  and gathered again by that hook, so a segment of many blocks checkpointed at once holds two
+  besides what is prefetched;
 - when a unit's gradients are all there, the reducer sends them out (reduced to the owned
   shard, as zero2 does) and the unit is freed at once; at the end of the outermost backward
   (queued from the prepared model's output gate, so a reentrant checkpoint's nested backward
