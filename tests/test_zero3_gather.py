@@ -489,3 +489,35 @@ def test_a_branch_on_the_rank_inside_one_gathered_module_trains_and_across_two_i
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-14)
     assert all(run_ranks(_refused_branch, 2))
+
+
+def _two_models(interleaved):
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = Chain([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)]).double()
+        models.append(px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 strategy="zero3"))
+    order = [0, 1, 0, 1, 0, 1] if interleaved else [0, 0, 0, 1, 1, 1]
+    steps = [0, 0]
+    for which in order:
+        model, opt = models[which]
+        g = torch.Generator().manual_seed(steps[which] * 10 + which * 100 + px.rank())
+        steps[which] += 1
+        model(torch.randn(4, 16, generator=g, dtype=DTYPE)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    groups = {id(m._engine.gatherer.comm.group) for m, _ in models}
+    return len(groups), [{k: v.clone() for k, v in m.state_dict().items()} for m, _ in models]
+
+
+def test_two_zero3_models_in_one_process_share_the_gathers_group_and_train_alike():
+    """One group for every model's gathers (Comm.twin makes it once per process); two models
+    trained turn by turn end where each trained alone ends."""
+    together = run_ranks(_two_models, 2, args=(True,))
+    apart = run_ranks(_two_models, 2, args=(False,))
+    for (groups, states), (_, want) in zip(together, apart):
+        assert groups == 1
+        for got, expected in zip(states, want):
+            for key, value in expected.items():
+                assert torch.equal(got[key], value), key

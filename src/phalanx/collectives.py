@@ -130,6 +130,7 @@ class Handle:
 
 
 _live: "weakref.WeakSet[Comm]" = weakref.WeakSet()
+_twin_groups: dict = {}  # a process group -> the group of its twins (Comm.twin)
 
 
 class Comm:
@@ -162,11 +163,16 @@ class Comm:
         """A Comm over the same ranks, with the same choice of primitives, on a process group
         of its own: what is issued on it is a sequence of its own, ordered apart from this
         one's (zero3's gathers beside the reductions, engine/gather.py). Only the ranks of
-        this group take part in making it."""
+        this group take part in making it, once per group and process: every later twin of
+        the same group shares it (each model's gathers are the same on every rank, so one
+        sequence holds them all), so preparing model after model does not add groups."""
         if self.group is None:
             return self
-        group = dist.new_group(dist.get_process_group_ranks(self.group),
-                               use_local_synchronization=True)
+        group = _twin_groups.get(self.group)
+        if group is None:
+            group = dist.new_group(dist.get_process_group_ranks(self.group),
+                                   use_local_synchronization=True)
+            _twin_groups[self.group] = group
         twin = Comm(group)
         twin.uses_reduce_scatter = self.uses_reduce_scatter
         twin.gathers_by_broadcast = self.gathers_by_broadcast
