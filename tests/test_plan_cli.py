@@ -210,3 +210,24 @@ def test_blocks_with_a_description_already_made_is_refused():
     from phalanx.planner.model_desc import from_count
     with pytest.raises(ValueError, match="blocks goes where the model is described"):
         px.plan(from_count(1e9), gpus=2, blocks="Layer")
+
+
+def test_zero3_gathering_options_change_the_plan(capsys):
+    """--prefetch 0 gathers one layer at a time; --keep-until-backward keeps every layer from
+    its forward to its backward, so all are gathered at once and backward gathers nothing
+    again (one all-gather of the parameters per step, not two)."""
+    factory = f"{Path(__file__).parent / 'test_zero3_gather.py'}:Sequential4"
+    layer, total = 32 * 64 * 2 + 64 + 32, 8 * 32 + 32 + 4 * (32 * 64 * 2 + 64 + 32) + 32 * 3 + 3
+    entries = {}
+    for extra in ([], ["--prefetch", "0"], ["--keep-until-backward"]):
+        code, out, err = run(capsys, "--model", factory, "--input-shape", "8", "--gpus", "2",
+                             "--precision", "fp32", "--strategy", "zero3", "--json",
+                             "--blocks", "Layer", *extra)
+        assert code == 0, err
+        entries[tuple(extra)] = json.loads(out)["strategies"]["zero3"]
+    gathered = {k: v["buffers_detail"]["gathered_params"] for k, v in entries.items()}
+    assert gathered[()] == 2 * layer * 4 and gathered[("--prefetch", "0")] == layer * 4
+    assert gathered[("--keep-until-backward",)] == total * 4
+    gathers = {k: v["comm_payload_bytes"]["all_gather"] for k, v in entries.items()}
+    assert gathers[("--keep-until-backward",)] == total * 4
+    assert gathers[()] == (2 * total - (32 * 3 + 3)) * 4  # the head, last to run, is kept

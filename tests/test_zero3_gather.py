@@ -194,17 +194,30 @@ def _peaks(options):
             sum(u.full_bytes for u in gatherer.roots[1].units))
 
 
+def _planned_gathered(options):
+    model = Chain([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+    return px.plan(model, gpus=2, strategy="zero3", precision="fp32", optimizer="sgd-momentum",
+                   backend="gloo", input_shape="64", **options)["zero3"] \
+        .buffers_detail["gathered_params"]
+
+
 def test_the_bound_on_what_is_gathered_at_once_holds():
     """Six equal blocks of 16.6 kB: prefetching 4 ahead gathers 5 at once; a bound of 2.5
-    blocks lets 2 be gathered at once; prefetch=0 gathers 1."""
+    blocks lets 2 be gathered at once; prefetch=0 gathers 1; kept until backward, all 6. The
+    planner, given the same options, predicts each."""
+    bound = {"prefetch": 4, "max_gathered_mb": 2.5 * 64 * 65 * 4 / 2**20}
     far, far_count, roots, block = run_ranks(_peaks, 2, args=({"prefetch": 4},))[0]
-    bounded, bounded_count, _, _ = run_ranks(
-        _peaks, 2, args=({"prefetch": 4, "max_gathered_mb": 2.5 * 64 * 65 * 4 / 2**20},))[0]
+    bounded, bounded_count, _, _ = run_ranks(_peaks, 2, args=(bound,))[0]
     none, none_count, _, _ = run_ranks(_peaks, 2, args=({"prefetch": 0},))[0]
+    kept, _, _, _ = run_ranks(_peaks, 2, args=({"reshard_after_forward": False},))[0]
     assert roots == 6 and block == 64 * 65 * 4
     assert none == block and none_count == 0
-    assert far >= 4 * block and far_count > 0
-    assert bounded <= 2.5 * block and bounded_count > 0
+    assert far == 5 * block and far_count > 0
+    assert bounded == 2 * block and bounded_count > 0
+    assert kept == 6 * block
+    for options, peak in (({"prefetch": 4}, far), (bound, bounded), ({"prefetch": 0}, none),
+                          ({"reshard_after_forward": False}, kept), ({}, 2 * block)):
+        assert _planned_gathered(options) == peak, options
 
 
 def _oversized():

@@ -31,6 +31,7 @@ from .replicas import ReplicaCheck
 from .step_report import StepClock, step_stats as _step_stats
 from .engine import optimizer_state_dict as _optimizer_state_dict
 from .engine.optim import optimizer_groups
+from .engine.gather import check_gather_options
 from .engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
 from .prepared import PreparedModule
@@ -113,7 +114,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     """
     strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
                                          check_replicas_every)
-    gather_options = _check_gather_options(strategy, prefetch, max_gathered_mb,
+    gather_options = check_gather_options(strategy, prefetch, max_gathered_mb,
                                            reshard_after_forward)
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}: one of 'raise' (the default), 'skip', "
@@ -175,29 +176,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
                              original_dtypes=original_dtypes, clock=clock)
     return wrapped, optimizer
-
-
-def _check_gather_options(strategy, prefetch, max_gathered_mb, reshard_after_forward) -> dict:
-    """zero3's gathering options: checked before any collective, refused elsewhere (the other
-    strategies keep whole parameters, so there is nothing to gather)."""
-    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
-                                 or prefetch < 0):
-        raise ValueError(f"prefetch={prefetch!r}: how many blocks to gather ahead, 0 or more "
-                         "(default 1)")
-    if max_gathered_mb is not None and not (
-            isinstance(max_gathered_mb, (int, float)) and not isinstance(max_gathered_mb, bool)
-            and math.isfinite(max_gathered_mb) and max_gathered_mb > 0):
-        raise ValueError(f"max_gathered_mb={max_gathered_mb!r}: a positive number of MiB, or "
-                         "None (no bound)")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
-    if strategy != "zero3" and (prefetch is not None or max_gathered_mb is not None
-                                or not reshard_after_forward):
-        raise ValueError(f"prefetch, max_gathered_mb and reshard_after_forward are zero3's: "
-                         f"strategy {strategy!r} keeps whole parameters and gathers nothing")
-    limit = None if max_gathered_mb is None else int(max_gathered_mb * 2**20)
-    return {"prefetch": 1 if prefetch is None else prefetch, "max_gathered_bytes": limit,
-            "reshard_after_forward": reshard_after_forward}
 
 
 def _warn_oversized(engine, max_gathered_mb) -> None:

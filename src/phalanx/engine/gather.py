@@ -80,6 +80,7 @@ module that uses it, as with PyTorch's FSDP.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -89,7 +90,30 @@ from torch.autograd import Variable
 from .._tree import map_tensors
 from .units import find_blocks
 
-__all__ = ["UnitGatherer", "unit_roots"]
+__all__ = ["UnitGatherer", "unit_roots", "check_gather_options"]
+
+
+def check_gather_options(strategy, prefetch, max_gathered_mb, reshard_after_forward) -> dict:
+    """zero3's gathering options: checked before any collective, refused elsewhere (the other
+    strategies keep whole parameters, so there is nothing to gather)."""
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or prefetch < 0):
+        raise ValueError(f"prefetch={prefetch!r}: how many blocks to gather ahead, 0 or more "
+                         "(default 1)")
+    if max_gathered_mb is not None and not (
+            isinstance(max_gathered_mb, (int, float)) and not isinstance(max_gathered_mb, bool)
+            and math.isfinite(max_gathered_mb) and max_gathered_mb > 0):
+        raise ValueError(f"max_gathered_mb={max_gathered_mb!r}: a positive number of MiB, or "
+                         "None (no bound)")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
+    if strategy != "zero3" and (prefetch is not None or max_gathered_mb is not None
+                                or not reshard_after_forward):
+        raise ValueError(f"prefetch, max_gathered_mb and reshard_after_forward are zero3's: "
+                         f"strategy {strategy!r} keeps whole parameters and gathers nothing")
+    limit = None if max_gathered_mb is None else int(max_gathered_mb * 2**20)
+    return {"prefetch": 1 if prefetch is None else prefetch, "max_gathered_bytes": limit,
+            "reshard_after_forward": reshard_after_forward}
 
 
 def _owners(module: nn.Module) -> dict[int, list[str]]:

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ..engine.gather import check_gather_options
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
 from .layout import unit_sizes, zero3_gathering
@@ -57,7 +58,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          inter_node_bw="ib-400g", bucket_mb: float = 25.0, comm_dtype=None,
          attention: str = "eager", backend: str = "nccl", input_shape=None,
          input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB",
-         blocks=None) -> PlanResult:
+         blocks=None, prefetch: int = 1, max_gathered_mb: float | None = None,
+         reshard_after_forward: bool = True) -> PlanResult:
     """Plan data-parallel training of a model; see the module docstring.
 
     The model is one of: `params` (a count such as 8e9 or "7.5B"), `config` (a Hugging Face style
@@ -66,7 +68,9 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     is gpus x nodes. `batch` is the micro-batch per device, `seq` its sequence length.
     Bandwidths are GB/s or LINKS presets; the intra-node default is the GPU preset's own link.
     `blocks` names the repeated blocks' classes as px.prepare's `blocks=` does (a module or
-    factory only). Raises ValueError with a one-line message for bad input.
+    factory only); `prefetch`, `max_gathered_mb` and `reshard_after_forward` are px.prepare's
+    zero3 options, and change zero3's gathered memory and backward gathers (layout.py).
+    Raises ValueError with a one-line message for bad input.
     """
     desc = describe(model, params=params, config=config,
                     make_input=input_from_shape(input_shape, input_dtype) if input_shape else None,
@@ -119,7 +123,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight, bucket_mb,
                         desc.trainable_blocks)
     largest_unit = max(units_)
-    gathering = zero3_gathering(desc, prec.weight, bucket_mb)
+    gathering = zero3_gathering(desc, prec.weight, bucket_mb, **check_gather_options(
+        "zero3", prefetch, max_gathered_mb, reshard_after_forward))
     largest_param = (max((math.prod(s) for s in desc.trainable_shapes), default=0)
                      if desc.trainable_shapes is not None else largest_unit)
     grad_comm = (comm_bytes or prec.grad) * desc.trainable_params

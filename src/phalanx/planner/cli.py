@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--bucket-mb", type=float, default=25.0)
     run.add_argument("--comm-dtype", choices=("none", "bf16", "fp16"), default="none")
     run.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
+    run.add_argument("--prefetch", type=int, default=1,
+                     help="zero3: blocks gathered ahead, as px.prepare's prefetch= (default 1)")
+    run.add_argument("--max-gathered-mb", type=float,
+                     help="zero3: bound on the parameters gathered at once, in MiB")
+    run.add_argument("--keep-until-backward", action="store_true",
+                     help="zero3: px.prepare's reshard_after_forward=False")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -101,7 +107,9 @@ def main(args: argparse.Namespace) -> int:
             grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
             intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
             bucket_mb=args.bucket_mb, comm_dtype=args.comm_dtype, attention=args.attention,
-            backend=args.backend, headroom=args.headroom, units=args.units)
+            backend=args.backend, headroom=args.headroom, units=args.units,
+            prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
+            reshard_after_forward=not args.keep_until_backward)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(result.to_json() if args.json else result)

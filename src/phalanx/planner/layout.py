@@ -31,12 +31,17 @@ def unit_sizes(shapes, count: int, compute_bytes: int, bucket_mb: float = 25.0,
     return unit_numels([math.prod(s) for s in shapes], blocks, compute_bytes, bucket_mb)
 
 
-def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int, int]:
+def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch: int = 1,
+                    max_gathered_bytes: int | None = None,
+                    reshard_after_forward: bool = True) -> tuple[int, int]:
     """zero3: (elements gathered at once at most, elements kept gathered from forward to
-    backward). Units are gathered together by root (engine/gather.py): the units rooted at the
-    model itself, and the root the forward ends with, stay gathered into backward; of the other
-    roots, the one computing and the one prefetched (prefetch=1) are gathered at once. From a
-    module the roots are the engine's own, the last registered taken as the last to run; from
+    backward), for px.prepare's gathering options. Units are gathered together by root
+    (engine/gather.py): the units rooted at the model itself, and the root the forward ends
+    with, stay gathered into backward; of the other roots, the one computing and up to
+    `prefetch` ahead are gathered at once, as many as fit in `max_gathered_bytes` (one at least:
+    a root needed now is gathered whatever its size); `reshard_after_forward=False` keeps every
+    root from its forward to its backward, so all are gathered at the end of the forward. From
+    a module the roots are the engine's own, the last registered taken as the last to run; from
     a config, each repeated block is a root and the rest is left out (a model-level embedding
     tied to the head would add its size)."""
     if desc.module is not None:
@@ -51,7 +56,6 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[
         for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes)):
             sizes[root] = sizes.get(root, 0) + sum(p.numel() for p in run)
         model_rooted = sizes.pop("", 0)
-        last = next(iter(sizes.values()), 0)
     else:
         model_rooted, sizes = 0, {}
         shapes, blocks = desc.trainable_shapes, desc.trainable_blocks
@@ -59,10 +63,17 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[
             for shape, block in reversed(list(zip(shapes, blocks))):
                 if block is not None:
                     sizes[block] = sizes.get(block, 0) + math.prod(shape)
-        if not sizes:  # a bare count: two of the largest unit
-            return 2 * max(unit_sizes(shapes, desc.trainable_params, compute_bytes, bucket_mb,
-                                      blocks)), 0
-        last = next(iter(sizes.values()))
-    largest = sorted(sizes.values(), reverse=True)[:2]
-    return (model_rooted + (2 * largest[0] if len(largest) == 2 else sum(largest)),
-            model_rooted + last)
+    last = next(iter(sizes.values()), 0)  # the root the forward ends with, kept
+    if not sizes and desc.module is None:  # no roots known: units stand for them, none last
+        units = unit_sizes(desc.trainable_shapes, desc.trainable_params, compute_bytes,
+                           bucket_mb, desc.trainable_blocks)
+        sizes = dict(enumerate(units))
+    if not reshard_after_forward:
+        everything = model_rooted + sum(sizes.values())
+        return everything, everything
+    largest = max(sizes.values(), default=0)
+    at_once = min(prefetch + 1, len(sizes))
+    if max_gathered_bytes is not None and largest:
+        room = max_gathered_bytes // compute_bytes - model_rooted
+        at_once = max(1, min(at_once, room // largest))
+    return model_rooted + at_once * largest, model_rooted + last
