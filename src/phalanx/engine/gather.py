@@ -298,17 +298,7 @@ class UnitGatherer:
         self._prefetched.clear()
 
     def _same_roots_everywhere(self) -> None:
-        """See [Note: two sequences of collectives]
-A unit's gradients are reduced when they are all there, which can differ between ranks: a
-parameter used on one rank only (a branch on the rank inside one root) makes its unit ready
-mid-backward there and only at the end of backward elsewhere. The reducer keeps its own
-sequence the same everywhere (units go out in a fixed order, each once every rank has it),
-but a gather issued in backward between two reductions on one rank and after both on another
-would meet a reduction on the wire and hang. So the gathers run on a process group of their
-own (`Comm.twin`, made once in prepare): the reductions form one sequence, the gathers
-another, each the same on every rank.
-
-[Note: every rank runs the same roots]."""
+        """See [Note: every rank runs the same roots]."""
         seen = self._forward_seen
         mine = torch.tensor([len(seen), zlib.crc32(repr(seen).encode())], dtype=torch.int64,
                             device=self.comm.device)
