@@ -150,7 +150,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     policy = make_precision(precision, comm_dtype)
     original_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
-    dtypes = {id(p): p.dtype for p in model.parameters()}  # what a full build draws into
+    # what a full build draws into, before the cast (for fill_shards below)
+    dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
                           gather_options if strategy == "zero3" else None, block_classes)

@@ -357,7 +357,8 @@ class UnitGatherer:
         def hook(_module, _args):
             self._active.add(root.index)
             self._prefetched.discard(root.index)
-            if _in_backward():  # a recomputation (activation checkpointing): see the Note
+            recomputing = _in_backward()
+            if recomputing:  # activation checkpointing: see the Note
                 hooked = set(self._backward_seen)
                 for index in self._recomputed:
                     if index not in hooked and index != root.index:
@@ -365,7 +366,7 @@ class UnitGatherer:
                             unit.reshard()
                 self._recomputed = []
             self.gather(root.units)
-            if not _in_backward():
+            if not recomputing:
                 self._forward_seen.append(root.index)
                 self._prefetch(self._forward_order, self._forward_seen)
         return hook
@@ -391,7 +392,8 @@ class UnitGatherer:
         return hook
 
     def _ends_forward(self, root: _Root) -> bool:
-        """This forward has followed the last one root for root, and that one ended here."""
+        """This forward has reached the same roots as the last one so far, and the last one
+        ended with `root`."""
         order, seen = self._forward_order, self._forward_seen
         return (not _in_backward() and len(seen) == len(order) and bool(order)
                 and order[-1] == root.index and seen[-1] == root.index)

@@ -65,21 +65,19 @@ def resolve_block_classes(model: nn.Module, blocks) -> tuple[type, ...] | None:
             if b not in present:
                 raise ValueError(f"blocks: no module of class {b!r} in the model (its classes: "
                                  f"{', '.join(sorted(present)[:12])})")
-            classes.extend(present[b])  # every class of that name
+            named = present[b]  # every class of that name
         elif isinstance(b, type) and issubclass(b, nn.Module):
-            if issubclass(b, (nn.ModuleList, nn.ModuleDict)):
-                raise ValueError(f"blocks: {b.__name__} is a container that is never called; "
-                                 "name the class of the layers it holds")
-            if not any(isinstance(m, b) for m in model.modules()):
-                raise ValueError(f"blocks: no module of class {b.__name__!r} in the model")
-            classes.append(b)
+            named = [b]
         else:
             raise ValueError(f"blocks={blocks!r}: a module class, a class name, or a tuple of "
                              "them")
-    for cls in classes:
-        if issubclass(cls, (nn.ModuleList, nn.ModuleDict)):  # named by a string
-            raise ValueError(f"blocks: {cls.__name__} is a container that is never called; "
-                             "name the class of the layers it holds")
+        for cls in named:
+            if issubclass(cls, (nn.ModuleList, nn.ModuleDict)):
+                raise ValueError(f"blocks: {cls.__name__} is a container that is never called; "
+                                 "name the class of the layers it holds")
+        if not any(isinstance(m, tuple(named)) for m in model.modules()):
+            raise ValueError(f"blocks: no module of class {b.__name__!r} in the model")
+        classes.extend(named)
     if isinstance(model, tuple(classes)):
         raise ValueError(f"blocks: the model itself is a {type(model).__name__}; name the class "
                          "of its repeated layers")
