@@ -169,7 +169,8 @@ def _new_records(comm, fn, *args, **kwargs):
 def _ranks_through_the_comm():
     from torch import nn
 
-    from phalanx.collectives import Comm, default_comm
+    from phalanx.collectives import Comm
+    from phalanx.runtime import default_comm
     from phalanx.sync_batchnorm import convert_sync_batchnorm
 
     comm, r, seen = default_comm(), px.rank(), {}

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx as px
-from phalanx.spawn import SpawnError, SpawnTimeout, auto_processes
+from phalanx.runtime import auto_processes
+from phalanx.spawn import SpawnError, SpawnTimeout
 
 
 def _children() -> list[int]:

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from .command_error import CommandError
+
 # name -> (module, one-line help)
 COMMANDS = {
     "run": ("phalanx.launch", "start N workers per node through PyTorch's elastic agent"),
@@ -21,8 +23,6 @@ COMMANDS = {
 }
 
 
-class CommandError(Exception):
-    """A user error in a command's input: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

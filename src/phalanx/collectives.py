@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CollectiveRecord", "Handle", "default_comm", "close_all", "comm_device",
+__all__ = ["Comm", "CollectiveRecord", "Handle", "close_all", "comm_device",
            "bytes_by_kind", "reset_counts", "records_on", "records_since", "count_step",
            "CollectiveMismatch"]
 
@@ -445,20 +445,6 @@ def _unpickle(part: torch.Tensor, size: int):
     return pickle.loads(part[:size].cpu().numpy().tobytes())
 
 
-_default: dict = {}
-
-
-def default_comm() -> Comm:
-    """The `Comm` of the job's default group (a world of one: a Comm over no group)."""
-    from . import runtime  # runtime sits below: imported late so it may import this module
-
-    group = runtime.default_group()
-    comm = _default.get("comm")
-    if comm is None or comm.group is not group:
-        comm = _default["comm"] = Comm(group)
-    return comm
-
-
 def comm_device(group) -> torch.device:
     """Where tensors for collectives on `group` must live: the GPU under NCCL, else the CPU."""
     if group is None:
@@ -473,7 +459,6 @@ def close_all() -> None:
     destroyed, so no engine keeps it alive into interpreter finalisation)."""
     for comm in list(_live):
         comm.close()
-    _default.clear()
     _group_seq.clear()
 
 

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """name -> [(step, value)] from RUN_DIR/metrics.csv, in the order written."""
-    from .cli import CommandError
+    from .command_error import CommandError
 
     path = os.path.join(run_dir, "metrics.csv")
     if not os.path.exists(path):
@@ -229,7 +229,7 @@ def plot(series: dict, out_dir: str) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .cli import CommandError
+    from .command_error import CommandError
 
     series = read_metrics(args.run_dir)
     text = summary(series, max(args.skip, 0))

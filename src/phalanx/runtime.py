@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .spawn import process_count
+from .collectives import Comm
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
-    "default_group", "is_distributed", "LaunchEnv", "read_launch_env",
+    "default_group", "default_comm", "is_distributed", "LaunchEnv", "read_launch_env",
+    "auto_processes", "process_count",
 ]
 
 
@@ -133,6 +134,26 @@ def _check_timeout(timeout) -> datetime.timedelta:
     raise ValueError(f"px.init(timeout={timeout!r}): the timeout bounds every collective and "
                      "must be a positive, finite number of seconds; for example timeout=600 "
                      "(the default)")
+
+
+def auto_processes() -> int:
+    """How many workers `processes="auto"` (and `phalanx run -n auto`) starts: one per GPU;
+    on a machine without one, one per two CPU cores. On CPU each worker's compute already
+    uses its cores and gloo's collectives run on CPU threads beside it, so more workers than
+    half the cores only adds communication (2 ranks on this 2-core machine already fill it)."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def process_count(processes) -> int:
+    """The number of workers `processes` asks for: an int, or "auto" / None (auto_processes)."""
+    if processes is None or processes == "auto":
+        return auto_processes()
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes={processes!r}: give a number of worker processes, 1 or "
+                         "more, or 'auto' (one per GPU, or one per two CPU cores)")
+    return processes
 
 
 def _relaunch(processes) -> None:
@@ -320,6 +341,18 @@ def default_group():
     return dist.group.WORLD if is_distributed() else None
 
 
+_default: dict = {}
+
+
+def default_comm() -> Comm:
+    """The `Comm` of the job's default group (a world of one: a Comm over no group)."""
+    group = default_group()
+    comm = _default.get("comm")
+    if comm is None or comm.group is not group:
+        comm = _default["comm"] = Comm(group)
+    return comm
+
+
 def barrier() -> None:
     """Wait until every rank gets here. A no-op in a world of one."""
     _barrier("px.barrier")
@@ -327,7 +360,7 @@ def barrier() -> None:
 
 def _barrier(tag: str) -> None:
     if is_distributed():
-        collectives.default_comm().barrier(tag=tag)
+        default_comm().barrier(tag=tag)
 
 
 _before_shutdown: list = []
@@ -383,5 +416,6 @@ def _stop_watching() -> None:
 
 def _end_group() -> None:
     collectives.close_all()
+    _default.clear()
     if dist.is_initialized():  # the barrier's failure may have taken it down already
         dist.destroy_process_group()

@@ -40,8 +40,9 @@ import tempfile
 import time
 import traceback
 
-__all__ = ["spawn", "SpawnError", "SpawnTimeout", "auto_processes", "process_count",
-           "run_workers"]
+from .runtime import process_count
+
+__all__ = ["spawn", "SpawnError", "SpawnTimeout", "run_workers"]
 
 # After the first failure the others get this long to fail too (they are usually blocked in a
 # collective with the dead rank) before they are ended.
@@ -58,28 +59,6 @@ class SpawnError(RuntimeError):
 
 class SpawnTimeout(SpawnError):
     """Workers did not finish in time; the message holds the stacks of those still running."""
-
-
-def auto_processes() -> int:
-    """How many workers `processes="auto"` (and `phalanx run -n auto`) starts: one per GPU;
-    on a machine without one, one per two CPU cores. On CPU each worker's compute already
-    uses its cores and gloo's collectives run on CPU threads beside it, so more workers than
-    half the cores only adds communication (2 ranks on this 2-core machine already fill it)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return max(1, (os.cpu_count() or 1) // 2)
-
-
-def process_count(processes) -> int:
-    """The number of workers `processes` asks for: an int, or "auto" / None (auto_processes)."""
-    if processes is None or processes == "auto":
-        return auto_processes()
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"processes={processes!r}: give a number of worker processes, 1 or "
-                         "more, or 'auto' (one per GPU, or one per two CPU cores)")
-    return processes
 
 
 def spawn(fn, *args, processes=None, timeout: float | None = None, **kwargs):

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from ..collectives import default_comm
+from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
 from .reader import (CheckpointError, Reader, complete_checkpoints, read_manifest,
                      verify_files)

@@ -29,7 +29,7 @@ def _size(n: int) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phalanx.cli import CommandError
+    from phalanx.command_error import CommandError
 
     from .reader import CheckpointError, read_manifest, verify_files
 

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from ..collectives import Comm, default_comm
+from ..collectives import Comm
+from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
 from .files import file_digest, fsync_dir, write_tensors
 from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import Comm, default_comm
+from ..collectives import Comm
+from ..runtime import default_comm
 from ..engine.flat import Piece
 from ..engine.optim import adapter_of, native_load_state_dict, per_element
 from ..prepare import _uncompiled

@@ -21,7 +21,8 @@ import collections.abc as abc
 
 import torch
 
-from ..collectives import Comm, default_comm
+from ..collectives import Comm
+from ..runtime import default_comm
 from .gather import gather_with
 from .loader import DistributedLoader
 

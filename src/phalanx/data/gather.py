@@ -16,7 +16,8 @@ import zlib
 
 import torch
 
-from ..collectives import Comm, default_comm
+from ..collectives import Comm
+from ..runtime import default_comm
 
 __all__ = ["gather", "resolve_comm"]
 

@@ -23,7 +23,7 @@ import traceback
 
 import torch.distributed as dist
 
-from ..collectives import default_comm
+from ..runtime import default_comm
 from .sampler import check_batch_size, split_evenly
 
 __all__ = ["map_batches"]

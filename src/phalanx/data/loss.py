@@ -42,7 +42,8 @@ import weakref
 
 import torch
 
-from ..collectives import Comm, default_comm
+from ..collectives import Comm
+from ..runtime import default_comm
 
 __all__ = ["global_mean"]
 

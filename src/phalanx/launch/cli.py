@@ -56,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workers(value: str) -> int:
-    """-n: a number, or "auto" (see phalanx.spawn.auto_processes for why)."""
+    """-n: a number, or "auto" (see phalanx.runtime.auto_processes for why)."""
     if value == "auto":
-        from phalanx.spawn import auto_processes
+        from phalanx.runtime import auto_processes
 
         return auto_processes()
     try:
@@ -68,7 +68,7 @@ def _workers(value: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phalanx.cli import CommandError
+    from phalanx.command_error import CommandError
 
     check_arguments(args)
     port = args.master_port
@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raise `CommandError` (one line, exit status 2) for a command that cannot start a job."""
-    from phalanx.cli import CommandError
+    from phalanx.command_error import CommandError
 
     if args.nproc_per_node < 1:
         raise CommandError(f"-n must be at least 1 (got {args.nproc_per_node})")

@@ -1,0 +1,111 @@
+"""The package's shape: no import circle between phalanx's modules, and no file too long to read.
+
+The import graph counts every `import` and `from ... import` in a module, at its top and inside
+functions alike (a lazy import is still a dependency; it only hides a circle from the
+interpreter). A package's `__init__` counts as the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src", "phalanx")
+TESTS = os.path.dirname(__file__)
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file path, for every module under src/phalanx."""
+    found = {}
+    for dirpath, _, files in os.walk(SRC):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, name), os.path.join(SRC, ".."))
+            parts = rel[:-3].split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = os.path.join(dirpath, name)
+    return found
+
+
+def _imports(module: str, path: str, known: set[str]) -> set[str]:
+    """The phalanx modules `module` imports (resolved to the longest known dotted name)."""
+    is_package = path.endswith("__init__.py")
+    package = module if is_package else module.rsplit(".", 1)[0]
+    out = set()
+    tree = ast.parse(open(path).read())
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            names = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rsplit(".", 1)[0] if "." in name else ""
+            if name and name != module and name.startswith("phalanx"):
+                out.add(name)
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle_between_modules():
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        deps = _imports(name, path, set(modules))
+        # A package imports its own submodules to re-export them: an edge down, never a circle
+        # with a submodule's import of a sibling through the package.
+        graph[name] = {d for d in deps if not (d.startswith(name + ".") and
+                                               path.endswith("__init__.py"))}
+        graph[name] = {d for d in graph[name] if not name.startswith(d + ".")}
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
+
+
+@pytest.mark.parametrize("where", [SRC, TESTS])
+def test_no_file_over_400_lines(where):
+    long = []
+    for dirpath, _, files in os.walk(where):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    n = sum(1 for _ in f)
+                if n > MAX_LINES:
+                    long.append(f"{os.path.relpath(path, where)} ({n})")
+    assert not long, f"files over {MAX_LINES} lines: {', '.join(long)}"
