@@ -1,4 +1,4 @@
-"""zero3's gathering (engine/gather.py): prefetch in forward and backward order, the bound on
+"""zero3's gathering (engine/zero3.py): prefetch in forward and backward order, the bound on
 what is gathered at once, parameters kept from forward to backward, recomputation under
 activation checkpointing, a forward that takes another path than the last one; all in float64
 against one process with the whole batch, at 2, 3 and 4 ranks.
@@ -227,7 +227,8 @@ def _oversized():
         warnings.simplefilter("always")
         px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3",
                    max_gathered_mb=0.001)
-    return [str(w.message) for w in caught]
+    # phalanx's own warnings only: torch may warn about something else in a fresh process
+    return [str(w.message) for w in caught if str(w.message).startswith("zero3:")]
 
 
 def test_a_unit_bigger_than_the_bound_is_named_in_a_warning():

@@ -162,7 +162,7 @@ class Comm:
     def twin(self) -> "Comm":
         """A Comm over the same ranks, with the same choice of primitives, on a process group
         of its own: what is issued on it is a sequence of its own, ordered apart from this
-        one's (zero3's gathers beside the reductions, engine/gather.py). Only the ranks of
+        one's (zero3's gathers beside the reductions, engine/zero3.py). Only the ranks of
         this group take part in making it, once per group and process: every later twin of
         the same group shares it (each model's gathers are the same on every rank, so one
         sequence holds them all), so preparing model after model does not add groups."""

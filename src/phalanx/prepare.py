@@ -31,7 +31,7 @@ from .replicas import ReplicaCheck
 from .step_report import StepClock, step_stats as _step_stats
 from .engine import optimizer_state_dict as _optimizer_state_dict
 from .engine.optim import optimizer_groups
-from .engine.gather import check_gather_options
+from .engine.units import check_gather_options
 from .engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
 from .prepared import PreparedModule
@@ -101,7 +101,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     step_stats: time every optimizer step for `px.step_stats(model)` (step_report.py).
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
         (default: each module's reset_parameters(), in order; materialize.py).
-    zero3 only (engine/gather.py):
+    zero3 only (engine/zero3.py):
     prefetch: how many roots ahead to gather while one computes (a root: a repeated block, or
         the module whose forward brackets a unit's uses), in the last forward's order and the
         last backward's; 0: gather each when it is needed; None: 1.

@@ -1,9 +1,11 @@
 """The engine behind a prepared model, and the protocol the rest of phalanx calls it through.
 
-Layout: policy.py (a strategy as a residency row), units.py (which parameters form a unit),
-buckets.py (flat gradient storage), reducer.py (hooks, launch order, end of backward), flat.py
-(a unit: owned shard, master pieces, unshard), flat_engine.py (the engine), optim.py (adopting
-the optimizer), naive.py (one all-reduce per parameter: the reference tests compare with).
+Layout: policy.py (a strategy as a residency row), units.py (which parameters form a unit, and
+under zero3 where it is gathered), buckets.py (flat gradient storage), reducer.py (hooks, launch
+order, end of backward), flat.py (a unit: owned shard, master pieces, unshard), flat_engine.py
+(the engine), zero3.py (gathering and freeing units around their forward and backward),
+optim.py (adopting the optimizer), naive.py (one all-reduce per parameter: the reference the
+tests compare with).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ class Engine(Protocol):
 
     params: list[torch.nn.Parameter]
     require_backward_grad_sync: bool
-    reshards: bool   # zero3: parameters exist only while their unit computes (gather.py)
+    reshards: bool   # zero3: parameters exist only while their unit computes (zero3.py)
     nonfinite: object  # the NonFiniteWatch of nonfinite.py, or None
-    gatherer: object   # zero3's UnitGatherer (gather.py), or None
+    gatherer: object   # zero3's UnitGatherer (zero3.py), or None
 
     def no_sync(self) -> ContextManager: ...
     def backward_started(self, grad=None) -> None: ...
@@ -44,7 +46,7 @@ class Engine(Protocol):
 
 def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
                  gather_options: dict | None = None, block_classes=None) -> Engine:
-    """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (gather.py);
+    """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (zero3.py);
     block_classes: the classes whose instances are the repeated blocks (units.py)."""
     policy = POLICIES[strategy]
     engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,

@@ -7,7 +7,7 @@ fp32 model, fp64 for an fp64 one), is the truth: the optimizer updates it and no
 The full flat buffer in the compute dtype, which the model's parameters are views into, is a
 cache of the masters of every rank: `unshard()` refreshes it (writes the owned master into it,
 cast, then gathers the other ranks' slices) and the policy decides whether it stays between
-steps (ddp, zero1, zero2) or is freed (zero3, gather.py). When compute and master
+steps (ddp, zero1, zero2) or is freed (zero3, zero3.py). When compute and master
 dtypes agree, the master is the owned slice of the flat buffer itself (no copy). When neither
 sharding nor low precision is asked for (fp32 ddp) there is no flat buffer and no master at all:
 each parameter is its own master and the optimizer is left exactly as the user built it.
@@ -60,7 +60,7 @@ class FlatUnit:
         self.params = params
         self.sharded = sharded
         # zero3: the full flat buffer exists only while the unit computes (see [Note: zero3's
-        # gather and free] in gather.py); its storage is freed between uses, and the
+        # gather and free] in zero3.py); its storage is freed between uses, and the
         # master, the truth, has storage of its own.
         self.reshards = reshards
         self.gathered = True

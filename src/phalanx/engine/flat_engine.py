@@ -27,7 +27,7 @@ from .. import collectives
 from ..collectives import Comm
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit, Piece
-from .gather import UnitGatherer
+from .zero3 import UnitGatherer
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
 from .reducer import GradReducer
@@ -48,7 +48,7 @@ class FlatEngine:
         self.world, self.rank = comm.world, comm.rank
         self.sharded = policy.optimizer is SHARD and self.world > 1
         self.shard_grads = policy.grads is SHARD and self.world > 1
-        self.reshards = policy.params is SHARD and self.world > 1  # zero3: gather.py
+        self.reshards = policy.params is SHARD and self.world > 1  # zero3: zero3.py
         self.params = [p for p in module.parameters() if p.requires_grad]
         compute = precision.compute_dtype
         low = any(compute is not None and p.dtype != compute for p in self.params)
@@ -234,7 +234,7 @@ class FlatEngine:
             unit.set_piece_grads(grad)
             step_one()
             unit.set_piece_grads(None)
-            if not self.reshards:  # zero3 gathers at the next forward (gather.py)
+            if not self.reshards:  # zero3 gathers at the next forward (zero3.py)
                 works.append(unit.unshard(self.comm))  # on the wire while the next unit steps
         for work in works:
             if work is not None:

@@ -4,7 +4,7 @@
     ddp       full        full       full
     zero1     full        full       shard
     zero2     full        shard      shard
-    zero3     shard       shard      shard   (alias fsdp; engine/gather.py)
+    zero3     shard       shard      shard   (alias fsdp; engine/zero3.py)
 
 ZeRO: Rajbhandari et al., 2020, arXiv:1910.02054. The engine (flat_engine.py) reads these fields
 and never the strategy's name: `optimizer is SHARD` means each rank owns 1/N of every unit and

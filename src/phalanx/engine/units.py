@@ -15,11 +15,13 @@ Parameters are taken in reverse registration order, the order backward about pro
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 __all__ = ["find_blocks", "resolve_block_classes", "plan_units", "module_units", "unit_caps",
-           "FIRST_UNIT_MIB"]
+           "unit_numels", "unit_roots", "check_gather_options", "FIRST_UNIT_MIB"]
 
 FIRST_UNIT_MIB = 1.0
 
@@ -136,3 +138,83 @@ def unit_numels(numels, blocks, itemsize: int, bucket_mb: float) -> list[int]:
     first, cap = unit_caps(bucket_mb, itemsize)
     return [sum(entries[i][0] for i in unit) for unit in plan_units(entries, first, cap)] or [0]
 
+
+# -- zero3: where each unit is gathered (engine/zero3.py) -------------------------------------
+def _owners(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> the qualified names of the modules that register it."""
+    owners: dict[int, list[str]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for p in sub._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), [])
+                if name not in owners[id(p)]:
+                    owners[id(p)].append(name)
+    return owners
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") if n else [] for n in names]
+    common = []
+    for level in zip(*parts):
+        if all(x == level[0] for x in level):
+            common.append(level[0])
+        else:
+            break
+    return ".".join(common)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _callable_root(common: str, blocks: list[str], modules: dict) -> str:
+    """The module whose forward brackets every use of a unit's parameters.
+
+    The common ancestor of the registering modules is not always called: torch's own
+    MultiheadAttention reads `out_proj.weight` in its forward without calling `out_proj`. So
+    the root is lifted to the repeated block the unit sits in (units.py never mixes blocks),
+    else to the model's child that holds it (an element, for a child that is a container),
+    else the model itself."""
+    for block in blocks:
+        if common == block or common.startswith(block + "."):
+            return block
+    parts = common.split(".") if common else []
+    if not parts:
+        return ""
+    if isinstance(modules[parts[0]], _CONTAINERS):
+        return ".".join(parts[:2]) if len(parts) >= 2 else ""
+    return parts[0]
+
+
+def unit_roots(module: nn.Module, runs, block_classes=None) -> list[str]:
+    """The root (a module's qualified name, "" for the model) of each unit, given as the list of
+    its parameters: the module whose forward brackets every use of them. The planner reads it
+    too: units rooted at the model are gathered once per forward and backward, not twice."""
+    owners = _owners(module)
+    modules = dict(module.named_modules(remove_duplicate=False))
+    names_of = {id(m): n for n, m in modules.items()}
+    blocks = [names_of[id(b)] for b in find_blocks(module, block_classes)]
+    return [_callable_root(_common_prefix([n for p in run for n in owners.get(id(p), [""])]),
+                           blocks, modules) for run in runs]
+
+
+def check_gather_options(strategy, prefetch, max_gathered_mb, reshard_after_forward) -> dict:
+    """zero3's gathering options: checked before any collective, refused elsewhere (the other
+    strategies keep whole parameters, so there is nothing to gather)."""
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or prefetch < 0):
+        raise ValueError(f"prefetch={prefetch!r}: how many blocks to gather ahead, 0 or more "
+                         "(default 1)")
+    if max_gathered_mb is not None and not (
+            isinstance(max_gathered_mb, (int, float)) and not isinstance(max_gathered_mb, bool)
+            and math.isfinite(max_gathered_mb) and max_gathered_mb > 0):
+        raise ValueError(f"max_gathered_mb={max_gathered_mb!r}: a positive number of MiB, or "
+                         "None (no bound)")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
+    if strategy != "zero3" and (prefetch is not None or max_gathered_mb is not None
+                                or not reshard_after_forward):
+        raise ValueError(f"prefetch, max_gathered_mb and reshard_after_forward are zero3's: "
+                         f"strategy {strategy!r} keeps whole parameters and gathers nothing")
+    limit = None if max_gathered_mb is None else int(max_gathered_mb * 2**20)
+    return {"prefetch": 1 if prefetch is None else prefetch, "max_gathered_bytes": limit,
+            "reshard_after_forward": reshard_after_forward}

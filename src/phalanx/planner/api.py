@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..engine.gather import check_gather_options
+from ..engine.units import check_gather_options
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
 from .layout import unit_sizes, zero3_gathering

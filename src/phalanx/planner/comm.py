@@ -59,7 +59,7 @@ def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
                 reduce_scatter: bool, kept_bytes: int = 0) -> list[Collective]:
     """The collectives of one optimizer step (see [Note: Communication model]). `kept_bytes`:
     zero3's parameters that stay gathered from forward to backward (the units rooted at the
-    model itself, engine/gather.py), which backward does not gather again."""
+    model itself, engine/zero3.py), which backward does not gather again."""
     if world <= 1:
         return []
     reduce = "reduce_scatter" if reduce_scatter else "all_reduce"

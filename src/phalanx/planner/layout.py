@@ -36,7 +36,7 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
                     reshard_after_forward: bool = True) -> tuple[int, int]:
     """zero3: (elements gathered at once at most, elements kept gathered from forward to
     backward), for px.prepare's gathering options. Units are gathered together by root
-    (engine/gather.py): the units rooted at the model itself, and the root the forward ends
+    (engine/zero3.py): the units rooted at the model itself, and the root the forward ends
     with, stay gathered into backward; of the other roots, the one computing and up to
     `prefetch` ahead are gathered at once, as many as fit in `max_gathered_bytes` (one at least:
     a root needed now is gathered whatever its size); `reshard_after_forward=False` keeps every
@@ -45,7 +45,7 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     a config, each repeated block is a root and the rest is left out (a model-level embedding
     tied to the head would add its size)."""
     if desc.module is not None:
-        from ..engine.gather import unit_roots
+        from ..engine.units import unit_roots
         from ..engine.units import module_units
 
         params = [p for p in desc.module.parameters() if p.requires_grad]
