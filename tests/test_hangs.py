@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.hang_report import HANG_EXIT, hang_threshold
+from phalanx.faults.hangs import HANG_EXIT, hang_threshold
 from phalanx.runtime import LaunchEnv, _check_slurm_tasks
 
 SCRIPT = Path(__file__).parent / "launch_scripts" / "hang.py"

@@ -15,8 +15,8 @@ from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, 
 from .planner import plan
 from .checkpoint import CheckpointError, export, latest_checkpoint, load, save
 from .metrics_log import log, progress
-from .nonfinite import NonFiniteError
-from .replicas import ReplicasDiffer
+from .faults.nonfinite import NonFiniteError
+from .faults.replica_check import ReplicasDiffer
 from .spawn import SpawnError, spawn
 
 __version__ = "0.1.0"

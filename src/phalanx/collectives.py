@@ -204,7 +204,7 @@ class Comm:
         """[Note: checking collectives] With PHALANX_CHECK_COLLECTIVES=1, before each
         collective the ranks exchange what they are about to issue (kind, size, tag) and raise
         `CollectiveMismatch` on every rank when they differ. A skipped, extra or reordered
-        collective otherwise hangs (then hang_report.py names it) or, when sizes differ,
+        collective otherwise hangs (then faults/hangs.py names it) or, when sizes differ,
         aborts gloo natively with no word of which collective. The exchange makes every
         collective wait for every rank, so it is a debugging mode (as TORCH_DISTRIBUTED_DEBUG=
         DETAIL is for torch's), off by default."""

@@ -26,8 +26,8 @@ from .consistency import broadcast_from_rank0, check_same_structure
 from .engine import build_engine
 from .materialize import fill_shards, materialize, on_meta
 from .metrics_log import note_run
-from .nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
-from .replicas import ReplicaCheck
+from .faults.nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
+from .faults.replica_check import ReplicaCheck
 from .step_report import StepClock, step_stats as _step_stats
 from .engine import optimizer_state_dict as _optimizer_state_dict
 from .engine.optim import optimizer_groups
@@ -94,10 +94,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     comm: the `phalanx.collectives.Comm` to communicate through (default: one over the job's
         process group); `Comm(group, prefer="reduce_scatter")` picks primitives by hand.
     check_replicas_every: every K optimizer steps, compare a checksum of the parameters
-        across ranks and raise, naming the ranks that drifted (replicas.py); None: never.
+        across ranks and raise, naming the ranks that drifted (faults/replica_check.py);
+        None: never.
     on_nonfinite: a NaN or inf loss on any rank, seen at the end of backward on every rank
-        (nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its gradients
-        dropped), "skip" the step with a warning, "warn" only, or None (no check).
+        (faults/nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its
+        gradients dropped), "skip" the step with a warning, "warn" only, or None (no check).
     step_stats: time every optimizer step for `px.step_stats(model)` (step_report.py).
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
         (default: each module's reset_parameters(), in order; materialize.py).

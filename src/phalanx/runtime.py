@@ -200,7 +200,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     a `datetime.timedelta`) is the one setting for waiting: the process group's connection and
     every collective are bounded by it, and a collective that has waited `hang_after` seconds
     (default: a third of `timeout`, or PHALANX_HANG_AFTER) ends the job with a hang report
-    that names the rank and the collective (hang_report.py), before the bare timeout would.
+    that names the rank and the collective (faults/hangs.py), before the bare timeout would.
     If a process group already exists (a test harness or the user made one), it is adopted.
     `processes=N` (or "auto", or the environment variable PHALANX_PROCESSES) in a script started
     with plain `python`: this process becomes `phalanx run -n N` of the same script and
@@ -277,11 +277,11 @@ def _check_slurm_tasks(env: LaunchEnv, environ=None) -> None:
 
 
 def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
-    """Start this rank's hang watcher (hang_report.py) when there are peers to wait for."""
+    """Start this rank's hang watcher (faults/hangs.py) when there are peers to wait for."""
     global _hang_watch
     if _state.world_size < 2 or not dist.is_initialized():
         return
-    from .hang_report import HangWatch, hang_threshold
+    from .faults.hangs import HangWatch, hang_threshold
 
     threshold = hang_after if hang_after is not None else hang_threshold(timeout.total_seconds())
     if threshold is None:  # PHALANX_HANG_AFTER=off

@@ -28,7 +28,7 @@ class Engine(Protocol):
     params: list[torch.nn.Parameter]
     require_backward_grad_sync: bool
     reshards: bool   # zero3: parameters exist only while their unit computes (zero3.py)
-    nonfinite: object  # the NonFiniteWatch of nonfinite.py, or None
+    nonfinite: object  # the NonFiniteWatch of faults/nonfinite.py, or None
     gatherer: object   # zero3's UnitGatherer (zero3.py), or None
 
     def no_sync(self) -> ContextManager: ...

@@ -73,7 +73,7 @@ class GradBucket:
         self.numel = offset
         self.padded_numel = math.ceil(offset / pad_to) * pad_to
         self.with_flags = with_flags
-        # The flags, then one slot for the non-finite signal (nonfinite.py).
+        # The flags, then one slot for the non-finite signal (faults/nonfinite.py).
         self.total_numel = self.padded_numel + (len(self.params) + 1 if with_flags else 0)
         self.buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] | None = None

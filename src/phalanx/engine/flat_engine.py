@@ -84,7 +84,7 @@ class FlatEngine:
             self.gatherer = UnitGatherer(module, self.units, comm.twin(),
                                          block_classes=block_classes,
                                          **(gather_options or {}))
-        self.nonfinite = None  # a NonFiniteWatch (nonfinite.py), set by px.prepare
+        self.nonfinite = None  # a NonFiniteWatch (faults/nonfinite.py), set by px.prepare
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
                                    max_in_flight=2 if self.shard_grads else None,
@@ -125,7 +125,7 @@ class FlatEngine:
         return self.nonfinite.signal() if self.nonfinite is not None else 0.0
 
     def _after_backward(self) -> None:
-        """See nonfinite.py: did any rank's loss turn non-finite in this backward?"""
+        """See faults/nonfinite.py: did any rank's loss turn non-finite in this backward?"""
         if self.nonfinite is None:
             return
         any_rank = any(u.nonfinite for u in self.units if u.reduced is not None) \

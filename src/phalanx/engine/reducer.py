@@ -79,7 +79,7 @@ class GradReducer:
                  signal: Callable | None = None, on_end: Callable | None = None):
         self._launch_fn = launch
         self._finish_fn = finish
-        self._signal = signal    # what each bucket's signal slot carries (nonfinite.py)
+        self._signal = signal    # what each bucket's signal slot carries (faults/nonfinite.py)
         self._on_end = on_end    # called last at the end of each backward that communicated
         self._on_first_order = on_first_order
         self._max_in_flight = max_in_flight

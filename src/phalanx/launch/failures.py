@@ -13,7 +13,7 @@ import os
 import re
 import signal
 
-from ..hang_report import HANG_EXIT
+from ..faults.hangs import HANG_EXIT
 
 __all__ = ["failure_report", "restart_line", "attempt_summary", "native_cause"]
 
@@ -29,7 +29,7 @@ _CAUSE = re.compile(
     r"|uncaught exception of type"
     r"|Fatal Python error: (?!(Aborted|Segmentation fault|Bus error|Floating point exception"
     r"|Illegal instruction)\s*$)")
-# The first line of a hang report (hang_report.py).
+# The first line of a hang report (faults/hangs.py).
 _HANG = re.compile(r"^phalanx: (hang |collectives out of order|a collective waited)")
 _FOLLOWER = "ends: a hang was reported"
 # faulthandler's header of one thread's Python stack, and its frames.
@@ -98,7 +98,7 @@ def native_cause(stderr: str) -> tuple[str, list[str]]:
     """
     lines = stderr.rstrip().splitlines()
     hang = next((i for i, line in enumerate(lines) if _HANG.match(line)), None)
-    if hang is not None:  # the hang report of hang_report.py: its headline and rank lines
+    if hang is not None:  # the hang report of faults/hangs.py: its headline and rank lines
         rest = [line for line in lines[hang + 1:] if line.startswith("  rank ")]
         return lines[hang].removeprefix("phalanx: "), rest
     causes = list(dict.fromkeys(line.strip() for line in lines if _CAUSE.search(line)))

@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 
-from . import collectives
+from .. import collectives
 
 __all__ = ["HangWatch", "HANG_EXIT", "hang_threshold", "compose_report"]
 
