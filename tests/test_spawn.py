@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import phalanx as px
 from phalanx.runtime import auto_processes
-from phalanx.spawn import SpawnError, SpawnTimeout
+from phalanx.launch.spawn import SpawnError, SpawnTimeout
 
 
 def _children() -> list[int]:

@@ -17,7 +17,7 @@ from .checkpoint import CheckpointError, export, latest_checkpoint, load, save
 from .metrics_log import log, progress
 from .faults.nonfinite import NonFiniteError
 from .faults.replica_check import ReplicasDiffer
-from .spawn import SpawnError, spawn
+from .launch.spawn import SpawnError, spawn
 
 __version__ = "0.1.0"
 

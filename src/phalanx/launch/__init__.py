@@ -35,6 +35,8 @@ status 2. The elastic agent's own log lines are hidden unless --verbose.
 #   rendezvous.py  torch's static rendezvous, with a fresh workers' store per attempt
 #   failures.py    turning failed workers into the one message the user reads
 #   worker.py      the worker's entry point: runs the user's script, records its failure
+#   spawn.py       `px.spawn`: workers of a function rather than a script, without the agent
+#                  (from a notebook too); the test harness (phalanx.testing) is built on it
 
 from .cli import add_arguments, main
 

@@ -40,7 +40,7 @@ import tempfile
 import time
 import traceback
 
-from .runtime import process_count
+from ..runtime import process_count
 
 __all__ = ["spawn", "SpawnError", "SpawnTimeout", "run_workers"]
 

@@ -4,7 +4,7 @@ This is the harness every multi-process test uses:
 
     results = run_ranks(fn, world_size=3, args=(...), timeout=60)
 
-It is `px.spawn`'s mechanism (spawn.py) with what tests want: every rank's return value, a
+It is `px.spawn`'s mechanism (launch/spawn.py) with what tests want: every rank's return value, a
 file rendezvous (no ports, so parallel test runs never collide), forked ranks (a forked rank
 starts in milliseconds where a spawned one re-imports torch, seconds on two cores) with one
 intra-op thread each, and a timeout always. It raises `RanksFailed` with the traceback of every
@@ -16,7 +16,7 @@ hangs the suite.
 
 from __future__ import annotations
 
-from .spawn import SpawnError, SpawnTimeout, run_workers
+from ..launch.spawn import SpawnError, SpawnTimeout, run_workers
 
 __all__ = ["run_ranks", "RanksFailed", "RanksTimedOut"]
 
