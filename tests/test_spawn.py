@@ -52,6 +52,23 @@ def _fail_on_rank_one():
     time.sleep(60)  # the others would wait long: they must be ended, not waited for
 
 
+def _fail_on_rank_one_while_rank_zero_waits():
+    if px.rank() == 1:
+        raise ValueError("rank one is broken on purpose")
+    dist.barrier()  # rank 0 then fails too: its peer went away
+
+
+def test_the_failing_rank_comes_before_the_ranks_that_lost_it():
+    """The cause first: rank 0's "connection closed" is the consequence of rank 1's error."""
+    for _ in range(3):
+        with pytest.raises(SpawnError) as caught:
+            px.spawn(_fail_on_rank_one_while_rank_zero_waits, processes=2, timeout=120)
+        message = str(caught.value)
+        assert message.index("--- rank 1 failed") < message.index("rank one is broken"), message
+        assert "--- rank 0" not in message or \
+            message.index("--- rank 1 failed") < message.index("--- rank 0"), message
+
+
 def test_an_exception_on_a_rank_is_raised_here_naming_it():
     start = time.monotonic()
     with pytest.raises(SpawnError) as caught:

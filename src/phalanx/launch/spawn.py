@@ -24,6 +24,15 @@ a fork), so then the workers are started fresh ("spawn"): the function and its a
 pickled, which works for a function importable from a module, not for one defined in a
 notebook; call px.spawn before anything touches the GPU, or move the function to a module.
 `testing.run_ranks`, the harness of every multi-process test, is this same mechanism.
+
+[Note: leaving together]
+A worker that has delivered its result waits for the parent's word before it leaves, and the
+parent gives it once every rank's result is in. A rank that left as soon as it was done would
+close its connections while a slower peer may still be inside `init_process_group` or a last
+collective with it, and that peer would fail with gloo's "Connection closed by peer" (seen
+here: one rank of a two-rank harness run returned at once and the other, still connecting,
+failed). A rank that failed leaves at once; its peers' errors about the lost connection are
+listed after its own.
 """
 
 from __future__ import annotations
@@ -113,11 +122,17 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
         payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         code = 1
     try:
-        conn.send_bytes(pickle.dumps(payload))
+        conn.send_bytes(pickle.dumps(payload + (time.time(),)))
     except Exception as exc:  # the result itself did not pickle
         conn.send_bytes(pickle.dumps(("error", f"rank {rank}'s result could not be sent back: "
-                                               f"{type(exc).__name__}: {exc}")))
+                                               f"{type(exc).__name__}: {exc}", time.time())))
         code = 1
+    if code == 0:
+        # See [Note: leaving together]: wait until every rank's result is in.
+        try:
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            pass
     conn.close()
     if shutdown and code == 0:  # fn ran, so `runtime` is imported
         try:
@@ -146,7 +161,7 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
     stuck, stacks = [], {}
     try:
         for rank in range(n):
-            recv, send = ctx.Pipe(duplex=False)
+            recv, send = ctx.Pipe(duplex=True)
             stack_path = os.path.join(tmp, f"stack.{rank}")
             p = ctx.Process(target=_worker_main, name=f"rank{rank}",
                             args=(fn, args, kwargs, rank, n, send, stack_path, where, threads,
@@ -168,21 +183,29 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
                     continue
                 if conn.poll(0.02):
                     try:
-                        status, value = pickle.loads(conn.recv_bytes())
+                        status, value, when = pickle.loads(conn.recv_bytes())
                     except EOFError:
                         procs[rank].join(timeout=2)
-                        status, value = "error", _died(procs[rank].exitcode, "before sending "
-                                                                             "a result")
+                        status, value, when = "error", _died(procs[rank].exitcode, "before "
+                                                             "sending a result"), time.time()
                     done[rank] = True
                     if status == "ok":
                         results[rank] = value
                     else:
-                        errors[rank] = value
+                        errors[rank] = (value, when)
                         first_error_at = first_error_at or time.monotonic()
                 elif not procs[rank].is_alive() and not conn.poll(0):
                     done[rank] = True
-                    errors[rank] = _died(procs[rank].exitcode)
+                    errors[rank] = (_died(procs[rank].exitcode), time.time())
                     first_error_at = first_error_at or time.monotonic()
+        if all(done) and not errors:  # see [Note: leaving together]
+            for conn in conns:
+                try:
+                    conn.send_bytes(b"leave")
+                except OSError:  # that worker is gone already
+                    pass
+            for p in procs:
+                p.join(timeout=30)
         stuck = [r for r in range(n) if not done[r]]
         for r in stuck:
             if procs[r].is_alive():
@@ -206,7 +229,7 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
 
     if errors:
-        text = "\n".join(f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors))
+        text = "\n".join(f"--- rank {r} failed:\n{errors[r][0]}" for r in _cause_first(errors))
         if stuck:
             text += "\n" + "\n".join(f"--- rank {r} was still running:\n{stacks[r]}"
                                      for r in stuck)
@@ -216,6 +239,19 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
         raise SpawnTimeout(f"ranks {stuck} of {n} did not finish within {timeout:.0f} s\n{text}",
                            stuck)
     return results
+
+
+# What a rank reports when a peer it was talking to went away: the consequence of another rank's
+# failure, not a cause.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "connectFullMesh failed", "Socket Timeout", "the process died with exit code -9")
+
+
+def _cause_first(errors: dict) -> list[int]:
+    """Failed ranks, the likely cause first: a rank whose error is not the loss of a peer, then
+    by when each failed (each worker stamps its failure)."""
+    return sorted(errors, key=lambda r: (any(s in errors[r][0] for s in _PEER_GONE),
+                                         errors[r][1], r))
 
 
 def _died(exitcode, when: str = "") -> str:
