@@ -171,7 +171,7 @@ def _ranks_through_the_comm():
 
     from phalanx.collectives import Comm
     from phalanx.runtime import default_comm
-    from phalanx.sync_batchnorm import convert_sync_batchnorm
+    from phalanx.model.sync_batchnorm import convert_sync_batchnorm
 
     comm, r, seen = default_comm(), px.rank(), {}
     seen["gather"] = _new_records(comm, px.gather, torch.ones(r + 1, 3))[1]

@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import phalanx as px
 from phalanx.collectives import Comm
-from phalanx.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from phalanx.model.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from phalanx.testing import RanksFailed, run_ranks
 
 STEPS = 3

@@ -8,7 +8,7 @@ The public names are those of the user contract; everything else lives in privat
 """
 
 from .runtime import barrier, device, init, is_main, local_rank, rank, shutdown, world_size
-from .prepare import (clip_grad_norm_, no_sync, optimizer_state_dict, prepare, step_stats,
+from .model.prepare import (clip_grad_norm_, no_sync, optimizer_state_dict, prepare, step_stats,
                       unwrap)
 from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
                    map_batches)

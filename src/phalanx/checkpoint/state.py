@@ -26,8 +26,8 @@ from ..collectives import Comm
 from ..runtime import default_comm
 from ..engine.flat import Piece
 from ..engine.optim import adapter_of, native_load_state_dict, per_element
-from ..prepare import _uncompiled
-from ..prepared import PreparedModule
+from ..model.prepare import _uncompiled
+from ..model.prepared import PreparedModule
 
 __all__ = ["ModelState", "OptimizerState", "Range"]
 

@@ -102,7 +102,7 @@ class FlatUnit:
             self.master = torch.zeros(self.hi - self.lo, dtype=self.master_dtype, device=device)
             for p, offset in zip(self.params, self.bucket.offsets):
                 a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
-                if a < b and _has_room(p):  # a meta build's values come later (materialize.py)
+                if a < b and _has_room(p):  # a meta build's values come later (model/materialize.py)
                     self.master[a - self.lo:b - self.lo].copy_(
                         p.detach().reshape(-1)[a - offset:b - offset])
         else:

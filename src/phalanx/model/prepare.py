@@ -7,7 +7,7 @@ The order of what prepare does matters, and is the same on every rank:
      on every rank alike without anyone waiting for anyone;
   2. move the model to this rank's device and, if asked, convert BatchNorm to its
      synchronized form (parameters keep their identity, so the optimizer still holds them);
-  3. compare the model's structure and the options across ranks (consistency.py), then
+  3. compare the model's structure and the options across ranks (model/consistency.py), then
      broadcast rank 0's parameters and buffers;
   4. build the engine (engine/: one flat engine, the strategy a row of its policy table);
   5. wrap the module so forward keeps buffers in sync and applies the precision policy.
@@ -20,19 +20,19 @@ import warnings
 
 import torch
 
-from . import runtime
-from .collectives import Comm, count_step
+from .. import runtime
+from ..collectives import Comm, count_step
 from .consistency import broadcast_from_rank0, check_same_structure
-from .engine import build_engine
+from ..engine import build_engine
 from .materialize import fill_shards, materialize, on_meta
-from .metrics_log import note_run
-from .faults.nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
-from .faults.replica_check import ReplicaCheck
-from .step_report import StepClock, step_stats as _step_stats
-from .engine import optimizer_state_dict as _optimizer_state_dict
-from .engine.optim import optimizer_groups
-from .engine.units import check_gather_options
-from .engine.units import resolve_block_classes
+from ..metrics_log import note_run
+from ..faults.nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
+from ..faults.replica_check import ReplicaCheck
+from ..step_report import StepClock, step_stats as _step_stats
+from ..engine import optimizer_state_dict as _optimizer_state_dict
+from ..engine.optim import optimizer_groups
+from ..engine.units import check_gather_options
+from ..engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
 from .prepared import PreparedModule
 
@@ -101,7 +101,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         gradients dropped), "skip" the step with a warning, "warn" only, or None (no check).
     step_stats: time every optimizer step for `px.step_stats(model)` (step_report.py).
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
-        (default: each module's reset_parameters(), in order; materialize.py).
+        (default: each module's reset_parameters(), in order; model/materialize.py).
     zero3 only (engine/zero3.py):
     prefetch: how many roots ahead to gather while one computes (a root: a repeated block, or
         the module whose forward brackets a unit's uses), in the last forward's order and the
@@ -157,7 +157,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
                           gather_options if strategy == "zero3" else None, block_classes)
     _warn_oversized(engine, max_gathered_mb)
-    if shards_only:  # see [Note: only the shards are kept] in materialize.py
+    if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.master_pieces(), comm, dtypes)
     if on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)

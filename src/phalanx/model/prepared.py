@@ -2,8 +2,8 @@
 
 Around the user's forward it keeps buffers equal across ranks (rank 0's, broadcast before each
 forward that records a graph, unless `broadcast_buffers=False`), applies the precision policy
-(precision.py: inputs to the compute dtype, outputs to fp32), and returns every floating output
-through the gate of loss_scaling.py, which tells the engine that backward started and, under
+(model/precision.py: inputs to the compute dtype, outputs to fp32), and returns every floating output
+through the gate of model/loss_scaling.py, which tells the engine that backward started and, under
 fp16, scales the gradient exactly once. Everything else (hooks, buckets, the optimizer) belongs
 to the engine it holds, called through the `Engine` protocol (engine/__init__.py).
 
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ._tree import map_tensors
+from .._tree import map_tensors
 from .consistency import broadcast_tensors
 from .loss_scaling import OutputGate
 

@@ -68,8 +68,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import runtime
-from .collectives import Comm
+from .. import runtime
+from ..collectives import Comm
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
