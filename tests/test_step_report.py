@@ -267,7 +267,7 @@ def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, monkeypatch)
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from phalanx import metrics_log
+    from phalanx.observe import metrics as metrics_log
 
     monkeypatch.setenv("PHALANX_RUN_DIR", str(tmp_path))
     monkeypatch.setattr(metrics_log, "_state", {})

@@ -14,7 +14,7 @@ from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, 
                    map_batches)
 from .planner import plan
 from .checkpoint import CheckpointError, export, latest_checkpoint, load, save
-from .metrics_log import log, progress
+from .observe.metrics import log, progress
 from .faults.nonfinite import NonFiniteError
 from .faults.replica_check import ReplicasDiffer
 from .launch.spawn import SpawnError, spawn

@@ -18,7 +18,7 @@ COMMANDS = {
     "plan": ("phalanx.planner.cli", "memory and time planner: will it fit, how fast, which strategy"),
     "export": ("phalanx.checkpoint.cli", "a checkpoint's full weights as one safetensors file"),
     "checkpoint": ("phalanx.checkpoint.info_cli", "describe a checkpoint and verify its files"),
-    "report": ("phalanx.report_cli", "plots and a summary of a run directory's step reports"),
+    "report": ("phalanx.observe.report_cli", "plots and a summary of a run directory's step reports"),
     "demo": ("phalanx.demo", "train a small model on embedded data (the README's first command)"),
 }
 

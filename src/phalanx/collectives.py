@@ -427,7 +427,7 @@ _NO_LABEL = contextlib.nullcontext()
 
 def _label(rec: CollectiveRecord):
     """Under torch.profiler, name the issue of a collective `phalanx::TAG::KIND`, so a profiler
-    trace shows which bucket or unit it served (trace.py); nothing otherwise (0.1 us)."""
+    trace shows which bucket or unit it served (observe/trace.py); nothing otherwise (0.1 us)."""
     if not _profiling():
         return _NO_LABEL
     return torch.profiler.record_function(f"phalanx::{rec.tag or 'collective'}::{rec.kind}")

@@ -88,8 +88,8 @@ def train(strategy: str = "ddp", precision: str = "fp32", epochs: int = 12) -> f
             print(f"epoch {epoch + 1:2d}  train loss {mean_loss:.4f}  "
                   f"test accuracy {100 * accuracy:5.1f}% ({len(seen)} samples)", flush=True)
     if px.is_main():
-        from .metrics_log import close, run_dir
-        from .report_cli import read_metrics, summary
+        from .observe.metrics import close, run_dir
+        from .observe.report_cli import read_metrics, summary
 
         close()
         print(f"done in {time.perf_counter() - start:.1f} s\n"

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from .. import runtime
-from ..step_report import add_data_wait
+from ..observe.step_report import add_data_wait
 from .sampler import DistributedSampler, check_batch_size, split_evenly
 
 __all__ = ["data_loader", "DistributedLoader"]

@@ -86,9 +86,9 @@ def main(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the agent passes it on to workers
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # workers' lines appear as they come
-    # One run directory for every worker's px.log and trace files (metrics_log.py), and the
+    # One run directory for every worker's px.log and trace files (observe/metrics.py), and the
     # same after a restart.
-    from phalanx.metrics_log import default_run_dir
+    from phalanx.observe.metrics import default_run_dir
 
     os.environ.setdefault("PHALANX_RUN_DIR", default_run_dir())
     # Workers' output reaches the console line by line through the agent's log files, where a

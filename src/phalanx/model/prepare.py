@@ -25,10 +25,10 @@ from ..collectives import Comm, count_step
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
 from .materialize import fill_shards, materialize, on_meta
-from ..metrics_log import note_run
+from ..observe.metrics import note_run
 from ..faults.nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
 from ..faults.replica_check import ReplicaCheck
-from ..step_report import StepClock, step_stats as _step_stats
+from ..observe.step_report import StepClock, step_stats as _step_stats
 from ..engine import optimizer_state_dict as _optimizer_state_dict
 from ..engine.optim import optimizer_groups
 from ..engine.units import check_gather_options
@@ -99,7 +99,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     on_nonfinite: a NaN or inf loss on any rank, seen at the end of backward on every rank
         (faults/nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its
         gradients dropped), "skip" the step with a warning, "warn" only, or None (no check).
-    step_stats: time every optimizer step for `px.step_stats(model)` (step_report.py).
+    step_stats: time every optimizer step for `px.step_stats(model)` (observe/step_report.py).
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
         (default: each module's reset_parameters(), in order; model/materialize.py).
     zero3 only (engine/zero3.py):
@@ -226,7 +226,7 @@ def _prepared(model) -> PreparedModule:
 def step_stats(model: torch.nn.Module, all_ranks: bool = False) -> dict:
     """The last optimizer step's report on this rank: wall, forward, backward, optimizer and
     other (data loading) seconds, communication in flight and exposed, overlap, bytes and
-    bandwidth per collective kind, throughput, memory (step_report.py). Empty before the first
+    bandwidth per collective kind, throughput, memory (observe/step_report.py). Empty before the first
     step. `all_ranks=True` is a collective (every rank calls it) that adds the slowest rank,
     the skew between ranks, and each rank's busy time and memory."""
     return _step_stats(_prepared(model)._clock, all_ranks)

@@ -37,7 +37,7 @@ class PreparedModule(torch.nn.Module):
                  broadcast_buffers: bool = True, original_dtypes: dict | None = None,
                  clock=None):
         super().__init__()
-        self._clock = clock  # the step report's StepClock (step_report.py), or None
+        self._clock = clock  # the step report's StepClock (observe/step_report.py), or None
         self.module = module
         self._engine = engine
         self._comm = comm

@@ -41,7 +41,7 @@ import time
 import torch
 from torch.autograd import Variable
 
-from . import collectives
+from .. import collectives
 from .trace import tracer
 
 __all__ = ["StepClock", "step_stats"]
@@ -102,7 +102,7 @@ class StepClock:
         self.last: dict | None = None
         self._start = time.perf_counter()
         self._data_at_start = _data_wait[0]
-        self.trace = tracer(comm.rank)  # trace.py: None unless PHALANX_TRACE asks
+        self.trace = tracer(comm.rank)  # observe/trace.py: None unless PHALANX_TRACE asks
         self._reset()
 
     def _reset(self) -> None:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from . import collectives, runtime
+from .. import collectives, runtime
 
 __all__ = ["log", "progress", "run_dir", "close"]
 

@@ -1,10 +1,10 @@
 """A timeline per rank: forward, backward, optimizer step and every collective, for Perfetto.
 
 With PHALANX_TRACE=1 (or a directory) each rank writes `trace_rank<R>.json` in the run
-directory (metrics_log.py) when `px.shutdown()` runs, or at exit: Chrome's trace-event format,
+directory (observe/metrics.py) when `px.shutdown()` runs, or at exit: Chrome's trace-event format,
 which https://ui.perfetto.dev and chrome://tracing open. One process per rank; its lanes are
 "compute" (forward, backward and optimizer of every step, from the step clock of
-step_report.py) and "collectives 0, 1, ..." (each collective from issue to completion, from its
+observe/step_report.py) and "collectives 0, 1, ..." (each collective from issue to completion, from its
 record in collectives.py, named by its tag and kind, with its bytes and the time the training
 thread waited for it; collectives in flight together go to separate lanes). Ranks of one
 machine share the clock (CLOCK_MONOTONIC), so their timelines line up when opened together.
@@ -79,8 +79,8 @@ def tracer(rank: int) -> Tracer | None:
     if setting in ("", "0"):
         return None
     if "t" not in _tracer:
-        from . import runtime
-        from .metrics_log import run_dir
+        from .. import runtime
+        from .metrics import run_dir
 
         where = run_dir() if setting == "1" else setting
         t = _tracer["t"] = Tracer(rank, os.path.join(where, f"trace_rank{rank}.json"))

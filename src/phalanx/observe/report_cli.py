@@ -1,6 +1,6 @@
 """`phalanx report RUN_DIR`: plots and a one-screen summary of a run's logged step reports.
 
-Reads RUN_DIR/metrics.csv (written by `px.log`, see metrics_log.py) and writes, next to it:
+Reads RUN_DIR/metrics.csv (written by `px.log`, see observe/metrics.py) and writes, next to it:
 
     step_time.png   the step's wall time broken down (forward, backward, optimizer, data, other)
                     over the steps, with the exposed communication drawn over it
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """name -> [(step, value)] from RUN_DIR/metrics.csv, in the order written."""
-    from .command_error import CommandError
+    from ..command_error import CommandError
 
     path = os.path.join(run_dir, "metrics.csv")
     if not os.path.exists(path):
@@ -125,7 +125,7 @@ def against_plan(run_dir: str, series: dict, skip: int = 1) -> str | None:
         return None
     import json
 
-    from .planner import plan
+    from ..planner import plan
 
     with open(path) as f:
         run = json.load(f)
@@ -229,7 +229,7 @@ def plot(series: dict, out_dir: str) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .command_error import CommandError
+    from ..command_error import CommandError
 
     series = read_metrics(args.run_dir)
     text = summary(series, max(args.skip, 0))
