@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.faults.hangs import HANG_EXIT, hang_threshold
-from phalanx.runtime import LaunchEnv, _check_slurm_tasks
+from phalanx.launch.env import LaunchEnv, check_slurm_tasks
 
 SCRIPT = Path(__file__).parent / "launch_scripts" / "hang.py"
 THRESHOLD = 3
@@ -97,6 +97,6 @@ def test_sbatch_without_srun_is_explained():
     env = LaunchEnv(0, 4, 0, "node1", 29500, "slurm")
     with pytest.raises(RuntimeError, match="SLURM_NTASKS=4 but this process was not started by "
                                            "srun.*srun python train.py"):
-        _check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
-    _check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
-    _check_slurm_tasks(LaunchEnv(0, 1, 0, None, None, "slurm"), {"SLURM_NTASKS": "1"})
+        check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+    check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
+    check_slurm_tasks(LaunchEnv(0, 1, 0, None, None, "slurm"), {"SLURM_NTASKS": "1"})

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx import cli, launch
+from phalanx import cli
+from phalanx.launch import cli as launch
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 TIMEOUT = 90  # seconds for one job; a healthy one takes a few

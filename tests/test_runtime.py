@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.runtime import _first_slurm_host, read_launch_env
+from phalanx.launch.env import _first_slurm_host, read_launch_env
 
 
 def test_torchrun_environment():

@@ -75,7 +75,7 @@ def test_backward_twice_without_no_sync_and_reentrant_checkpointing(strategy, pr
 
 
 def _loop_and_kinds(*args):
-    from phalanx import collectives
+    from phalanx import records as collectives
     return _loop(*args), set(collectives.bytes_by_kind())
 
 

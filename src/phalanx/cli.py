@@ -14,7 +14,7 @@ from .command_error import CommandError
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "run": ("phalanx.launch", "start N workers per node through PyTorch's elastic agent"),
+    "run": ("phalanx.launch.cli", "start N workers per node through PyTorch's elastic agent"),
     "plan": ("phalanx.planner.cli", "memory and time planner: will it fit, how fast, which strategy"),
     "export": ("phalanx.checkpoint.cli", "a checkpoint's full weights as one safetensors file"),
     "checkpoint": ("phalanx.checkpoint.info_cli", "describe a checkpoint and verify its files"),

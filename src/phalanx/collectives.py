@@ -10,11 +10,11 @@ calls `torch.distributed` collectives. That gives three things one home:
   Likewise gloo's all-gather of a 50 MB fp32 buffer on 2 ranks took 70-150 ms where one
   broadcast per owner's shard took 12-35 ms (measured here), so on gloo an all-gather is done
   as broadcasts from each shard's owner. Tests pick a primitive with `Comm(group, prefer=...)`.
-- the record. Each collective gets a `CollectiveRecord`: kind, sequence number, payload bytes,
-  a tag naming what it serves (a bucket, a unit, a buffer broadcast), and its start and
-  completion times. Completion is read from the work handle's future when it completes, never
-  by waiting, so recording costs no synchronisation. The step report, hang diagnosis and the
-  planner's measured-versus-predicted check read it.
+- the record (records.py): kind, sequence number, payload bytes, a tag naming what it serves
+  (a bucket, a unit, a buffer broadcast), its group's name, its start and completion times.
+  Completion is read from the work's future when it completes (gloo), or polled from the work
+  without blocking (NCCL, whose future completes at enqueue), never by waiting, so recording
+  costs no synchronisation. The step report, hang diagnosis and the planner's check read it.
 - the version shims (`reduce_scatter_single` / `all_gather_single` in torch 2.13, the older
   `*_tensor` names before).
 
@@ -26,64 +26,24 @@ algorithm, which the planner accounts for.
 from __future__ import annotations
 
 import contextlib
-import os
-import pickle
 import time
 import zlib
-import weakref
 from collections import defaultdict, deque
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CollectiveRecord", "Handle", "close_all", "comm_device",
-           "bytes_by_kind", "reset_counts", "records_on", "records_since", "count_step",
-           "CollectiveMismatch"]
+from . import groups, pickled, records
+from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
+from .records import CollectiveRecord
+
+__all__ = ["Comm", "Handle", "CollectiveMismatch"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN}
-
-
-@dataclass
-class CollectiveRecord:
-    seq: int                     # this Comm's count of collectives
-    kind: str
-    nbytes: int
-    tag: str | None
-    started: float               # time.perf_counter() when issued
-    completed: float | None = None  # when the work completed (None while in flight)
-    group_seq: int = 0           # the count on its process group, over every Comm of it
-    step: int = 0                # optimizer steps taken in this process when it was issued
-    waited: float = 0.0          # seconds the issuing thread was blocked waiting for it
-
-
-class CollectiveMismatch(RuntimeError):
-    """The ranks are about to issue different collectives (PHALANX_CHECK_COLLECTIVES=1)."""
-
-
-# See [Note: checking collectives] (Comm._check_same).
-CHECK_COLLECTIVES = os.environ.get("PHALANX_CHECK_COLLECTIVES", "") not in ("", "0")
-_KIND_CODES = {kind: i for i, kind in enumerate(
-    ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
-     "gather_object", "barrier"], start=1)}
-
-# Collectives issued on each process group (by id), over all the Comms that share it: every
-# rank issues the same sequence on a group, so this number names one collective on every rank
-# (the hang report compares ranks by it).
-_group_seq: dict[int, int] = defaultdict(int)
-
-# Optimizer steps taken in this process (every prepared optimizer's step counts; see
-# engine.watch_steps), so that a record and a report can say at which step it happened.
-steps_taken = 0
-
-
-def count_step() -> None:
-    global steps_taken
-    steps_taken += 1
 
 
 class Handle:
@@ -106,8 +66,11 @@ class Handle:
         now = None
         for rec in self.records:
             if rec.completed is None:
-                now = now or time.perf_counter()
-                rec.completed = now
+                if rec.pending:  # NCCL: only the device knows (see Comm.polls)
+                    rec.poll()
+                else:
+                    now = now or time.perf_counter()
+                    rec.completed = now
 
     def is_completed(self) -> bool:
         done = self._done or all(w.is_completed() for w in self.works)
@@ -117,9 +80,13 @@ class Handle:
 
     def wait(self) -> bool:
         if not self._done:
+            stalled = self.records[0].pending if self.records else None
             began = time.perf_counter()
-            for w in self.works:
-                w.wait()
+            if stalled:  # NCCL: the wait is the current stream's, timed on the device
+                self.records[0].stall = _device_interval(lambda: [w.wait() for w in self.works])
+            else:
+                for w in self.works:
+                    w.wait()
             self._saw_completion()
             if self.records:  # the exposed time, counted once for the handle's collectives
                 self.records[0].waited += time.perf_counter() - began
@@ -129,8 +96,14 @@ class Handle:
         return True
 
 
-_live: "weakref.WeakSet[Comm]" = weakref.WeakSet()
-_twin_groups: dict = {}  # a process group -> the group of its twins (Comm.twin)
+def _device_interval(fn):
+    """Run `fn` between two CUDA events on the current stream: how long the stream stalls
+    there is the events' elapsed time, read once both have completed (never waited for)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    return start, end
 
 
 class Comm:
@@ -139,14 +112,23 @@ class Comm:
 
     `prefer` picks primitives where several would do: "reduce_scatter" or "all_reduce" for a
     sharded reduction, "all_gather" or "broadcast" for gathering shards. None (the default)
-    picks by backend, as measured above.
+    picks by backend, as measured above. `name` names the group on every rank (see [Note:
+    groups by name] in records.py); `steps` is the step counter of the model the Comm serves
+    (see [Note: steps per model]).
     """
 
-    def __init__(self, group, *, prefer: tuple[str, ...] | str | None = None, history: int = 4096):
+    def __init__(self, group, *, prefer: tuple[str, ...] | str | None = None, history: int = 4096,
+                 name: str | None = None, steps: records.StepCounter | None = None,
+                 device: torch.device | None = None):
         self.group = group
+        self.name = name or _group_name(group)
+        self.steps = steps
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.backend = str(dist.get_backend(group)) if group is not None else "none"
+        # Where this group's tensors live: NCCL's GPU (read once, not per call from whichever
+        # thread calls), else the CPU, or the GPU px.init(device=...) gives gloo ranks.
+        self.device = torch.device(device) if device is not None else _default_device(self)
         prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer or ())
         gloo = self.backend == "gloo"
         self.uses_reduce_scatter = ("reduce_scatter" in prefer
@@ -156,44 +138,32 @@ class Comm:
         self.records: deque[CollectiveRecord] = deque(maxlen=history)
         self.bytes_by_kind: dict[str, int] = defaultdict(int)
         self.seq = 0
-        self.tag: str | None = None  # a default tag for calls that name none
-        _live.add(self)
+        # On NCCL a work's future completes when the work is enqueued, not when it is done, so
+        # completion is polled from the work (a non-blocking query of the device) instead.
+        self.polls = "nccl" in self.backend
+        records.register(self)
 
-    def twin(self) -> "Comm":
+    def apart(self, purpose: str, backend: str | None = None) -> "Comm":
         """A Comm over the same ranks, with the same choice of primitives, on a process group
-        of its own: what is issued on it is a sequence of its own, ordered apart from this
-        one's (zero3's gathers beside the reductions, engine/zero3.py). Only the ranks of
-        this group take part in making it, once per group and process: every later twin of
-        the same group shares it (each model's gathers are the same on every rank, so one
-        sequence holds them all), so preparing model after model does not add groups."""
-        if self.group is None:
-            return self
-        group = _twin_groups.get(self.group)
-        if group is None:
-            group = dist.new_group(dist.get_process_group_ranks(self.group),
-                                   use_local_synchronization=True)
-            _twin_groups[self.group] = group
-        twin = Comm(group)
-        twin.uses_reduce_scatter = self.uses_reduce_scatter
-        twin.gathers_by_broadcast = self.gathers_by_broadcast
-        return twin
+        of its own for `purpose` (groups.py): what is issued on it is a sequence of its own,
+        ordered apart from this one's (zero3's gathers beside the reductions,
+        engine/zero3.py). Made once per group and purpose, shared by every later user."""
+        group = groups.group_for(self.group, purpose, backend) if self.group is not None else None
+        apart = Comm(group, name=purpose,
+                     steps=self.steps, device=self.device if backend is None else None)
+        apart.uses_reduce_scatter = self.uses_reduce_scatter
+        apart.gathers_by_broadcast = self.gathers_by_broadcast
+        return apart
 
     # -- bookkeeping ---------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """Where tensors for this group's collectives must live (NCCL: this rank's GPU)."""
-        if "nccl" in self.backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def _begin(self, kind: str, nbytes: int, tag) -> CollectiveRecord:
         """The record of a collective about to be issued: made before the call, so that a rank
         blocked inside it shows as having entered it."""
         self.seq += 1
-        key = id(self.group)
-        _group_seq[key] += 1
-        rec = CollectiveRecord(self.seq, kind, nbytes, tag if tag is not None else self.tag,
-                               time.perf_counter(), group_seq=_group_seq[key], step=steps_taken)
+        step = self.steps.value if self.steps is not None else records.current_step()
+        rec = CollectiveRecord(self.seq, kind, nbytes, tag, time.perf_counter(),
+                               group_seq=records.next_seq(self.group), step=step,
+                               group=self.name)
         self.records.append(rec)
         self.bytes_by_kind[kind] += nbytes
         if CHECK_COLLECTIVES:
@@ -201,46 +171,29 @@ class Comm:
         return rec
 
     def _check_same(self, rec: CollectiveRecord) -> None:
-        """[Note: checking collectives] With PHALANX_CHECK_COLLECTIVES=1, before each
-        collective the ranks exchange what they are about to issue (kind, size, tag) and raise
-        `CollectiveMismatch` on every rank when they differ. A skipped, extra or reordered
-        collective otherwise hangs (then faults/hangs.py names it) or, when sizes differ,
-        aborts gloo natively with no word of which collective. The exchange makes every
-        collective wait for every rank, so it is a debugging mode (as TORCH_DISTRIBUTED_DEBUG=
-        DETAIL is for torch's), off by default."""
-        device = comm_device(self.group)
+        """See [Note: checking collectives] in faults/mismatch.py."""
         tag = (rec.tag or "").encode()
-        mine = torch.tensor([rec.group_seq, _KIND_CODES.get(rec.kind, 0), rec.nbytes,
-                             zlib.crc32(tag)], dtype=torch.int64, device=device)
-        every = torch.empty(self.world * 4, dtype=torch.int64, device=device)
+        mine = torch.tensor([rec.group_seq, KIND_CODES.get(rec.kind, 0), rec.nbytes,
+                             zlib.crc32(tag)], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world * 4, dtype=torch.int64, device=self.device)
         _all_gather(every, mine, group=self.group)
         rows = every.view(self.world, 4).tolist()
         if all(row == rows[0] for row in rows):
             return
-        about = (rec.kind, rec.tag, rec.nbytes, steps_taken)
         parts = [None] * self.world
-        dist.all_gather_object(parts, about, group=self.group)
-        by_what: dict = defaultdict(list)
-        for r, (kind, tag, nbytes, step) in enumerate(parts):
-            by_what[(kind, tag, nbytes)].append((r, step))
-        described = "; ".join(
-            f"rank{'s' if len(who) > 1 else ''} {', '.join(str(r) for r, _ in who)} "
-            f"{'issue' if len(who) > 1 else 'issues'} {kind} ({tag}, {nbytes} bytes) at step "
-            f"{who[0][1]}"
-            for (kind, tag, nbytes), who in by_what.items())
-        raise CollectiveMismatch(
-            f"the ranks disagree on collective #{rec.group_seq}: {described}. Every rank must "
-            "issue the same collectives in the same order: look for a collective under a "
-            "rank-dependent condition, or ranks that run different numbers of steps or batches "
-            "(px.data_loader gives every rank the same number)")
+        dist.all_gather_object(parts, (rec.kind, rec.tag, rec.nbytes, rec.step),
+                               group=self.group)
+        raise mismatch(rec.group_seq, parts)
 
-    @staticmethod
-    def _track(rec: CollectiveRecord, work) -> CollectiveRecord:
+    def _track(self, rec: CollectiveRecord, work) -> CollectiveRecord:
         """Note the completion: now for a call that returned (`work` None), else when the
-        work's future completes."""
+        work's future completes, or on NCCL when the work is seen completed (polled by the
+        hang watcher, the step report and every wait)."""
         if work is None:  # a blocking call: all of it was waited for
             rec.completed = time.perf_counter()
             rec.waited = rec.completed - rec.started
+        elif self.polls:
+            rec.pending.append(work)
         else:
             def done(_fut, rec=rec):
                 # The first sign of completion wins: the future's callback can run after a
@@ -377,9 +330,9 @@ class Comm:
         self._add_bytes(rec, (8 + longest) * self.world)
         parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
                  for _ in range(self.world)]
-        dist.all_gather(parts, _padded(payload, longest), group=self.group)
+        dist.all_gather(parts, pickled.padded(payload, longest), group=self.group)
         self._track(rec, None)
-        return [_unpickle(part, size) for part, size in zip(parts, sizes)]
+        return [pickled.loads(part, size) for part, size in zip(parts, sizes)]
 
     def gather_object(self, obj, dst: int = 0, tag: str | None = None) -> list | None:
         """Every rank's `obj` on rank `dst` (a rank of this group; None elsewhere)."""
@@ -393,17 +346,17 @@ class Comm:
         if self.rank == dst:
             parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
                      for _ in range(self.world)]
-        dist.gather(_padded(payload, longest), parts, dst=dist.get_global_rank(self.group, dst),
-                    group=self.group)
+        dist.gather(pickled.padded(payload, longest), parts,
+                    dst=dist.get_global_rank(self.group, dst), group=self.group)
         self._track(rec, None)
         if parts is None:
             return None
-        return [_unpickle(part, size) for part, size in zip(parts, sizes)]
+        return [pickled.loads(part, size) for part, size in zip(parts, sizes)]
 
     def _pickle_and_sizes(self, obj) -> tuple[torch.Tensor, list[int]]:
         """This rank's pickle as a byte tensor, and every rank's pickle length."""
-        device = comm_device(self.group)
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        device = self.device if "nccl" in self.backend else torch.device("cpu")
+        data = pickled.dumps(obj)  # tensors of any device travel as CPU tensors
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(self.world)]
@@ -415,7 +368,7 @@ class Comm:
             return
         rec = self._begin("barrier", 0, tag)
         if "nccl" in self.backend:
-            dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+            dist.barrier(group=self.group, device_ids=[self.device.index])
         else:
             dist.barrier(group=self.group)
         self._track(rec, None)
@@ -433,68 +386,15 @@ def _label(rec: CollectiveRecord):
     return torch.profiler.record_function(f"phalanx::{rec.tag or 'collective'}::{rec.kind}")
 
 
-def _padded(payload: torch.Tensor, length: int) -> torch.Tensor:
-    if payload.numel() == length:
-        return payload
-    out = torch.zeros(length, dtype=torch.uint8, device=payload.device)
-    out[:payload.numel()] = payload
-    return out
-
-
-def _unpickle(part: torch.Tensor, size: int):
-    return pickle.loads(part[:size].cpu().numpy().tobytes())
-
-
-def comm_device(group) -> torch.device:
-    """Where tensors for collectives on `group` must live: the GPU under NCCL, else the CPU."""
+def _group_name(group) -> str:
     if group is None:
-        return torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):
+        return "none"
+    if group is dist.group.WORLD:
+        return "world"
+    return "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+def _default_device(comm) -> torch.device:
+    if "nccl" in comm.backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def close_all() -> None:
-    """Make every live `Comm` drop its group (called by `px.shutdown()` before the group is
-    destroyed, so no engine keeps it alive into interpreter finalisation)."""
-    for comm in list(_live):
-        comm.close()
-    _group_seq.clear()
-
-
-def records_since(group, since: float) -> list[CollectiveRecord]:
-    """The records over `group` of collectives issued at or after `since` (perf_counter),
-    read from the newest backwards, so the cost is that of the records returned."""
-    out = []
-    if group is None:
-        return out
-    for comm in list(_live):
-        if comm.group is not group:
-            continue
-        for rec in reversed(comm.records):
-            if rec.started < since:
-                break
-            out.append(rec)
-    return out
-
-
-def records_on(group) -> list[CollectiveRecord]:
-    """The recent records of every live `Comm` over `group`, in the group's order."""
-    out = [rec for comm in list(_live) if comm.group is group and group is not None
-           for rec in list(comm.records)]
-    return sorted(out, key=lambda rec: rec.group_seq)
-
-
-def bytes_by_kind() -> dict[str, int]:
-    """Payload bytes by collective kind, summed over every live `Comm` of this process (what
-    the planner's communication figures are checked against)."""
-    total: dict[str, int] = defaultdict(int)
-    for comm in list(_live):
-        for kind, n in comm.bytes_by_kind.items():
-            total[kind] += n
-    return dict(total)
-
-
-def reset_counts() -> None:
-    for comm in list(_live):
-        comm.reset_counts()

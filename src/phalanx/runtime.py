@@ -17,33 +17,21 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import groups, records
 from .collectives import Comm
+from .launch.env import check_slurm_tasks, read_launch_env
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
-    "default_group", "default_comm", "is_distributed", "LaunchEnv", "read_launch_env",
+    "default_group", "default_comm", "is_distributed",
     "auto_processes", "process_count",
 ]
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, as the launcher described it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str | None
-    master_port: int | None
-    source: str  # "torchrun", "slurm" or "none"
 
 
 @dataclass
@@ -57,56 +45,6 @@ class _State:
 
 
 _state = _State()
-
-
-def _first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: 'gpu[03-05,07],cpu1' -> 'gpu03'."""
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
-    prefix, _, ranges = m.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
-
-def _int_env(env, name):
-    value = env[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def read_launch_env(env=None) -> LaunchEnv:
-    """Read rank and world from torchrun/`phalanx run` variables, else SLURM's, else a world of one."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        port = env.get("MASTER_PORT")
-        return LaunchEnv(
-            rank=_int_env(env, "RANK"),
-            world_size=_int_env(env, "WORLD_SIZE"),
-            local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=int(port) if port else None,
-            source="torchrun",
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        job = env.get("SLURM_JOB_ID", "0")
-        port = env.get("MASTER_PORT") or str(20000 + int(job) % 20000 if job.isdigit() else 29500)
-        addr = env.get("MASTER_ADDR")
-        if addr is None and env.get("SLURM_NODELIST"):
-            addr = _first_slurm_host(env["SLURM_NODELIST"])
-        return LaunchEnv(
-            rank=_int_env(env, "SLURM_PROCID"),
-            world_size=_int_env(env, "SLURM_NTASKS"),
-            local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            master_addr=addr or "127.0.0.1",
-            master_port=int(port),
-            source="slurm",
-        )
-    return LaunchEnv(0, 1, 0, None, None, "none")
 
 
 def _pick_device(local_rank: int, backend: str | None) -> torch.device:
@@ -231,12 +169,13 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
             _state.device = _pick_device(_state.local_rank, backend_in_use)
         _state.initialized = True
         _state.owns_group = False
+        groups.set_timeout(timeout)
         _watch_hangs(timeout, hang_after)
         return
     env = read_launch_env()
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
         raise ValueError(f"invalid launch environment: rank {env.rank} of world size {env.world_size}")
-    _check_slurm_tasks(env)
+    check_slurm_tasks(env)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     _state.rank, _state.world_size, _state.local_rank = env.rank, env.world_size, env.local_rank
@@ -258,22 +197,8 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         )
         _state.owns_group = True
     _state.initialized = True
+    groups.set_timeout(timeout)
     _watch_hangs(timeout, hang_after)
-
-
-def _check_slurm_tasks(env: LaunchEnv, environ=None) -> None:
-    """A batch script that runs `python train.py` without `srun` starts one process where
-    SLURM_NTASKS promises several, and that process would wait for peers that never come.
-    srun sets SLURM_STEP_ID in every task it starts; the batch script's own shell has none."""
-    environ = os.environ if environ is None else environ
-    if env.source == "slurm" and env.world_size > 1 and "SLURM_STEP_ID" not in environ \
-            and "SLURM_STEPID" not in environ:
-        raise RuntimeError(
-            f"SLURM_NTASKS={env.world_size} but this process was not started by srun (no "
-            "SLURM_STEP_ID), so it would wait for peers that never start: in the sbatch "
-            "script, run `srun python train.py` (one task per rank), or start one launcher per "
-            "node with `srun --ntasks-per-node=1 phalanx run -n GPUS_PER_NODE --nnodes "
-            "$SLURM_NNODES ... train.py`")
 
 
 def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
@@ -290,7 +215,7 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
         store = dist.distributed_c10d._get_default_store()
     except (ValueError, RuntimeError, AttributeError):  # a group made without a store
         return
-    _hang_watch = HangWatch(store, dist.group.WORLD, _state.rank, _state.world_size, threshold)
+    _hang_watch = HangWatch(store, _state.rank, _state.world_size, threshold)
 
 
 _hang_watch = None
@@ -378,12 +303,14 @@ def shutdown() -> None:
 
     Ranks first meet at a barrier, so no rank tears its connections down while another still
     talks to it; that ordering is what keeps gloo from aborting a peer at exit. Then every
-    `Comm` (a prepared model's engine holds one) drops its reference to the group before the
-    group is destroyed, so the group really ends here, with its native threads, and is not
-    left for interpreter finalisation to free (where gloo's threads can abort the process;
-    pytorch/pytorch#179291). A group that the script already destroyed is left alone. A
-    checkpoint still being written in the background is finished first (and its error, if it
-    had one, raised after the group is ended).
+    `Comm` (a prepared model's engine holds one) drops its reference to its group, the groups
+    phalanx made (groups.py: zero3's gathers, background saves) are destroyed, and so is the
+    job's group when `init` made it (one the user made is theirs to end), so the groups really
+    end here, with their native threads, and are not left for interpreter finalisation to
+    free (where gloo's threads can abort the process; pytorch/pytorch#179291). A group that
+    the script already destroyed is left alone. A checkpoint still being written in the
+    background is finished first (and its error, if it had one, raised after the groups are
+    ended).
     """
     if not _state.initialized:
         return
@@ -394,12 +321,12 @@ def shutdown() -> None:
                 fn()
             except Exception as exc:  # raised once the group is ended
                 error = error or exc
-        if _state.owns_group and dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized():
             try:
                 _barrier("px.shutdown")
             finally:
                 _stop_watching()
-                _end_group()
+                _end_groups()
     finally:
         _stop_watching()
         _state.__init__()
@@ -414,8 +341,9 @@ def _stop_watching() -> None:
         _hang_watch = None
 
 
-def _end_group() -> None:
-    collectives.close_all()
+def _end_groups() -> None:
+    records.close_all()
+    groups.end_all()
     _default.clear()
-    if dist.is_initialized():  # the barrier's failure may have taken it down already
+    if _state.owns_group and dist.is_initialized():  # the barrier's failure may have ended it
         dist.destroy_process_group()

@@ -26,7 +26,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .. import runtime
 from ..collectives import Comm
@@ -97,7 +96,8 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     if not background:
         _write(snapshot, comm)
         return path
-    writer = _background_comm(comm)
+    # gloo: the writes gather small Python objects; see groups.py
+    writer = comm.apart("checkpoint:saves", backend="gloo")
     job = _Job(path)
     thread = threading.Thread(target=job.run, args=(snapshot, writer), name="phalanx-save")
     job.thread = thread
@@ -283,23 +283,6 @@ class _Job:
 
 
 _running: list[_Job] = []
-_writers: dict = {}  # id of the job's group -> (group, Comm) for background writes
-
-
-def _background_comm(comm: Comm) -> Comm:
-    """A Comm over a process group of its own for the background writes (gloo: the writes
-    gather small Python objects), made once per job group; a collective the first time."""
-    if comm.group is None:
-        return comm
-    key = id(comm.group)
-    entry = _writers.get(key)
-    if entry is None or entry[0] is not comm.group:
-        ranks = dist.get_process_group_ranks(comm.group)
-        group = dist.new_group(ranks=ranks, backend="gloo")
-        entry = _writers[key] = (comm.group, Comm(group))
-    return entry[1]
-
-
 def wait_for_saves() -> None:
     """Wait for a background `px.save` still running, and raise its error if it had one
     (`px.save`, `px.load` and `px.shutdown` call it first)."""

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import collectives
 from ..collectives import Comm
+from ..records import StepCounter
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit, Piece
 from .zero3 import UnitGatherer
@@ -81,10 +81,11 @@ class FlatEngine:
         self.gatherer = None
         if self.reshards and self.units:
             # Gathers on a group of their own: see [Note: two sequences of collectives]
-            self.gatherer = UnitGatherer(module, self.units, comm.twin(),
+            self.gatherer = UnitGatherer(module, self.units, comm.apart("zero3:gathers"),
                                          block_classes=block_classes,
                                          **(gather_options or {}))
         self.nonfinite = None  # a NonFiniteWatch (faults/nonfinite.py), set by px.prepare
+        self.steps = StepCounter()  # this model's optimizer steps (px.prepare's own, once set)
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
                                    max_in_flight=2 if self.shard_grads else None,
@@ -101,6 +102,11 @@ class FlatEngine:
             self.optim.after_step.append(fn)
         else:
             optimizer.register_step_post_hook(lambda opt, args, kwargs: fn())
+
+    def groups(self) -> list:
+        """The process groups this engine issues on (the step report reads their records)."""
+        comms = [self.comm] + ([self.gatherer.comm] if self.gatherer is not None else [])
+        return [c.group for c in comms if c.group is not None]
 
     def no_sync(self):
         return self.reducer.no_sync()
@@ -131,7 +137,7 @@ class FlatEngine:
         any_rank = any(u.nonfinite for u in self.units if u.reduced is not None) \
             if self.world > 1 else None
         try:
-            drop = self.nonfinite.after_backward(any_rank, collectives.steps_taken) is not None
+            drop = self.nonfinite.after_backward(any_rank, self.steps.value) is not None
         except FloatingPointError:  # NonFiniteError: the step's gradients go first
             self.drop_grads()
             raise

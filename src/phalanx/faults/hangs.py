@@ -6,14 +6,16 @@ them in another order. Each rank then waits in a collective its peers never join
 process group's timeout (minutes), and the error says nothing about which rank or why.
 
 Here every rank runs a watcher thread. Every collective phalanx issues is recorded by its
-`Comm` before it is issued and marked complete when its work completes (collectives.py), with
-its number on the process group, kind, tag (which bucket or unit, or which helper) and the
-optimizer step. The watcher wakes every `poll` seconds, reads that record (no collective, no
-synchronisation with the training thread) and looks at one key of the rendezvous store. When a
-collective of this rank has been in flight for longer than the threshold, the watcher raises
-the flag in the store; every rank's watcher, seeing it, writes its recent records and the
-Python stack of its main thread to the store; the rank that raised the flag compares them and
-prints one message that names what differs, such as
+`Comm` before it is issued and marked complete when its work completes (collectives.py,
+records.py), with its process group's name and its number there, kind, tag (which bucket or
+unit, or which helper) and the optimizer step. The watcher wakes every `poll` seconds, reads
+the records of every group a live Comm issues on (the job's, zero3's gathers, background
+saves': no collective, no synchronisation with the training thread) and looks at one key of
+the rendezvous store. When a collective of this rank has been in flight for longer than the
+threshold, the watcher raises the flag in the store; every rank's watcher, seeing it, writes
+its recent records and the Python stack of its main thread to the store; the rank that raised
+the flag compares them, on the group where a collective has waited longest, and prints one
+message that names what differs, such as
 
     hang at step 12: rank 1 has not entered all_reduce #58 (unit[3]:grads); rank 0 has
     waited 31 s in it
@@ -37,7 +39,9 @@ import threading
 import time
 import traceback
 
-from .. import collectives
+import torch.distributed as dist
+
+from .. import records
 
 __all__ = ["HangWatch", "HANG_EXIT", "hang_threshold", "compose_report"]
 
@@ -76,12 +80,30 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _where(name: str) -> str:
+    """Where a collective was issued, as the report says it: nothing for the job's group."""
+    return "" if name == "world" else f" on group {name!r}"
+
+
+def _stalled_group(answered: dict) -> str | None:
+    """The group whose oldest collective in flight on some rank has waited longest."""
+    best, age = None, -1.0
+    for s in answered.values():
+        for name, g in s["groups"].items():
+            if g["waiting"] is not None and g["waiting"]["age"] > age:
+                best, age = name, g["waiting"]["age"]
+    return best
+
+
 def compose_report(states: dict[int, dict | None], world: int) -> str:
     """One message from every rank's state (None: that rank did not answer)."""
     answered = {r: s for r, s in states.items() if s is not None}
-    waiting = {r: s["waiting"] for r, s in answered.items() if s["waiting"] is not None}
     silent = [r for r in range(world) if r not in answered]
     step = max((s["step"] for s in answered.values()), default=0)
+    name = _stalled_group(answered)
+    empty = {"entered": 0, "waiting": None, "last": None, "by_seq": {}}
+    on = {r: s["groups"].get(name, empty) for r, s in answered.items()}
+    waiting = {r: g["waiting"] for r, g in on.items() if g["waiting"] is not None}
     lines = []
     if not waiting:
         head = "a collective waited past the threshold, but no rank waits in one any more"
@@ -90,18 +112,19 @@ def compose_report(states: dict[int, dict | None], world: int) -> str:
         ref = next(w for w in waiting.values() if w["group_seq"] == k)
         stuck = [r for r, w in waiting.items() if w["group_seq"] == k]
         waited = max(w["age"] for r, w in waiting.items() if r in stuck)
-        behind = [r for r, s in answered.items() if s["entered"] < k]
+        behind = [r for r, g in on.items() if g["entered"] < k]
         other = {}
-        for r, s in answered.items():
-            rec = s["by_seq"].get(k)
+        for r, g in on.items():
+            rec = g["by_seq"].get(k)
             if rec is not None and (rec["kind"], rec["tag"]) != (ref["kind"], ref["tag"]):
                 other[r] = rec
         at = f"at step {step}"
+        group = _where(name)
         if other:
             r, rec = next(iter(sorted(other.items())))
-            head = (f"collectives out of order {at}: #{k} is {ref['kind']} ({ref['tag']}) on "
-                    f"{_ranks(r2 for r2 in answered if r2 not in other)} but {_describe(rec)} "
-                    f"on {_ranks(other)}")
+            head = (f"collectives out of order {at}{group}: #{k} is {ref['kind']} "
+                    f"({ref['tag']}) on {_ranks(r2 for r2 in answered if r2 not in other)} but "
+                    f"{_describe(rec)} on {_ranks(other)}")
             steps = {s["step"] for s in answered.values()}
             if len(steps) > 1:
                 head += ("; the ranks ran different numbers of steps ("
@@ -112,18 +135,18 @@ def compose_report(states: dict[int, dict | None], world: int) -> str:
         elif behind or silent:
             who = behind + silent
             head = (f"hang {at}: {_ranks(who)} {'has' if len(who) == 1 else 'have'} not entered "
-                    f"{_describe(ref)}; {_ranks(stuck)} {'has' if len(stuck) == 1 else 'have'} "
-                    f"waited {waited:.1f} s in it")
+                    f"{_describe(ref)}{group}; {_ranks(stuck)} "
+                    f"{'has' if len(stuck) == 1 else 'have'} waited {waited:.1f} s in it")
         else:
-            head = (f"hang {at}: every rank entered {_describe(ref)} and none has completed it "
-                    f"after {waited:.0f} s: the transport is stuck (network), or a process is "
-                    "frozen in native code")
+            head = (f"hang {at}: every rank entered {_describe(ref)}{group} and none has "
+                    f"completed it after {waited:.0f} s: the transport is stuck (network), or a "
+                    "process is frozen in native code")
     lines.append(head)
     for r in silent:
         lines.append(f"  rank {r}: did not answer (its process has ended, or is frozen outside "
                      "Python)")
     for r, s in sorted(answered.items()):
-        last = s["last"]
+        last = on[r]["last"]
         where = "no collective yet" if last is None else (
             f"last collective {_describe(last)}, "
             + ("completed" if last["done"] else f"in flight for {last['age']:.0f} s"))
@@ -159,10 +182,8 @@ def _as_dict(rec, now: float) -> dict:
 class HangWatch:
     """The watcher thread of one rank (see the module's docstring)."""
 
-    def __init__(self, store, group, rank: int, world: int, threshold: float,
-                 poll: float | None = None):
+    def __init__(self, store, rank: int, world: int, threshold: float, poll: float | None = None):
         self.store = store
-        self.group = group
         self.rank, self.world = rank, world
         self.threshold = threshold
         self.poll = poll if poll is not None else min(1.0, threshold / 4)
@@ -181,23 +202,45 @@ class HangWatch:
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        warned = False
         while not self._stop.wait(self.poll):
             try:
                 self._tick()
-            except Exception:  # the store went away (a peer ended the job): stop watching
+            except dist.DistError:  # the store went away (a peer ended the job): stop watching
                 return
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the watching
+                if not warned:
+                    warned = True
+                    print(f"phalanx: rank {self.rank}: the hang watcher met an error and goes "
+                          f"on watching: {type(exc).__name__}: {exc}", file=sys.stderr,
+                          flush=True)
+
+    def _groups(self) -> dict[str, list]:
+        """name -> records, for every group of the whole job that a live Comm issues on."""
+        out = {}
+        for name, group in records.groups_in_use().items():
+            try:
+                if dist.get_world_size(group) != self.world:
+                    continue  # a group of some ranks only: not comparable rank by rank
+            except (RuntimeError, ValueError):  # destroyed meanwhile
+                continue
+            recs = records.records_on(group)
+            records.poll_completions(recs[-64:])
+            out[name] = recs
+        return out
 
     def _state(self) -> dict:
         now = time.perf_counter()
-        records = collectives.records_on(self.group)
-        waiting = _oldest_in_flight(records)
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "step": collectives.steps_taken,
-                "entered": records[-1].group_seq if records else 0,
+        groups = {}
+        for name, recs in self._groups().items():
+            waiting = _oldest_in_flight(recs)
+            groups[name] = {
+                "entered": recs[-1].group_seq if recs else 0,
                 "waiting": _as_dict(waiting, now) if waiting is not None else None,
-                "last": _as_dict(records[-1], now) if records else None,
-                "by_seq": {r.group_seq: _as_dict(r, now) for r in records[-64:]},
-                "stack": _main_stack()}
+                "last": _as_dict(recs[-1], now) if recs else None,
+                "by_seq": {r.group_seq: _as_dict(r, now) for r in recs[-64:]}}
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "step": records.current_step(), "groups": groups, "stack": _main_stack()}
 
     def _tick(self) -> None:
         flag = f"{self.prefix}/flag"
@@ -205,10 +248,12 @@ class HangWatch:
             self._answer_and_end(reporter=False)
             return
         now = time.perf_counter()
-        oldest = _oldest_in_flight(collectives.records_on(self.group))
-        if oldest is not None and now - oldest.started > self.threshold:
-            first = self.store.add(flag, 1) == 1
-            self._answer_and_end(reporter=first)
+        for recs in self._groups().values():
+            oldest = _oldest_in_flight(recs)
+            if oldest is not None and now - oldest.started > self.threshold:
+                first = self.store.add(flag, 1) == 1
+                self._answer_and_end(reporter=first)
+                return
 
     def _answer_and_end(self, reporter: bool) -> None:
         """Write this rank's state; the reporter composes and prints the report. Then end.

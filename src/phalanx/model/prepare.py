@@ -21,7 +21,8 @@ import warnings
 import torch
 
 from .. import runtime
-from ..collectives import Comm, count_step
+from ..collectives import Comm
+from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
 from .materialize import fill_shards, materialize, on_meta
@@ -126,7 +127,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
     block_classes = resolve_block_classes(model, blocks)
     runtime.init()
-    comm = comm if comm is not None else Comm(runtime.default_group())
+    steps = StepCounter()  # this model's optimizer steps: see [Note: steps per model]
+    if comm is None:
+        comm = Comm(runtime.default_group(), steps=steps)
+    elif comm.steps is None:
+        comm.steps = steps
     built_on_meta = on_meta(model)
     # zero3 draws the values after the engine is built, keeping only each rank's shards
     shards_only = built_on_meta and strategy == "zero3" and comm.world > 1 and init is None
@@ -161,8 +166,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         fill_shards(model, engine.master_pieces(), comm, dtypes)
     if on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)
+    engine.steps = steps
     if optimizer is not None:  # the step that collective records and reports name
-        engine.watch_steps(optimizer, count_step)
+        engine.watch_steps(optimizer, steps.tick)
     if check_replicas_every is not None and optimizer is not None:
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
@@ -172,7 +178,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
               "bucket_mb": float(bucket_mb), "comm_dtype": COMM_DTYPES[comm_dtype],
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "optimizer": _optimizer_name(optimizer)})
-    clock = StepClock(comm, runtime.device()) if step_stats else None
+    clock = StepClock(comm, runtime.device(), steps, engine.groups()) if step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,

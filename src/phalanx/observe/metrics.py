@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from .. import collectives, runtime
+from .. import records, runtime
 
 __all__ = ["log", "progress", "run_dir", "close"]
 
@@ -79,14 +79,15 @@ def _writers():
 
 
 def log(metrics: dict, step: int | None = None, *, every: int | None = None) -> None:
-    """Record `metrics` (name -> number) at `step` (default: optimizer steps taken so far).
+    """Record `metrics` (name -> number) at `step` (default: optimizer steps taken so far, by
+    the prepared model that has taken the most).
 
     Rank 0 writes them to RUN_DIR/metrics.csv, to TensorBoard when installed, and, every
     `every` steps (default PHALANX_LOG_EVERY, else 10), as one line on stdout; other ranks do
     nothing. Values that are not numbers are left out."""
     if runtime.rank() != 0:
         return
-    step = collectives.steps_taken if step is None else int(step)
+    step = records.current_step() if step is None else int(step)
     values = {str(k): v for k, v in ((k, _number(v)) for k, v in metrics.items())
               if v is not None}
     (f, writer), tb = _writers()

@@ -13,18 +13,24 @@ synchronisation:
 - data: time spent waiting for the next batch of a `px.data_loader` (its iterator, timed);
 - other: the rest of the wall time: the loop's own code, and loading data by other means;
 - communication: the union of the intervals during which the step's collectives were in
-  flight, from their records (collectives.py: issue time, and completion time read from the
-  work's future when it completes, never waited for); per kind, the collectives' count, bytes
-  and algorithmic bandwidth (bytes over time in flight);
-- exposed communication: the time the training thread spent blocked waiting for a collective
-  (a handle's wait, or a blocking call); overlap = (communication - exposed) / communication;
+  flight, from their records (records.py: issue time, and completion time read from the
+  work's future when it completes on gloo, polled from the work without blocking on NCCL,
+  never waited for), on every group the model issues on (the job's, and zero3's gathers);
+  per kind, the collectives' count, bytes and algorithmic bandwidth (bytes over time in
+  flight);
+- exposed communication: the time the training waited for a collective (the training
+  thread blocked in a handle's wait or a blocking call; on NCCL, the compute stream's stall
+  at a wait, from two CUDA events); overlap = (communication - exposed) / communication;
 - throughput: samples (the first dimension of the forward's first tensor argument) and tokens
   (its element count, when it is an integer tensor of two or more dimensions) per second;
-- memory: resident memory now and the process's peak (CPU); on GPU, the step's peak allocated
-  and the reserved memory.
+- memory: resident memory now and the process's peak (CPU); on GPU, the memory allocated now,
+  the peak allocated (`torch.cuda.max_memory_allocated()`: since the start, or since the
+  user's own `reset_peak_memory_stats()`, which the report never calls) and the reserved
+  memory.
 
 On GPU the times are those of the host: kernels are asynchronous, so a forward's time is the
-time to launch it unless something waited; wall time, communication and overlap hold.
+time to launch it unless something waited; wall time holds, and a collective's completion is
+known to within the polling (at each wait, each hang-watcher tick and each step's end).
 
 `px.step_stats(model)` returns the last step's report as a flat dict. With `all_ranks=True`
 (a collective: every rank calls it) every rank's report is gathered and the straggler named:
@@ -41,7 +47,7 @@ import time
 import torch
 from torch.autograd import Variable
 
-from .. import collectives
+from .. import records
 from .trace import tracer
 
 __all__ = ["StepClock", "step_stats"]
@@ -96,8 +102,11 @@ def _batch_size(args, kwargs) -> tuple[int, int]:
 class StepClock:
     """Times one prepared model's steps (see the module's docstring)."""
 
-    def __init__(self, comm, device: torch.device):
+    def __init__(self, comm, device: torch.device, steps: records.StepCounter,
+                 groups: list | None = None):
         self.comm = comm
+        self.steps = steps
+        self.groups = groups if groups is not None else [comm.group]
         self.cuda = device.type == "cuda"
         self.last: dict | None = None
         self._start = time.perf_counter()
@@ -118,7 +127,7 @@ class StepClock:
         now = time.perf_counter()
         self.forward_s += now - began
         if self.trace is not None:
-            self.trace.phase("forward", began, now, collectives.steps_taken)
+            self.trace.phase("forward", began, now, self.steps.value)
         samples, tokens = _batch_size(args, kwargs)
         self.samples += samples
         self.tokens += tokens
@@ -135,7 +144,8 @@ class StepClock:
         if self._backward_from is not None:
             self.backward_s += now - self._backward_from
             if self.trace is not None:
-                self.trace.phase("backward", self._backward_from, now, collectives.steps_taken)
+                self.trace.phase("backward", self._backward_from, now,
+                                 self.steps.value)
         self._backward_from = None
         self._backward_end = now
 
@@ -144,26 +154,26 @@ class StepClock:
         now = time.perf_counter()
         wall = now - self._start
         optimizer = now - self._backward_end if self._backward_end is not None else 0.0
-        records = [r for r in collectives.records_since(self.comm.group, self._start)
-                   if r.completed is not None]
-        exposed = sum(r.waited for r in records)
+        issued = records.records_since(self.groups, self._start)
+        records.poll_completions(issued)
+        done = [r for r in issued if r.completed is not None]
+        exposed = sum(r.exposed() for r in issued)
         data = min(_data_wait[0] - self._data_at_start, wall)
-        comm = union_length([(r.started, r.completed) for r in records])
+        comm = union_length([(r.started, r.completed) for r in done])
         kinds: dict[str, list] = {}
-        for r in records:
+        for r in done:
             entry = kinds.setdefault(r.kind, [0, 0, 0.0])
             entry[0] += 1
             entry[1] += r.nbytes
             entry[2] += r.completed - r.started
         if self.trace is not None:
             if self._backward_end is not None:
-                self.trace.phase("optimizer", self._backward_end, now,
-                                 collectives.steps_taken - 1)
-            for r in sorted(records, key=lambda r: r.started):
+                self.trace.phase("optimizer", self._backward_end, now, self.steps.value - 1)
+            for r in sorted(done, key=lambda r: r.started):
                 self.trace.collective(r)
         rss = rss_bytes()
         report = {
-            "step": collectives.steps_taken - 1,  # the index of the step, from 0
+            "step": self.steps.value - 1,  # the index of this model's step, from 0
             "wall_s": wall,
             "forward_s": self.forward_s,
             "backward_s": self.backward_s,
@@ -185,10 +195,10 @@ class StepClock:
             report[f"{kind}/count"] = count
             report[f"{kind}/bytes"] = nbytes
             report[f"{kind}/GBps"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
-        if self.cuda:
+        if self.cuda:  # the user's peak statistics are left alone: see the module's docstring
+            report["gpu_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
             report["gpu_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
             report["gpu_reserved_mb"] = torch.cuda.memory_reserved() / 2**20
-            torch.cuda.reset_peak_memory_stats()
         self.last = report
         self._start = now
         self._data_at_start = _data_wait[0]

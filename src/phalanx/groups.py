@@ -1,0 +1,61 @@
+"""Every process group phalanx makes beside the job's own: made once per purpose, bounded by
+the job's timeout, ended at `px.shutdown()`.
+
+Some collectives must not share a sequence with the training's: zero3's gathers run on a group
+of their own ([Note: two sequences of collectives] in engine/zero3.py), and so do a background
+save's writes (checkpoint/saving.py), which run in another thread. Each such group is made once
+per (parent group, purpose) by the ranks of the parent group, and shared by every later user of
+that purpose: each user issues the same collectives on every rank, so one sequence holds them
+all, and preparing model after model adds no groups. Each is made with `px.init`'s timeout,
+so a collective waiting on it is bounded like one on the job's group, and each is named (see
+[Note: groups by name] in records.py) so that the hang watcher and the step report, which read
+every live `Comm`, see its traffic too.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+__all__ = ["set_timeout", "timeout", "group_for", "end_all", "made"]
+
+_timeout: list = [None]   # px.init's timeout (a timedelta), once known
+_made: dict = {}          # (id(parent), purpose) -> (parent, group)
+
+
+def set_timeout(value: datetime.timedelta | None) -> None:
+    _timeout[0] = value
+
+
+def timeout() -> datetime.timedelta | None:
+    """The job's collective timeout (`px.init(timeout=)`), or None before `px.init`."""
+    return _timeout[0]
+
+
+def group_for(parent, purpose: str, backend: str | None = None):
+    """The process group for `purpose` over the ranks of `parent` (made the first time: a
+    collective of those ranks)."""
+    key = (id(parent), purpose)
+    entry = _made.get(key)
+    if entry is None or entry[0] is not parent:
+        kwargs = {"timeout": _timeout[0]} if _timeout[0] is not None else {}
+        group = dist.new_group(dist.get_process_group_ranks(parent), backend=backend,
+                               use_local_synchronization=True, **kwargs)
+        entry = _made[key] = (parent, group)
+    return entry[1]
+
+
+def made() -> list:
+    """The groups made so far (for tests: every one must be bounded and ended)."""
+    return [group for _, group in _made.values()]
+
+
+def end_all() -> None:
+    """Destroy every group made here (`px.shutdown()`, before the job's group)."""
+    entries, _ = list(_made.values()), _made.clear()
+    for _, group in entries:
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):  # already gone with its parent
+            pass
