@@ -12,13 +12,17 @@ rank that raised, and, when the run outlives `timeout`, `RanksTimedOut` with the
 of every rank that was still running (taken with faulthandler before the rank is killed). A
 dead or stuck rank therefore fails the test within a second or two of its timeout; it never
 hangs the suite.
+
+`engine_of(model)` is the one documented way for a test to look inside a prepared model (its
+units, buckets and zero3 gatherer, engine/); nothing else of phalanx's internals is a test's to
+reach into.
 """
 
 from __future__ import annotations
 
 from ..launch.spawn import SpawnError, SpawnTimeout, run_workers
 
-__all__ = ["run_ranks", "RanksFailed", "RanksTimedOut"]
+__all__ = ["run_ranks", "RanksFailed", "RanksTimedOut", "engine_of"]
 
 
 class RanksFailed(SpawnError):
@@ -38,3 +42,12 @@ def run_ranks(fn, world_size: int, args=(), kwargs=None, timeout: float = 120.0,
         raise RanksTimedOut(str(exc), exc.ranks) from None
     except SpawnError as exc:
         raise RanksFailed(str(exc), exc.ranks) from None
+
+
+def engine_of(model):
+    """The engine behind a prepared model (or `torch.compile` of one): the `Engine` of
+    engine/__init__.py, for tests that count what it holds; None for a model not prepared."""
+    from ..model.prepare import prepared_or_none
+
+    inner = prepared_or_none(model)
+    return inner._engine if inner is not None else None
