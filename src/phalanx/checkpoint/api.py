@@ -12,6 +12,7 @@ from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
 from .reader import (CheckpointError, Reader, complete_checkpoints, read_manifest,
                      verify_files)
+from .removal import why_not_export_target
 from .saving import wait_for_saves
 from .state import ModelState, OptimizerState
 
@@ -131,6 +132,9 @@ def export(path, model) -> str:
     writes, with the other ranks' shards of the masters gathered to it."""
     state = ModelState(model)
     comm = state.comm
+    target = os.path.abspath(os.fspath(path))
+    agree(comm, why_not_export_target(target) if comm.rank == 0 else None,
+          f"px.export({os.fspath(path)!r})")
     owner = {name: 0 for name in state.writer_of()}  # what every rank holds whole: rank 0's
     local = [(r.name, r.start, r.end, r.values.detach().cpu().clone()) for r in state.ranges(owner)]
     gathered = comm.gather_object(local, dst=0, tag="export")
@@ -146,7 +150,7 @@ def export(path, model) -> str:
                     full[name[len("model/"):]].view(-1)[start:end] = values
             for alias, name in state.aliases.items():
                 full[alias] = full[name].clone()
-            _write_atomically(os.path.abspath(os.fspath(path)), full)
+            _write_atomically(target, full)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.export({os.fspath(path)!r})")
@@ -157,6 +161,9 @@ def export_checkpoint(checkpoint, out) -> str:
     """`phalanx export CKPT OUT`: the model's full weights from a checkpoint, offline (no
     process group), as one safetensors file."""
     checkpoint = os.path.abspath(os.fspath(checkpoint))
+    problem = why_not_export_target(os.path.abspath(os.fspath(out)))
+    if problem is not None:
+        raise CheckpointError(problem)
     manifest = read_manifest(checkpoint)
     problems = verify_files(checkpoint, manifest, sorted(manifest["files"]))
     if problems:
@@ -179,6 +186,9 @@ def _write_atomically(path: str, tensors: dict) -> None:
     tmp = f"{path}.partial-{uuid.uuid4().hex[:12]}"
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        problem = why_not_export_target(path)  # again: see [Note: a save removes only checkpoints]
+        if problem is not None:
+            raise CheckpointError(problem)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

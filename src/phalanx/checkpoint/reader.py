@@ -18,7 +18,8 @@ FORMAT = "phalanx-checkpoint"
 
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded: missing, incomplete, altered, or of another model."""
+    """A checkpoint that cannot be loaded (missing, incomplete, altered, or of another model),
+    or cannot be saved where it was asked to go (see removal.py)."""
 
 
 def read_manifest(path: str) -> dict:

@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
 from .files import file_digest, fsync_dir, write_tensors
 from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
+from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
 from .state import ModelState, OptimizerState
 
 __all__ = ["save", "wait_for_saves"]
@@ -79,13 +81,18 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     comm = model_state.comm if model_state is not None else default_comm()
     optim_state = OptimizerState(optimizer, model_state) if optimizer is not None else None
     path = os.path.abspath(os.fspath(path))
-    seen = comm.all_gather_object((uuid.uuid4().hex[:12], path), tag="save:token")
+    # See [Note: a save removes only checkpoints] in removal.py: rank 0, which completes the
+    # checkpoint, looks at what stands at `path`, and every rank learns its answer.
+    problem = why_not_replaceable(path) if comm.rank == 0 else None
+    seen = comm.all_gather_object((uuid.uuid4().hex[:12], path, problem), tag="save:token")
     token = seen[0][0]
-    if any(p != path for _, p in seen):
+    if any(p != path for _, p, _ in seen):
         raise ValueError(f"px.save: every rank must give the same path; the ranks gave "
-                         f"{', '.join(repr(p) for _, p in seen)} (build it from values all "
+                         f"{', '.join(repr(p) for _, p, _ in seen)} (build it from values all "
                          "ranks share, such as the step, not from a per-process temporary "
                          "directory)")
+    if seen[0][2] is not None:
+        raise CheckpointError(f"px.save({path!r}) refused: {seen[0][2]}")
     snapshot, error = None, None
     try:
         snapshot = _take_snapshot(path, f"{path}.partial-{token}", keep_last, model_state,
@@ -234,7 +241,10 @@ def _complete(snap: _Snapshot, reports: list) -> None:
         os.fsync(f.fileno())
     fsync_dir(snap.partial)
     path, parent = snap.path, os.path.dirname(snap.path)
-    if os.path.exists(path):  # replace: the old one is moved aside, then removed
+    problem = why_not_replaceable(path)  # again: it may have changed while the ranks wrote
+    if problem is not None:
+        raise CheckpointError(f"refused: {problem}")
+    if os.path.lexists(path):  # replace: the old one is moved aside, then removed
         old = f"{path}.old-{os.path.basename(snap.partial).rsplit('-', 1)[1]}"
         os.rename(path, old)
         os.rename(snap.partial, path)
@@ -244,20 +254,23 @@ def _complete(snap: _Snapshot, reports: list) -> None:
     fsync_dir(parent)
     if snap.keep_last is not None:
         for _, older in complete_checkpoints(parent)[:-snap.keep_last]:
-            if older != path:
+            if older == path:
+                continue
+            if holds_only_its_own_files(older):
                 shutil.rmtree(older, ignore_errors=True)
+            else:
+                warnings.warn(f"px.save(keep_last={snap.keep_last}) kept {older}: it holds files "
+                              "that no save wrote", stacklevel=2)
         _remove_abandoned(parent, path)
 
 
 def _remove_abandoned(parent: str, newest: str) -> None:
     """With keep_last the directory is the run's own: remove what saves that never completed
     left in it (a rank killed midway leaves `<path>.partial-<token>`), once a later checkpoint
-    is complete. Only entries older than the checkpoint just completed are touched."""
+    is complete. Only entries older than the checkpoint just completed are touched, and only
+    those that hold nothing but a save's files (removal.py)."""
     cutoff = os.path.getmtime(os.path.join(newest, MANIFEST))
-    for entry in os.listdir(parent):
-        if ".partial-" not in entry and ".old-" not in entry:
-            continue
-        where = os.path.join(parent, entry)
+    for where in abandoned(parent):
         try:
             if os.path.getmtime(where) < cutoff:
                 shutil.rmtree(where, ignore_errors=True)
