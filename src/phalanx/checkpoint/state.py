@@ -26,8 +26,7 @@ from ..collectives import Comm
 from ..runtime import default_comm
 from ..engine.flat import Piece
 from ..engine.optim import adapter_of, native_load_state_dict, per_element
-from ..model.prepare import _uncompiled
-from ..model.prepared import PreparedModule
+from ..model.prepare import prepared_or_none, uncompiled
 
 __all__ = ["ModelState", "OptimizerState", "Range"]
 
@@ -45,9 +44,10 @@ class ModelState:
     """The model (prepared or plain) as named tensors and the pieces of them this rank holds."""
 
     def __init__(self, model: torch.nn.Module):
-        inner = _uncompiled(model)
-        self.prepared = inner if isinstance(inner, PreparedModule) else None
-        self.module = self.prepared.module if self.prepared is not None else inner
+        self.prepared = prepared_or_none(model)
+        # Names as the uncompiled module has them, so a checkpoint moves between a compiled and
+        # a plain model (a compiled module's own names start with "_orig_mod.").
+        self.module = uncompiled(self.prepared.module if self.prepared is not None else model)
         self.engine = self.prepared._engine if self.prepared is not None else None
         self.comm: Comm = self.engine.comm if self.engine is not None else default_comm()
         self.sharded = bool(self.engine is not None and self.engine.sharded)

@@ -121,7 +121,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}: one of 'raise' (the default), 'skip', "
                          "'warn' or None (no check)")
-    if isinstance(_uncompiled(model), PreparedModule):
+    if prepared_or_none(model) is not None:
         raise ValueError("this model was already prepared; call px.prepare once per model")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
@@ -154,7 +154,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         broadcast_from_rank0(model, comm)
 
     policy = make_precision(precision, comm_dtype)
-    original_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()
+    original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
     # what a full build draws into, before the cast (for fill_shards below)
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
@@ -210,20 +210,34 @@ def _optimizer_name(optimizer) -> str | None:
     return name if name in ("adamw", "adam", "adafactor") else None
 
 
-def _uncompiled(model):
-    """See through `torch.compile(prepared_model)` (PyTorch's advice: wrap, then compile)."""
-    return getattr(model, "_orig_mod", model)
+def uncompiled(model):
+    """See through `torch.compile(module)`: the module it compiled, else `model` itself.
+
+    Only a compiled module itself is seen through: it holds the module it compiled as its child
+    `_orig_mod`. Asking any module for an attribute `_orig_mod` would not do, since a prepared
+    model forwards unknown attributes to the module it wraps, and a prepared model of a model
+    compiled first (`px.prepare(torch.compile(model))`, as nanoGPT's train.py orders it) would
+    answer with that model."""
+    inner = getattr(model, "_modules", {}).get("_orig_mod")
+    return inner if inner is not None and type(model).__name__ == "OptimizedModule" else model
+
+
+def prepared_or_none(model) -> PreparedModule | None:
+    """The `PreparedModule` of a prepared model, or of `torch.compile` of one; else None."""
+    inner = uncompiled(model)
+    return inner if isinstance(inner, PreparedModule) else None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's original module inside a prepared model (the model itself otherwise)."""
-    inner = _uncompiled(model)
-    return inner.module if isinstance(inner, PreparedModule) else model
+    """The user's original module inside a prepared model (the model itself otherwise): the
+    module given to px.prepare, compiled if it was compiled before (as DDP's `.module` is)."""
+    inner = prepared_or_none(model)
+    return inner.module if inner is not None else model
 
 
 def _prepared(model) -> PreparedModule:
-    inner = _uncompiled(model)
-    if not isinstance(inner, PreparedModule):
+    inner = prepared_or_none(model)
+    if inner is None:
         raise TypeError("expected the model returned by px.prepare (or torch.compile of it), "
                         f"not {type(model).__name__}")
     return inner

@@ -46,7 +46,10 @@ class PreparedModule(torch.nn.Module):
             if broadcast_buffers and comm.world > 1 else []
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         self._storage = [self._where(p) for p in self._trainable]
-        self._original_dtypes = original_dtypes or {}
+        self._original_dtypes = original_dtypes or {}  # by the uncompiled module's names
+        # A module compiled before prepare names its tensors "_orig_mod.<name>".
+        self._compiled_prefix = "_orig_mod." if type(module).__name__ == "OptimizedModule" \
+            else ""
 
     def _where(self, p):
         """The address of a parameter's values; under zero3, whose units' storage is freed and
@@ -146,7 +149,7 @@ class PreparedModule(torch.nn.Module):
             if key in sd:
                 sd[key] = value.detach().clone()
         for name, dtype in self._original_dtypes.items():
-            key = prefix + name
+            key = prefix + self._compiled_prefix + name
             if key in sd and sd[key].dtype != dtype and not keep_vars:
                 sd[key] = sd[key].to(dtype)
         return sd
