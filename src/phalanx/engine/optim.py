@@ -24,12 +24,11 @@ strategy, precision and world size: each rank keeps the slices of its pieces.
 from __future__ import annotations
 
 import types
-import weakref
 
 import torch
 
 __all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict", "adapter_of",
-           "native_load_state_dict", "per_element", "route_torch_clip"]
+           "native_load_state_dict", "per_element"]
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name) for name in
@@ -274,56 +273,3 @@ def _init_state_for_masters(optimizer) -> None:
                     "sum": torch.full_like(m, group["initial_accumulator_value"],
                                            memory_format=torch.preserve_format),
                 }
-
-
-# -- torch.nn.utils.clip_grad_norm_ on a prepared model's parameters -------------------------
-# id(param) -> (weakref to the param, weakref to its engine). Not a WeakKeyDictionary: tensors
-# compare element-wise, so a dictionary keyed by them cannot tell two apart safely.
-_CLIP_ENGINES: dict[int, tuple] = {}
-
-
-def _engine_of(p):
-    entry = _CLIP_ENGINES.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None
-    return entry[1]()
-_original_clip = {}
-
-
-def route_torch_clip(engine) -> None:
-    """Make `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` see the truth.
-
-    Where the model's `.grad` are not the gradients the optimizer steps on (zero2 keeps only
-    the owned shard, so every `.grad` is None; fp16 keeps them loss-scaled), torch's clip would
-    return 0 or a scaled norm and clip nothing. Ported loops call it, so for the parameters of
-    such a model it is routed to the engine's clip (the same as `px.clip_grad_norm_`); for any
-    other parameters torch's own function runs unchanged.
-    """
-    for p in engine.params:
-        _CLIP_ENGINES[id(p)] = (weakref.ref(p), weakref.ref(engine))
-    if _original_clip:
-        return
-    import torch.nn.utils as nn_utils
-    import torch.nn.utils.clip_grad as clip_mod
-
-    original = clip_mod.clip_grad_norm_
-    _original_clip["fn"] = original
-
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                        foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        engines = {id(e): e for e in (_engine_of(p) for p in params) if e is not None}
-        if not engines:
-            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        (engine,) = engines.values() if len(engines) == 1 else (None,)
-        given = {id(p) for p in params}
-        if engine is None or not all(id(p) in given for p in engine.params):
-            raise RuntimeError(
-                "torch.nn.utils.clip_grad_norm_ was given some but not all parameters of a model "
-                "prepared with sharded gradients or fp16, whose gradients live in phalanx's "
-                "shards; clip the whole model with px.clip_grad_norm_(model, max_norm)")
-        return engine.clip_grad_norm_(max_norm, norm_type)
-
-    clip_grad_norm_.__doc__ = original.__doc__
-    clip_mod.clip_grad_norm_ = clip_grad_norm_
-    nn_utils.clip_grad_norm_ = clip_grad_norm_
