@@ -37,6 +37,7 @@ listed after its own.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import multiprocessing as mp
 import os
@@ -139,6 +140,10 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
             runtime.shutdown()
         except Exception:  # noqa: BLE001 - the result is delivered; a peer may be gone
             pass
+    try:  # what a normal exit runs (files a writer still holds: px.log's TensorBoard events)
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     # No interpreter teardown: a gloo group freed at exit can abort the process

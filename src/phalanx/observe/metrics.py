@@ -13,6 +13,7 @@ working directory, made at the first write. `phalanx report RUN_DIR` turns it in
 
 from __future__ import annotations
 
+import atexit
 import csv
 import json
 import os
@@ -75,6 +76,10 @@ def _writers():
             _state["tb"] = SummaryWriter(os.path.join(run_dir(), "tensorboard"))
         except Exception:  # tensorboard is not installed: the CSV is enough
             _state["tb"] = None
+        if not _state.get("closing"):  # TensorBoard queues events in a thread: flush them
+            _state["closing"] = True
+            atexit.register(close)
+            runtime.before_shutdown(close)
     return _state["csv"], _state["tb"]
 
 
@@ -105,7 +110,9 @@ def log(metrics: dict, step: int | None = None, *, every: int | None = None) -> 
 
 
 def close() -> None:
-    """Close the files `log` opened (at exit; `log` reopens them if called again)."""
+    """Close the files `log` opened, flushing TensorBoard's queued events (`px.shutdown()` and
+    the exit of the process call it, `phalanx run`'s and `px.spawn`'s workers too; `log`
+    reopens them if called again)."""
     entry = _state.pop("csv", None)
     if entry is not None:
         entry[0].close()

@@ -1,0 +1,62 @@
+"""What a worker leaves behind when it ends: files flushed, groups ended."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch.distributed as dist
+
+import phalanx as px
+from phalanx import groups
+from phalanx.launch.spawn import run_workers
+
+
+def _log_without_close(run_dir):
+    """Log through a stand-in TensorBoard writer that notes its close() in a file; never call
+    close or px.shutdown: the worker's exit (os._exit after the run) must close it."""
+    os.environ["PHALANX_RUN_DIR"] = run_dir
+
+    class Writer:
+        def __init__(self, logdir):
+            self.logdir = logdir
+
+        def add_scalar(self, *args):
+            pass
+
+        def close(self):
+            with open(os.path.join(run_dir, f"closed.{px.rank()}"), "w") as f:
+                f.write("events flushed\n")
+
+    stub = types.ModuleType("torch.utils.tensorboard")
+    stub.SummaryWriter = Writer
+    sys.modules["torch.utils.tensorboard"] = stub
+    px.log({"loss": 1.0}, step=0)
+
+
+def test_tensorboard_events_are_flushed_when_a_worker_exits(tmp_path):
+    run_workers(_log_without_close, 2, (str(tmp_path),), rendezvous="file", timeout=60)
+    assert os.path.exists(tmp_path / "closed.0"), os.listdir(tmp_path)  # rank 0 writes logs
+
+
+def _groups_after_shutdown():
+    import torch
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    px.prepare(model, opt, strategy="zero3")  # px.init() ran in the worker: timeout 600 s
+    made = groups.made()
+    timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in made]
+    px.shutdown()
+    return timeouts, len(groups.made()), dist.is_initialized()
+
+
+def test_the_groups_phalanx_made_are_bounded_by_the_jobs_timeout_and_end_at_shutdown():
+    """zero3's gathers group had torch's default timeout (30 min on gloo) and outlived
+    px.shutdown."""
+    for timeouts, left, initialized in run_workers(_groups_after_shutdown, 2, rendezvous="tcp",
+                                                   timeout=60, shutdown=False):
+        assert timeouts == [600.0] and left == 0 and not initialized  # torch's default: 1800
