@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["map_tensors", "tensors_in"]
+__all__ = ["map_tensors"]
 
 
 def map_tensors(fn, obj):
@@ -33,18 +33,3 @@ def map_tensors(fn, obj):
         return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name))
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
-
-
-def tensors_in(obj):
-    """Every tensor in such a nest, without rebuilding anything."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from tensors_in(getattr(obj, f.name))

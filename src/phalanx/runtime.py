@@ -1,15 +1,19 @@
 """The process world: who am I, how many are we, which device is mine.
 
-`init()` reads the environment that a launcher leaves behind and joins the process group:
+`init()` reads the environment that a launcher leaves behind (launch/env.py: `phalanx run`,
+`torchrun`, SLURM's `srun`) and joins the process group; with none of them the world is one
+process, and no process group is created at all, so the same script runs unchanged under plain
+`python script.py`.
 
-- `phalanx run` and `torchrun` set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
-- SLURM's `srun` sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_NODELIST (the
-  first host of the node list is the master);
-- with none of them the world is one process, and no process group is created at all, so the
-  same script runs unchanged under plain `python script.py`.
-
-This module is the only place that keeps process-wide state (the default group and the
-device). Everything else receives its process group explicitly.
+[Note: process-wide state]
+This module keeps the world: rank, device, the default group and its Comm. Everything else
+receives its process group (or a Comm) explicitly. The other state kept per process, each in
+the module it belongs to and each ended or reset by `shutdown()` where it holds a group:
+the groups phalanx made (groups.py), the live Comms and step counters (records.py, weakly),
+the hang watcher (faults/hangs.py), background saves still running (checkpoint/saving.py),
+px.log's open files (observe/metrics.py), the trace writer (observe/trace.py), the seconds
+spent waiting for data (observe/step_report.py), map_batches' call count (data/inference.py),
+and torch's replaced clip function while a model needs it (engine/torch_clip.py).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class ModelState:
             by_id = self.engine.master_pieces()
             self.pieces = {name: by_id[id(p)] for name, p in self.trainable.items()}
         else:
-            self.pieces = {name: [Piece(0, 0, p.numel(), p, 0, p.numel())]
+            self.pieces = {name: [Piece.whole(p)]
                            for name, p in self.trainable.items()}
         self.original_dtypes = dict(self.prepared._original_dtypes) if self.prepared else {}
 

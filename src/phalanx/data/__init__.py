@@ -3,14 +3,14 @@
 - `sampler`: one global order per epoch, split across ranks batch by batch; resumable at any
   world size (`DistributedSampler`).
 - `loader`: `data_loader`, a DataLoader over that sampler (or over a stream split by rank).
-- `gather`: every rank's value in rank order (`gather`).
+- `gathering`: every rank's value in rank order (`gather`).
 - `evaluation`: outputs of the whole dataset, each sample once (`gather_for_metrics`).
 - `inference`: data-parallel batch inference (`map_batches`).
 - `loss`: loss normalised by the global element count of a step (`global_mean`).
 """
 
 from .evaluation import gather_for_metrics
-from .gather import gather
+from .gathering import gather
 from .inference import map_batches
 from .loader import data_loader
 from .loss import global_mean

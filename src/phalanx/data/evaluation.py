@@ -23,7 +23,7 @@ import torch
 
 from ..collectives import Comm
 from ..runtime import default_comm
-from .gather import gather_with
+from .gathering import gather_with
 from .loader import DistributedLoader
 
 __all__ = ["gather_for_metrics"]

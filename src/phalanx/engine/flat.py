@@ -49,6 +49,11 @@ class Piece:
     lo: int            # within the owned slice
     hi: int
 
+    @classmethod
+    def whole(cls, param, index: int = 0, offset: int = 0) -> "Piece":
+        """All of `param`, its own master (at `offset` in its unit's buffer)."""
+        return cls(index, 0, param.numel(), param, offset, offset + param.numel())
+
 
 class FlatUnit:
     """One run of parameters, laid out flat (see [Note: the shard is the truth])."""
@@ -84,7 +89,7 @@ class FlatUnit:
         if adopt:
             self._lay_out_flat()
         else:  # each parameter is its own master, whole
-            self.pieces = [Piece(i, 0, p.numel(), p, o, o + p.numel())
+            self.pieces = [Piece.whole(p, i, o)
                            for i, (p, o) in enumerate(zip(params, self.bucket.offsets))]
 
     @property

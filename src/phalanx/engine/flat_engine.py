@@ -37,7 +37,7 @@ __all__ = ["FlatEngine"]
 
 
 class FlatEngine:
-    """Implements the `Engine` protocol (engine/__init__.py) for ddp, zero1 and zero2."""
+    """Implements the `Engine` protocol (engine/__init__.py) for every strategy of policy.py."""
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
                  precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
@@ -254,8 +254,8 @@ class FlatEngine:
             return torch.nn.utils.clip_grad.clip_grad_norm_(
                 [p for p in self.params if p.grad is not None], max_norm, norm_type=norm_type)
         units = [u for u in self.units if u.reduced is not None]
-        device = self.units[0].bucket.device if self.units else torch.device("cpu")
-        dtype = self.units[0].master_dtype if self.units else torch.float32
+        device = self.units[0].bucket.device
+        dtype = self.units[0].master_dtype
         unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         norm_type = float(norm_type)
         grads = [u.reduced.to(dtype) for u in units]
@@ -282,9 +282,6 @@ class FlatEngine:
         return total
 
     # -- state ----------------------------------------------------------------------------------
-    def trainable(self) -> list[torch.nn.Parameter]:
-        return list(self.params)
-
     @torch.no_grad()
     def master_values(self) -> dict[int, torch.Tensor] | None:
         """id(param) -> its full master value, where this rank holds all of it without a
@@ -312,8 +309,7 @@ class FlatEngine:
             for piece in unit.pieces:
                 out.setdefault(id(unit.params[piece.param_index]), []).append(piece)
         for p in self.params:  # a world of one with nothing to adopt has no units
-            out.setdefault(id(p), [] if self.sharded else [Piece(0, 0, p.numel(), p, 0,
-                                                                 p.numel())])
+            out.setdefault(id(p), [] if self.sharded else [Piece.whole(p)])
         return out
 
     @torch.no_grad()

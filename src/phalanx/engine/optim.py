@@ -15,7 +15,7 @@ are refused rather than silently stepped differently.
 `optimizer.state_dict()` has the format of a single process: state keyed by the position of
 each parameter in the param groups as the user built them, tensors of the parameter's shape.
 Where each rank holds the whole state (ddp, any precision) that needs no collective. Where the
-state is sharded (zero1, zero2) it does, and `optimizer.state_dict()` is typically called on
+state is sharded (zero1, zero2, zero3) it does, and `optimizer.state_dict()` is typically called on
 one rank only (rank 0 saves), so it raises and names `px.optimizer_state_dict(optimizer)`, which
 every rank calls. `optimizer.load_state_dict()` takes the single-process format under every
 strategy, precision and world size: each rank keeps the slices of its pieces.
@@ -240,7 +240,7 @@ def native_load_state_dict(optimizer):
 
 def optimizer_state_dict(optimizer) -> dict:
     """`px.optimizer_state_dict(optimizer)`: the optimizer's state in a single process's format,
-    on every rank. A collective under zero1/zero2: every rank must call it."""
+    on every rank. A collective under zero1, zero2 and zero3: every rank must call it."""
     adapter = adapter_of(optimizer)
     if adapter is None:
         return optimizer.state_dict()

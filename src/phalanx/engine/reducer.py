@@ -42,8 +42,8 @@ changes; the layout of the buckets and of the units stays.
 
 [Note: a backward that raised]
 A backward that raises (and is caught, as loops that skip a batch on out-of-memory do) leaves
-this iteration's state behind. At the next forward the engine asks `abandoned()`: if no
-collective was issued yet, the state is reset and training goes on as if that backward never
+this iteration's state behind. At the next forward the engine asks `in_progress()`: if no
+collective was issued yet (`launched_any()`), the state is reset (`abandon()`) and training goes on as if that backward never
 ran. If some were, this rank's collectives can no longer be matched with the other ranks' with
 certainty, and the next forward raises an error that says so (DDP does the same).
 """

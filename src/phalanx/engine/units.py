@@ -10,7 +10,7 @@ cap in bytes of the compute dtype splits large runs: the first unit (the last pa
 model, whose gradients arrive first in backward) is capped at 1 MiB so its collective starts
 early; the others at `bucket_mb`. A parameter larger than the cap is a unit of its own.
 
-Parameters are taken in reverse registration order, the order backward about produces them.
+Parameters are taken in reverse registration order, about the order backward produces them in.
 """
 
 from __future__ import annotations

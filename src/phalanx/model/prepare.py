@@ -82,7 +82,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             blocks=None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
-    strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients).
+    strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
+        "zero3" (alias "fsdp": and parameters; engine/zero3.py).
     precision: "fp32" (the parameters' own dtype), or "bf16"/"fp16" compute with master
         weights in the parameters' dtype (fp16 with dynamic loss scaling).
     bucket_mb: cap of a unit (gradient bucket), in MiB; the first is at most 1 MiB.
@@ -147,7 +148,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
                "broadcast_buffers": bool(broadcast_buffers),
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
-               **{k: v for k, v in gather_options.items()},
+               **gather_options,
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes]}
     check_same_structure(model, comm, options)
     if not built_on_meta:
@@ -265,6 +266,6 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
 
 def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state in a single process's format (per parameter, true shapes), on
-    every rank. A collective under zero1/zero2: every rank must call it. See [Note: the
+    every rank. A collective under zero1, zero2 and zero3: every rank must call it. See [Note: the
     optimizer's state_dict] in engine/optim.py."""
     return _optimizer_state_dict(optimizer)

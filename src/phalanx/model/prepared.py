@@ -13,7 +13,7 @@ waits for nobody, and a rank left in eval mode by mistake still meets the others
 
 `state_dict()` is the user's module's, without a `module.` prefix, in the dtypes the model had
 before prepare: under bf16/fp16 the trainable parameters are the fp32 masters' values (exact
-where this rank holds every master: ddp, or one process; under zero1/zero2 each rank holds
+where this rank holds every master: ddp, or one process; under zero1/2/3 each rank holds
 1/N of them, and the values are the compute-dtype parameters, widened), frozen parameters and
 cast buffers are widened back. `load_state_dict()` sets the masters from the given values
 exactly, so under ddp nothing is lost in a save and load.
