@@ -16,7 +16,7 @@ import torch
 
 from .flat_engine import FlatEngine
 from .optim import ELEMENTWISE_OPTIMIZERS, optimizer_state_dict
-from .torch_clip import route_torch_clip
+from .clipping import route_torch_clip
 from .policy import POLICIES, SHARD, ShardPolicy
 
 __all__ = ["Engine", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",

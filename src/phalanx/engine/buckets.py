@@ -10,12 +10,15 @@ still computes the rest.
 
 The layout of a bucket's buffer:
 
-    [ param 0 | ... | padding to a multiple of `pad_to` | used flags | non-finite (optional) ]
+    [ param 0 | ... | padding to a multiple of `pad_to` | used flags | non-finite signal ]
 
-Padding lets a sharded strategy cut the buffer into `world_size` equal shards. The optional
-flags (one element per parameter: 1 where this rank produced a gradient) ride along in the same
+Padding lets a sharded strategy cut the buffer into `world_size` equal shards. The flags (one
+element per parameter: 1 where this rank produced a gradient) ride along in the same
 all-reduce, so after it every rank knows which parameters got no gradient on any rank, at no
 extra collective and no graph traversal. See [Note: gradients that never arrived] in reducer.py.
+The flags are written from small tensors kept on the bucket's device, one per pattern of used
+parameters seen (in a steady loop, one: all used), so filling them copies nothing from the
+host.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ class BufferPool:
 class GradBucket:
     """The gradients of a fixed, ordered list of parameters, in one flat buffer."""
 
-    def __init__(self, index: int, params, pad_to: int = 1, with_flags: bool = False,
-                 dtype: torch.dtype | None = None, pool: BufferPool | None = None):
+    def __init__(self, index: int, params, pad_to: int = 1, dtype: torch.dtype | None = None,
+                 pool: BufferPool | None = None):
         self.index = index
         self.pool = pool
         self.params = list(params)
@@ -73,9 +76,9 @@ class GradBucket:
             offset += p.numel()
         self.numel = offset
         self.padded_numel = math.ceil(offset / pad_to) * pad_to
-        self.with_flags = with_flags
         # The flags, then one slot for the non-finite signal (faults/nonfinite.py).
-        self.total_numel = self.padded_numel + (len(self.params) + 1 if with_flags else 0)
+        self.total_numel = self.padded_numel + len(self.params) + 1
+        self._patterns: dict[tuple, torch.Tensor] = {}  # used flags -> the flags on the device
         self.buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] | None = None
         self.comm_buffer: torch.Tensor | None = None
@@ -120,6 +123,20 @@ class GradBucket:
 
     def flags(self) -> torch.Tensor:
         return self.buffer[self.padded_numel:self.padded_numel + len(self.params)]
+
+    def set_flags(self, used: tuple[bool, ...]) -> None:
+        """Write the used flags (see the module's docstring: no copy from the host)."""
+        values = self._patterns.get(used)
+        if values is None:
+            values = torch.tensor([1.0 if u else 0.0 for u in used], dtype=self.dtype,
+                                  device=self.device)
+            if len(self._patterns) < 8:  # a loop whose pattern changes every step: no cache
+                self._patterns[used] = values
+        self.flags().copy_(values)
+
+    def tail(self) -> torch.Tensor:
+        """The flags and the signal, after the reduction: what the host reads once a step."""
+        return self.buffer[self.padded_numel:]
 
     def signal(self) -> torch.Tensor:
         """The one element after the flags: this rank's non-finite flag, summed over ranks."""

@@ -23,8 +23,9 @@ A change made to the parameters behind phalanx's back (`px.unwrap(model).load_st
 an in-place edit, through `.data` too, which no version counter sees) leaves the cache different
 from the master cast to the compute dtype. `sync_master_from_cache()`, run on each unit just
 before it steps, compares the two and takes exactly the changed elements into the master, so
-elements nobody touched keep their full precision. It costs one pass over the owned slice per
-step, unit by unit.
+elements nobody touched keep their full precision. It costs two passes over the owned slice
+per step, unit by unit (the comparison, and a select that rewrites the master), and no read
+on the host.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class FlatUnit:
         self.reshards = reshards
         self.gathered = True
         self.pending = None  # zero3: the all-gather of a prefetch, until someone waits on it
-        self.bucket = GradBucket(index, params, pad_to=world if sharded else 1, with_flags=True,
+        self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
                                  dtype=compute_dtype, pool=pool)
         n = self.bucket.padded_numel
         shard = n // world if sharded else n
@@ -81,6 +82,9 @@ class FlatUnit:
         self.reduced: torch.Tensor | None = None     # the owned reduced gradient, compute dtype
         self.used: list[bool] | None = None          # got a gradient on some rank (per param)
         self.nonfinite = False  # some rank flagged a non-finite loss (the bucket's signal)
+        # The reduced flags and signal, on the device, until the end of backward reads them
+        # with every other unit's (see `settle` and host.py).
+        self.tail: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
         self.pieces: list[Piece] = []
@@ -133,17 +137,16 @@ class FlatUnit:
 
     # -- the cache and the truth ---------------------------------------------------------------
     @torch.no_grad()
-    def sync_master_from_cache(self) -> bool:
-        """Take values written into the parameters behind phalanx's back into the master."""
+    def sync_master_from_cache(self) -> None:
+        """Take values written into the parameters behind phalanx's back into the master, on
+        the device alone (an element unchanged keeps its master value: nothing is read back to
+        the host to decide whether anything changed)."""
         if self.flat is None or self.master_is_view or self.reshards:
-            return False
+            return
         cache = self.flat[self.lo:self.hi]
         changed = cache != self.master.to(self.compute_dtype)
         changed &= ~(cache.isnan() & self.master.isnan())
-        if not bool(changed.any()):
-            return False
-        self.master[changed] = cache[changed].to(self.master_dtype)
-        return True
+        self.master.copy_(torch.where(changed, cache.to(self.master_dtype), self.master))
 
     @property
     def full_bytes(self) -> int:
@@ -210,22 +213,20 @@ class FlatUnit:
         return comm.all_reduce(buf, async_op=True, tag=tag)
 
     def finish_grad(self, shard: bool) -> None:
-        """Turn the reduced bucket into what the step reads, once its collective is done.
+        """Turn the reduced bucket into what the step reads, once its collective is done, on
+        the device alone: which parameters got a gradient is read by the host later, with
+        every unit's, in `settle` (see host.py).
 
         See [Note: gradients that never arrived] in reducer.py: under full gradients a parameter
         still holding an accumulated `.grad` counts as used by itself (its slot is kept, its
         flag set); sharded gradients leave `.grad` None, so the flags of earlier backwards since
-        zero_grad() are remembered here.
+        zero_grad() are remembered in `settle`.
         """
         bucket = self.bucket
         reduced = bucket.comm_buffer if self._sent_compressed \
             else bucket.buffer
-        after = (reduced[bucket.padded_numel:] > 0).tolist()
-        used, self.nonfinite = after[:-1], after[-1]
         if shard:
-            if self.reduced is not None:
-                used = [a or b for a, b in zip(self.used, used)]
-            self.used = used
+            self.tail = reduced[bucket.padded_numel:].clone()  # the bucket goes back to the pool
             owned = self._received if self._received is not None \
                 else reduced[self.lo:self.hi]
             self._received = None
@@ -247,10 +248,21 @@ class FlatUnit:
         # The bucket is kept and the parameters keep their views into it, so a second backward
         # accumulates into it in place (the mean of a sum already equal on every rank plus the
         # new gradients is that sum plus their mean).
-        self.used = used
+        self.tail = bucket.tail()
         self.reduced = bucket.grads()[self.lo:self.hi]
+
+    def settle(self, tail: list[float], shard: bool) -> None:
+        """The host's part of finishing, given this unit's reduced flags and signal as read."""
+        used, self.nonfinite = [f > 0 for f in tail[:-1]], tail[-1] > 0
+        self.tail = None
+        if shard:
+            if self.used is not None:
+                used = [a or b for a, b in zip(self.used, used)]
+            self.used = used
+            return
+        self.used = used
         for i, p in enumerate(self.params):
-            p.grad = bucket.view(i) if used[i] else None
+            p.grad = self.bucket.view(i) if used[i] else None
 
     def set_piece_grads(self, grad: torch.Tensor | None) -> None:
         """Point every piece's `.grad` at its slice of `grad` (the owned reduced gradient in the

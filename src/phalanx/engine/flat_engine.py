@@ -24,10 +24,12 @@ from contextlib import contextmanager
 import torch
 
 from ..collectives import Comm
+from .. import host
 from ..records import StepCounter
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit, Piece
 from .zero3 import UnitGatherer
+from .clipping import clip_units
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
 from .reducer import GradReducer
@@ -92,6 +94,10 @@ class FlatEngine:
                                    signal=self._signal, on_end=self._after_backward)
         self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
         self.loss_scaler = precision.loss_scaler
+        self._unsettled: list[FlatUnit] = []  # finished in this backward, flags not read yet
+        self._overflow: bool | None = None    # fp16: read at the end of the last backward
+        # See [Note: fp32 gradients a few units at a time]
+        self.step_chunk_bytes = int(4 * bucket_mb * 2**20)
 
     # -- the Engine protocol ------------------------------------------------------------------
     def watch_steps(self, optimizer, fn) -> None:
@@ -131,18 +137,59 @@ class FlatEngine:
         return self.nonfinite.signal() if self.nonfinite is not None else 0.0
 
     def _after_backward(self) -> None:
-        """See faults/nonfinite.py: did any rank's loss turn non-finite in this backward?"""
-        if self.nonfinite is None:
+        """[Note: one host read per step]
+        The end of a backward that communicated: what the host must know of it comes back in
+        one read of the device (host.py): each finished unit's reduced flags and signal (which
+        parameters got a gradient on any rank, and whether any rank's loss was non-finite, see
+        faults/nonfinite.py), this rank's own non-finite flag, fp16's overflow flag over the
+        reduced gradients (all-reduced first where each rank reads its own shard), and zero3's
+        checks that the ranks gathered the same modules in this step's forwards (zero3.py)."""
+        units, self._unsettled = self._unsettled, []
+        parts = [u.tail.float() for u in units]
+        watch = self.nonfinite
+        mine = watch.local if watch is not None else None
+        if mine is not None:
+            parts.append(mine.reshape(1).float())
+        overflow = self._overflow_flag() if self.loss_scaler is not None else None
+        if overflow is not None:
+            parts.append(overflow)
+        checks = self.gatherer.take_checks() if self.gatherer is not None else []
+        parts += [ok.reshape(1).float() for _, ok in checks]
+        values = host.read(torch.cat(parts)) if parts else []
+        at = 0
+        for unit in units:
+            n = unit.tail.numel()
+            unit.settle(values[at:at + n], shard=self.shard_grads)
+            at += n
+        mine_value = bool(values[at]) if mine is not None else False
+        at += mine is not None
+        if overflow is not None:
+            self._overflow = bool(values[at])
+            at += 1
+        if checks:
+            self.gatherer.raise_if_differed(checks, values[at:])
+        if watch is None:
             return
         any_rank = any(u.nonfinite for u in self.units if u.reduced is not None) \
-            if self.world > 1 else None
+            if self.world > 1 else mine_value
         try:
-            drop = self.nonfinite.after_backward(any_rank, self.steps.value) is not None
+            drop = watch.after_backward(any_rank, mine_value, self.steps.value) is not None
         except FloatingPointError:  # NonFiniteError: the step's gradients go first
             self.drop_grads()
             raise
         if drop:
             self.drop_grads()
+
+    def _overflow_flag(self) -> torch.Tensor | None:
+        """fp16: 1 where some rank's reduced gradients hold an inf or NaN, on the device."""
+        ready = [u.reduced for u in self.units if u.reduced is not None]
+        if not ready:
+            return None
+        finite = torch.stack([torch.isfinite(g).all() for g in ready]).all()
+        flag = (~finite).float().reshape(1)
+        if self.sharded:  # each rank reads its owned slice: agree (under ddp all are equal)
+            self.comm.all_reduce(flag, op="max", tag="loss_scale:found_inf")
+        return flag
 
     def drop_grads(self) -> None:
         """Forget this step's gradients: the next optimizer.step() changes nothing."""
@@ -199,87 +246,82 @@ class FlatEngine:
             self.gatherer.free_all()
 
     def _finish(self, bucket: GradBucket) -> None:
-        self.units[bucket.index].finish_grad(shard=self.shard_grads)
+        unit = self.units[bucket.index]
+        unit.finish_grad(shard=self.shard_grads)
+        self._unsettled.append(unit)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget reduced gradients (the prepared model's and the adopted optimizer's
         zero_grad call this); the model's `.grad` are cleared by the caller."""
         for unit in self.units:
             unit.clear_reduced()
+        self._overflow = None
 
     # -- step ----------------------------------------------------------------------------------
     def step_units(self, step_one):
-        """Run `step_one()` once per unit that has a reduced gradient, with that unit's master
-        pieces holding their fp32 (master dtype) gradient, and publish each unit's update.
+        """Run `step_one()` (the user's optimizer step) over the master pieces of every unit
+        that has a reduced gradient, those pieces holding their gradient in the master dtype,
+        and publish each unit's update.
 
-        [Note: fp32 gradients one unit at a time]
+        [Note: fp32 gradients a few units at a time]
         The optimizer skips parameters whose `.grad` is None, and an element-wise optimizer
-        keeps per-tensor state, so stepping one unit's pieces at a time is the same update as
-        stepping all at once. With bf16/fp16 compute the optimizer needs gradients in the master
-        dtype; made all at once they would add 4 bytes per owned parameter at the peak, while
-        unit by unit at most one unit's worth exists (when the dtypes agree the gradient is the
-        reduced buffer itself, no copy). And a unit's all-gather is on the wire while the next
-        unit steps. The optimizer's step hooks therefore run once per unit.
+        keeps per-tensor state, so stepping some units' pieces at a time is the same update as
+        stepping all at once. When the reduced gradient already is in the master dtype and
+        needs no unscaling it is the piece's gradient itself, and every unit steps in one
+        call. With bf16/fp16 compute the optimizer needs gradients in the master dtype: made
+        all at once they would add 4 bytes per owned parameter at the peak, so they are made
+        for a run of units at a time, up to `step_chunk_bytes` (four buckets' worth by
+        default), and each run's all-gather is on the wire while the next run steps. The
+        optimizer's step hooks run once per run of units.
         """
         ready = [u for u in self.units if u.reduced is not None]
         if not ready:
             return False
         unscale = 1.0
         if self.loss_scaler is not None:
-            found = self.loss_scaler.found_inf([u.reduced for u in ready], self.comm)
+            found = self._overflow if self._overflow is not None else \
+                self.loss_scaler.found_inf([u.reduced for u in ready], self.comm)
+            self._overflow = None
             unscale = 1.0 / self.loss_scaler.scale
             self.loss_scaler.update(found)
             if found:
                 return False
         works = []
-        for unit in ready:
-            unit.sync_master_from_cache()  # See [Note: the shard is the truth] in flat.py
-            grad = unit.reduced
-            if grad.dtype != unit.master_dtype or unscale != 1.0:
-                grad = grad.to(unit.master_dtype).mul_(unscale)
-            unit.set_piece_grads(grad)
+        for run in self._step_runs(ready, unscale):
+            for unit in run:
+                unit.sync_master_from_cache()  # See [Note: the shard is the truth] in flat.py
+                grad = unit.reduced
+                if grad.dtype != unit.master_dtype or unscale != 1.0:
+                    grad = grad.to(unit.master_dtype).mul_(unscale)
+                unit.set_piece_grads(grad)
             step_one()
-            unit.set_piece_grads(None)
-            if not self.reshards:  # zero3 gathers at the next forward (zero3.py)
-                works.append(unit.unshard(self.comm))  # on the wire while the next unit steps
+            for unit in run:
+                unit.set_piece_grads(None)
+                if not self.reshards:  # zero3 gathers at the next forward (zero3.py)
+                    works.append(unit.unshard(self.comm))  # on the wire while the next steps
         for work in works:
             if work is not None:
                 work.wait()
         return True
 
+    def _step_runs(self, ready: list[FlatUnit], unscale: float) -> list[list[FlatUnit]]:
+        """The units stepped together (see [Note: fp32 gradients a few units at a time])."""
+        if all(u.reduced.dtype == u.master_dtype for u in ready) and unscale == 1.0:
+            return [ready]
+        runs, size = [[]], 0
+        for unit in ready:
+            nbytes = unit.reduced.numel() * torch.finfo(unit.master_dtype).bits // 8
+            if runs[-1] and size + nbytes > self.step_chunk_bytes:
+                runs.append([])
+                size = 0
+            runs[-1].append(unit)
+            size += nbytes
+        return runs
+
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm over all ranks and shards, computed once, shared by all."""
-        if not self.units:
-            return torch.nn.utils.clip_grad.clip_grad_norm_(
-                [p for p in self.params if p.grad is not None], max_norm, norm_type=norm_type)
-        units = [u for u in self.units if u.reduced is not None]
-        device = self.units[0].bucket.device
-        dtype = self.units[0].master_dtype
-        unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        norm_type = float(norm_type)
-        grads = [u.reduced.to(dtype) for u in units]
-        if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads]).amax() if grads \
-                else torch.zeros((), dtype=dtype, device=device)
-            total = local.reshape(1) * unscale
-            if self.sharded:
-                self.comm.all_reduce(total, op="max", tag="clip_grad_norm")
-        else:
-            local = sum((g.abs().pow(norm_type).sum() for g in grads),
-                        torch.zeros((), dtype=dtype, device=device))
-            total = local.reshape(1)
-            if self.sharded:
-                self.comm.all_reduce(total, op="sum", tag="clip_grad_norm")
-            total = total.pow(1.0 / norm_type) * unscale
-        total = total.reshape(())
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for unit in units:
-            # Under full gradients the whole bucket is scaled, so every `.grad` stays the
-            # clipped mean; under sharded gradients only the owned slice exists.
-            target = unit.reduced if self.shard_grads else unit.bucket.grads()
-            target.mul_(coef.to(target.dtype))
-        return total
+        """Clip by the global norm over all ranks and shards (clipping.py)."""
+        return clip_units(self, max_norm, norm_type)
 
     # -- state ----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -188,17 +188,20 @@ class GradReducer:
 
     def _launch(self, bucket: GradBucket) -> None:
         bucket.allocate()
-        flags = []
+        used = []
         for i, p in enumerate(bucket.params):
             if p.grad is None:  # See [Note: gradients that never arrived]
                 bucket.view(i).zero_()
-                flags.append(0.0)
+                used.append(False)
             else:
                 self._adopt_grad(bucket, i)
-                flags.append(1.0)
-        if bucket.with_flags:
-            bucket.flags().copy_(torch.tensor(flags, dtype=bucket.dtype))
-            bucket.signal().fill_(self._signal() if self._signal is not None else 0.0)
+                used.append(True)
+        bucket.set_flags(tuple(used))
+        signal = self._signal() if self._signal is not None else 0.0
+        if isinstance(signal, torch.Tensor):  # a flag on the device: copied, never read here
+            bucket.signal().copy_(signal)
+        else:
+            bucket.signal().fill_(signal)
         self._in_flight.append((bucket, self._launch_fn(bucket)))
 
     def _end_of_backward(self) -> None:

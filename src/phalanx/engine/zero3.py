@@ -50,9 +50,12 @@ randomness, such as layer drop) is fine inside one root: both branches' paramete
 gathered together. Across roots it would pair one rank's gather of one block with another's
 of a different block, which gives wrong values when the two are the same size (a collective
 mismatch or a hang otherwise). So at the end of every forward that records gradients, the
-ranks compare the sequence of roots they ran (one all-gather of 16 bytes per rank) and, if it
-differs, every rank raises an error naming where, before backward or the step can use the
-values. Forwards under `torch.no_grad()` are not compared.
+ranks exchange a signature of the sequence of roots they ran (one all-gather of 16 bytes per
+rank) and compare them on the device; the host reads the answer with the step's one read at the
+end of the backward that communicates (see [Note: one host read per step] in flat_engine.py),
+and if any forward since the last such backward differed, every rank raises an error naming
+where, before the optimizer step can apply anything. Forwards under `torch.no_grad()` are not
+compared.
 
 Writing the gathered values into the buffer does not count as modifying the parameters for
 autograd: each parameter keeps its own version counter (it was given the view with
@@ -162,6 +165,7 @@ class UnitGatherer:
         self.peak_bytes = 0                   # the most full parameters gathered at once
         self.prefetched = 0                   # roots gathered ahead (counted for tests/reports)
         self.prefetched_unused = 0            # ... and freed without being used
+        self._checks: list = []               # see _compare_roots
 
     def oversized(self) -> list[tuple[str, int]]:
         """Roots bigger than the bound on their own: (name, bytes)."""
@@ -209,22 +213,38 @@ class UnitGatherer:
 
     def _forward_done(self, _module, _args, _output):
         if self.comm.world > 1 and torch.is_grad_enabled():
-            self._same_roots_everywhere()
+            self._compare_roots()
         for index in self._prefetched:  # the forward took another path than the last one
             for unit in self.roots[index].units:
                 unit.reshard()
         self.prefetched_unused += len(self._prefetched)
         self._prefetched.clear()
 
-    def _same_roots_everywhere(self) -> None:
-        """See [Note: every rank runs the same roots]."""
-        seen = self._forward_seen
+    def _compare_roots(self) -> None:
+        """See [Note: every rank runs the same roots]: exchange this forward's signature now,
+        compare on the device; the host reads the answer with the step's one read."""
+        seen = list(self._forward_seen)
         mine = torch.tensor([len(seen), zlib.crc32(repr(seen).encode())], dtype=torch.int64,
                             device=self.comm.device)
-        signatures = self.comm.all_gather_list(mine, tag="zero3:roots")
-        if all(torch.equal(s, signatures[0]) for s in signatures):
+        signatures = torch.stack(self.comm.all_gather_list(mine, tag="zero3:roots"))
+        self._checks.append((seen, (signatures == signatures[0]).all()))
+        if len(self._checks) > 64:  # forwards with gradients but no backward: keep the first
+            first, ok = self._checks[0]
+            self._checks = [(first, torch.stack([c for _, c in self._checks[:-1]]).all()),
+                            self._checks[-1]]
+
+    def take_checks(self) -> list:
+        """The (roots seen, same on every rank) of the forwards since the last backward."""
+        checks, self._checks = self._checks, []
+        return checks
+
+    def raise_if_differed(self, checks: list, same: list) -> None:
+        """After the step's read (`same`: one value per check): name where the ranks went
+        different ways, on every rank (they all read the same answers)."""
+        failed = next((seen for (seen, _), ok in zip(checks, same) if not ok), None)
+        if failed is None:
             return
-        paths = self.comm.all_gather_object([self.roots[i].name or "the model" for i in seen],
+        paths = self.comm.all_gather_object([self.roots[i].name or "the model" for i in failed],
                                             tag="zero3:roots")
         first = next((i for i in range(max(map(len, paths)))
                       if len({tuple(p[i:i + 1]) for p in paths}) > 1), 0)
@@ -235,7 +255,8 @@ class UnitGatherer:
             f"{ran}). Each is gathered by a collective every rank joins in the same order, so "
             "a branch that depends on the rank must stay inside one module gathered as a whole "
             "(a repeated block; px.prepare(..., blocks=[its class]) makes one), or the choice "
-            "the same on every rank; strategy='zero2' keeps whole parameters")
+            "the same on every rank; strategy='zero2' keeps whole parameters. (Found at the "
+            "end of backward, before the optimizer step: nothing was applied.)")
 
     def _prefetch(self, order: list[int], seen: list[int]) -> None:
         """See [Note: prefetch]: gather the roots that followed this one in `order`."""

@@ -54,16 +54,17 @@ class NonFiniteWatch:
         """The value this rank puts in each bucket's slot (1: non-finite)."""
         return 0.0 if self.local is None else self.local
 
-    def after_backward(self, any_rank: bool | None, step: int) -> str | None:
-        """Decide at the end of a backward that communicated. `any_rank`: whether any rank
-        flagged (from the reduced slots; None in a world of one, where only this rank counts).
-        Returns "drop" when the step's gradients must be dropped; raises under "raise"."""
-        mine = bool(self.local) if self.local is not None else False
+    def after_backward(self, any_rank: bool, mine: bool, step: int) -> str | None:
+        """Decide at the end of a backward that communicated, from what the engine read in
+        its one read of the step (engine/flat_engine.py): `any_rank`, whether any rank flagged
+        (from the reduced slots; this rank's own flag in a world of one), and `mine`, this
+        rank's flag. Returns "drop" when the step's gradients must be dropped; raises under
+        "raise"."""
         self.local = None
-        if not (mine if any_rank is None else any_rank):
+        if not any_rank:
             return None
         flags = self.comm.all_gather_object(mine, tag="nonfinite:ranks") \
-            if any_rank is not None else [mine]
+            if self.comm.world > 1 else [mine]
         ranks = [r for r, flag in enumerate(flags) if flag]
         who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
         message = (f"non-finite loss at step {step}: the gradient reaching the model's outputs "

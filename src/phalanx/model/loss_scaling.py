@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import host
+
 __all__ = ["DynamicLossScaler", "OutputGate"]
 
 
@@ -61,11 +63,15 @@ class DynamicLossScaler:
         self.skipped_steps = 0
 
     def found_inf(self, grads, comm) -> bool:
-        """True when any rank's gradients hold an inf or NaN (agreed on by all ranks)."""
-        local = any(not torch.isfinite(g).all() for g in grads if g is not None)
-        flag = torch.tensor([1.0 if local else 0.0], device=comm.device)
+        """True when any rank's gradients hold an inf or NaN (agreed on by all ranks). The
+        engine reads this flag with the rest of the step at the end of backward; this is for a
+        step that finds none read."""
+        grads = [g for g in grads if g is not None]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads \
+            else torch.ones((), dtype=torch.bool, device=comm.device)
+        flag = (~finite).float().reshape(1).to(comm.device)
         comm.all_reduce(flag, op="max", tag="loss_scale:found_inf")
-        return bool(flag.item())
+        return bool(host.read(flag)[0])
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

@@ -1,5 +1,16 @@
-"""`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on a prepared model: the truth.
+"""Clipping by the global norm: the engine's own (`px.clip_grad_norm_`), and torch's
+`clip_grad_norm_` routed to it for the models that need it.
 
+[Note: the global norm]
+The norm is over every gradient of the model on every rank, as one process would compute it
+over the whole batch's mean gradient: each rank adds up what it holds (its owned shards under
+sharded gradients; everything, the same on every rank, otherwise), one all-reduce of a scalar
+agrees on the total where the gradients are sharded, and every rank scales what it holds by
+the same factor. Each unit's reduced gradient is reduced to its norm in the master dtype as it
+is read (no master-dtype copy of every gradient at once), and under fp16 the norm is of the
+unscaled gradients.
+
+[Note: torch's clip on a prepared model]
 Where a prepared model's `.grad` are not the gradients the optimizer steps on (zero2 and zero3
 keep only the owned shard, so every `.grad` is None; fp16 keeps them loss-scaled), torch's
 clip would return 0 or a scaled norm and clip nothing, and ported loops call it (nanoGPT's
@@ -21,7 +32,41 @@ import torch.nn.utils.clip_grad as clip_mod
 
 from .. import runtime
 
-__all__ = ["route_torch_clip", "restore_torch_clip"]
+__all__ = ["clip_units", "route_torch_clip", "restore_torch_clip"]
+
+def clip_units(engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip `engine`'s reduced gradients by the global norm; returns it (see the Note)."""
+    if not engine.units:
+        return torch.nn.utils.clip_grad.clip_grad_norm_(
+            [p for p in engine.params if p.grad is not None], max_norm, norm_type=norm_type)
+    units = [u for u in engine.units if u.reduced is not None]
+    device = engine.units[0].bucket.device
+    dtype = engine.units[0].master_dtype
+    unscale = 1.0 / engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
+    norm_type = float(norm_type)
+    norms = [torch.linalg.vector_norm(u.reduced, norm_type, dtype=dtype) for u in units]
+    if norm_type == float("inf"):
+        local = torch.stack(norms).amax() if norms \
+            else torch.zeros((), dtype=dtype, device=device)
+        total = local.reshape(1) * unscale
+        if engine.sharded:
+            engine.comm.all_reduce(total, op="max", tag="clip_grad_norm")
+    else:
+        local = sum((n.pow(norm_type) for n in norms),
+                    torch.zeros((), dtype=dtype, device=device))
+        total = local.reshape(1)
+        if engine.sharded:
+            engine.comm.all_reduce(total, op="sum", tag="clip_grad_norm")
+        total = total.pow(1.0 / norm_type) * unscale
+    total = total.reshape(())
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for unit in units:
+        # Under full gradients the whole bucket is scaled, so every `.grad` stays the
+        # clipped mean; under sharded gradients only the owned slice exists.
+        target = unit.reduced if engine.shard_grads else unit.bucket.grads()
+        target.mul_(coef.to(target.dtype))
+    return total
+
 
 # id(param) -> (weakref to the param, weakref to its engine). Not a WeakKeyDictionary: tensors
 # compare element-wise, so a dictionary keyed by them cannot tell two apart safely.
