@@ -51,12 +51,48 @@ class _State:
 _state = _State()
 
 
-def _pick_device(local_rank: int, backend: str | None) -> torch.device:
-    if backend != "gloo" and torch.cuda.is_available():
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+def _requested_device(device) -> str | None:
+    """`px.init(device=...)`, else PHALANX_DEVICE, as a string ("cpu", "cuda", "cuda:1"...)."""
+    value = device if device is not None else os.environ.get("PHALANX_DEVICE") or None
+    if value is None:
+        return None
+    try:
+        return str(torch.device(value))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"px.init(device={value!r}) (or PHALANX_DEVICE): a device such as "
+                         "'cpu', 'cuda' or 'cuda:1'") from None
+
+
+def _pick_device(local_rank: int, backend: str | None, requested: str | None = None
+                 ) -> torch.device:
+    """This rank's device: `requested` (see `init`), else this rank's GPU under NCCL and the
+    CPU otherwise; a CUDA device is made the current one."""
+    nccl = backend is not None and "nccl" in str(backend)
+    if requested is None:
+        requested = "cuda" if nccl and torch.cuda.is_available() else "cpu"
+    dev = torch.device(requested)
+    if dev.type == "cpu":
+        if nccl:
+            raise ValueError("px.init: NCCL communicates CUDA tensors only, and this rank's "
+                             "device is the CPU; use backend='gloo' for CPU ranks")
+        return dev
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        raise ValueError(f"px.init: device {requested!r} asked for, but this process sees no "
+                         "GPU (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    index = dev.index if dev.index is not None else local_rank
+    if index >= count and nccl:
+        raise ValueError(
+            f"px.init: the rank with LOCAL_RANK {local_rank} needs GPU {index}, but this node "
+            f"has {count} GPU{'s' if count != 1 else ''}; NCCL needs one GPU per process (it "
+            f"refuses two on one GPU: 'Duplicate GPU detected'). Start at most {count} workers "
+            f"per node (phalanx run -n {count}), or let ranks share GPUs through gloo: "
+            "px.init(backend='gloo', device='cuda') or PHALANX_DEVICE=cuda")
+    index %= count  # gloo ranks may share a GPU
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _check_timeout(timeout) -> datetime.timedelta:
@@ -135,7 +171,7 @@ def _check_backend(backend) -> None:
 
 
 def init(backend: str | None = None, timeout: float = 600.0, processes=None,
-         hang_after: float | None = None) -> None:
+         hang_after: float | None = None, device=None) -> None:
     """Join the job's process group (idempotent). With no launcher, a world of one.
 
     `backend=None` picks NCCL when CUDA is available and gloo otherwise. `timeout` (seconds, or
@@ -147,8 +183,14 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     `processes=N` (or "auto", or the environment variable PHALANX_PROCESSES) in a script started
     with plain `python`: this process becomes `phalanx run -n N` of the same script and
     arguments, so the script runs as N workers; under a launcher it is ignored.
+    `device` (or PHALANX_DEVICE): "cuda" (this rank's GPU, cuda:LOCAL_RANK, shared round-robin
+    when gloo ranks outnumber the GPUs), "cuda:N", or "cpu"; default: this rank's GPU under
+    NCCL, the CPU under gloo. Gloo ranks with device="cuda" compute on the GPU and talk through
+    gloo's CUDA support, so several ranks can share one GPU, which NCCL refuses: useful to test
+    several ranks on a machine with one GPU, not for speed.
     """
     timeout = _check_timeout(timeout)
+    requested = _requested_device(device)
     _check_backend(backend)
     if hang_after is not None:
         hang_after = _check_timeout(hang_after).total_seconds()
@@ -166,11 +208,11 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         _state.world_size = dist.get_world_size()
         if env.source != "none":
             _state.local_rank = env.local_rank
-            _state.device = _pick_device(_state.local_rank, backend_in_use)
+            _state.device = _pick_device(_state.local_rank, backend_in_use, requested)
         else:  # a group made by the user (mp.spawn...): keep the device they chose
             _state.local_rank = torch.cuda.current_device() \
                 if backend_in_use != "gloo" and torch.cuda.is_available() else 0
-            _state.device = _pick_device(_state.local_rank, backend_in_use)
+            _state.device = _pick_device(_state.local_rank, backend_in_use, requested)
         _state.initialized = True
         _state.owns_group = False
         groups.set_timeout(timeout)
@@ -181,9 +223,10 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         raise ValueError(f"invalid launch environment: rank {env.rank} of world size {env.world_size}")
     check_slurm_tasks(env)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        on_gpu = requested is None or requested.startswith("cuda")
+        backend = "nccl" if torch.cuda.is_available() and on_gpu else "gloo"
     _state.rank, _state.world_size, _state.local_rank = env.rank, env.world_size, env.local_rank
-    _state.device = _pick_device(env.local_rank, backend)
+    _state.device = _pick_device(env.local_rank, backend, requested)
     if env.world_size > 1:
         if env.source == "slurm":
             os.environ.setdefault("MASTER_ADDR", env.master_addr)
@@ -278,7 +321,7 @@ def default_comm() -> Comm:
     group = default_group()
     comm = _default.get("comm")
     if comm is None or comm.group is not group:
-        comm = _default["comm"] = Comm(group)
+        comm = _default["comm"] = Comm(group, device=device())
     return comm
 
 

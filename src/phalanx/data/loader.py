@@ -45,8 +45,11 @@ def data_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
     """A DataLoader over `dataset` that gives this rank its part of each global batch.
 
     `batch_size` is per rank; other keyword arguments (`num_workers`, `collate_fn`,
-    `pin_memory`, ...) go to `torch.utils.data.DataLoader`.
+    `pin_memory`, ...) go to `torch.utils.data.DataLoader`. `pin_memory` defaults to True when
+    this rank computes on a GPU, so the prepared model's copy of each batch to it does not
+    block the host.
     """
+    loader_kwargs.setdefault("pin_memory", runtime.device().type == "cuda")
     return DistributedLoader(dataset, batch_size, shuffle=shuffle, seed=seed,
                              drop_last=drop_last, **loader_kwargs)
 

@@ -71,19 +71,39 @@ def check_same_structure(module: torch.nn.Module, comm, options: dict | None = N
                     "every rank (same code and config) before px.prepare")
 
 
+COALESCE_BYTES = 25 * 2**20  # a broadcast's flat buffer, at most (a tensor larger goes alone)
+
+
 @torch.no_grad()
 def broadcast_tensors(tensors, comm, src: int = 0, tag: str = "broadcast") -> None:
-    """Broadcast tensors from `src`, coalesced into one flat buffer per dtype and device."""
+    """Broadcast tensors from `src`, coalesced into flat buffers per dtype and device of at
+    most COALESCE_BYTES each (prepare's broadcast of the model no longer holds a second copy
+    of every parameter at once; a run of small buffers is still one collective)."""
     by_kind: dict = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for members in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in members])
-        comm.broadcast(flat, src=src, tag=tag)
-        offset = 0
-        for t in members:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        run, size = [], 0
+        for t in members + [None]:
+            nbytes = t.numel() * t.element_size() if t is not None else 0
+            if run and (t is None or size + nbytes > COALESCE_BYTES):
+                _broadcast_run(run, comm, src, tag)
+                run, size = [], 0
+            if t is not None:
+                run.append(t)
+                size += nbytes
+
+
+def _broadcast_run(members, comm, src: int, tag: str) -> None:
+    if len(members) == 1 and members[0].is_contiguous():
+        comm.broadcast(members[0], src=src, tag=tag)
+        return
+    flat = torch.cat([t.reshape(-1) for t in members])
+    comm.broadcast(flat, src=src, tag=tag)
+    offset = 0
+    for t in members:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def broadcast_from_rank0(module: torch.nn.Module, comm) -> None:

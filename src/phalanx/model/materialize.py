@@ -1,13 +1,18 @@
 """A model built on the meta device, given real storage and initial values by `px.prepare`.
 
 `with torch.device("meta"): model = Big()` builds the module tree with no storage at all. Here
-every module gets empty storage on the rank's device and its initial values from, in order:
+every module gets empty storage and its initial values from, in order:
 `init(model)` when the user passes one, else each module's own `reset_parameters()`, module by
 module in `model.modules()` order, which for PyTorch's layers (Linear, Embedding, LayerNorm,
 convolutions...) built in that order is the order their constructors drew random numbers in.
 A meta build draws none, so with the generator where it was before the build (seeded as for a
 full build), the values are those a full build would have. Every rank starts from rank 0's
-generator state, so the ranks agree without a broadcast of the model.
+generator state, so the ranks agree without a broadcast of the model, whatever each rank's own
+seed. The values are drawn on the CPU, as a CPU build draws them, and `px.prepare` moves the
+model to the rank's device afterwards: drawn on a GPU they would come from each rank's CUDA
+generator, which no broadcast aligns, and differ from a CPU build's. (`init=` draws where it
+chooses.) Rank 0's generator state travels on the group's own device (NCCL takes GPU tensors
+only).
 
 Parameters registered in several modules (tied embeddings) are materialised apart for the
 initialisation, so each module's `reset_parameters` draws what it drew in the full build, and
@@ -50,18 +55,20 @@ def on_meta(model: nn.Module) -> bool:
 
 
 def _same_generator_state(comm) -> None:
+    """Every rank's CPU generator at rank 0's state."""
     if comm.world == 1:
         return
-    state = torch.get_rng_state()
+    state = torch.get_rng_state().to(comm.device)
     comm.broadcast(state, src=0, tag="materialize:rng")
-    torch.set_rng_state(state)
+    torch.set_rng_state(state.cpu())
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=None, *,
                 values: bool = True) -> None:
-    """Give `model` storage on `device` and its initial values (see the module's docstring);
-    `values=False`: storage only, for `fill_shards` after the engine is built."""
+    """Give `model` storage and its initial values, drawn on the CPU (see the module's
+    docstring); `values=False`: storage on `device` only, for `fill_shards` after the engine
+    is built."""
     places = _places(model)
     if init is None:  # what only a constructor fills would stay garbage: refuse it
         firsts = {where[0] for where in places.values()}
@@ -85,12 +92,13 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
     for module in model.modules():
         for attr, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                storage = torch.empty_like(p, device=device) if values or not p.requires_grad \
+                storage = torch.empty_like(p, device="cpu") if values \
+                    else torch.empty_like(p, device=device) if not p.requires_grad \
                     else _no_room(p, device)
                 module._parameters[attr] = nn.Parameter(storage, requires_grad=p.requires_grad)
         for attr, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                module._buffers[attr] = torch.empty_like(b, device=device)
+                module._buffers[attr] = torch.empty_like(b, device="cpu" if values else device)
     if values and init is not None:
         init(model)
     elif values:

@@ -130,7 +130,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     runtime.init()
     steps = StepCounter()  # this model's optimizer steps: see [Note: steps per model]
     if comm is None:
-        comm = Comm(runtime.default_group(), steps=steps)
+        comm = Comm(runtime.default_group(), steps=steps, device=runtime.device())
     elif comm.steps is None:
         comm.steps = steps
     built_on_meta = on_meta(model)
@@ -183,7 +183,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
-                             original_dtypes=original_dtypes, clock=clock)
+                             original_dtypes=original_dtypes, clock=clock,
+                             device=runtime.device())
     return wrapped, optimizer
 
 

@@ -1,6 +1,9 @@
 """The module `px.prepare` returns: the user's model plus what happens around each forward.
 
-Around the user's forward it keeps buffers equal across ranks (rank 0's, broadcast before each
+Around the user's forward it moves the inputs to the model's device (as torch DDP does with
+`device_ids`: tensors anywhere in the arguments, nested in tuples, lists, dicts and dataclasses,
+without blocking the host; `px.data_loader` pins its batches on a GPU machine so the copy is
+asynchronous), keeps buffers equal across ranks (rank 0's, broadcast before each
 forward that records a graph, unless `broadcast_buffers=False`), applies the precision policy
 (model/precision.py: inputs to the compute dtype, outputs to fp32), and returns every floating output
 through the gate of model/loss_scaling.py, which tells the engine that backward started and, under
@@ -29,13 +32,20 @@ from .._tree import map_tensors
 from .consistency import broadcast_tensors
 from .loss_scaling import OutputGate
 
-__all__ = ["PreparedModule"]
+__all__ = ["PreparedModule", "to_device"]
+
+
+def to_device(inputs, device: torch.device):
+    """`inputs` with every tensor in it on `device` (copied without blocking the host; those
+    already there are left as they are)."""
+    return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True),
+                       inputs)
 
 
 class PreparedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, engine, comm, precision, *,
                  broadcast_buffers: bool = True, original_dtypes: dict | None = None,
-                 clock=None):
+                 clock=None, device: torch.device | None = None):
         super().__init__()
         self._clock = clock  # the step report's StepClock (observe/step_report.py), or None
         self.module = module
@@ -47,6 +57,7 @@ class PreparedModule(torch.nn.Module):
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         self._storage = [self._where(p) for p in self._trainable]
         self._original_dtypes = original_dtypes or {}  # by the uncompiled module's names
+        self._device = device
         # A module compiled before prepare names its tensors "_orig_mod.<name>".
         self._compiled_prefix = "_orig_mod." if type(module).__name__ == "OptimizedModule" \
             else ""
@@ -80,6 +91,8 @@ class PreparedModule(torch.nn.Module):
             self._check_trainable()
             if self._buffers_to_sync:
                 broadcast_tensors(self._buffers_to_sync, self._comm, tag="buffers")
+        if self._device is not None and self._device.type != "cpu":
+            args, kwargs = to_device((args, kwargs), self._device)
         precision = self._precision
         if precision.low:
             args, kwargs = map_tensors(precision.cast_input, (args, kwargs))
