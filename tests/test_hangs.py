@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from phalanx.faults.hangs import HANG_EXIT, hang_threshold
-from phalanx.launch.env import LaunchEnv, check_slurm_tasks
 
 SCRIPT = Path(__file__).parent / "launch_scripts" / "hang.py"
 THRESHOLD = 3
@@ -33,9 +32,8 @@ def run_job(kind: str, strategy: str = "ddp", check: bool = False):
     return result, time.monotonic() - start
 
 
-@pytest.mark.parametrize("strategy", ["zero2"])
-def test_a_sleeping_rank_is_named_with_the_collective_the_others_wait_in(strategy):
-    result, took = run_job("sleep", strategy)
+def test_a_sleeping_rank_is_named_with_the_collective_the_others_wait_in():
+    result, took = run_job("sleep", "zero2")
     assert result.returncode != 0
     assert "DONE" not in result.stdout
     err = result.stderr
@@ -91,12 +89,3 @@ def test_threshold_comes_from_the_timeout_or_the_environment(monkeypatch):
     monkeypatch.setenv("PHALANX_HANG_AFTER", "soon")
     with pytest.raises(ValueError, match="PHALANX_HANG_AFTER='soon' is not a number"):
         hang_threshold(600.0)
-
-
-def test_sbatch_without_srun_is_explained():
-    env = LaunchEnv(0, 4, 0, "node1", 29500, "slurm")
-    with pytest.raises(RuntimeError, match="SLURM_NTASKS=4 but this process was not started by "
-                                           "srun.*srun python train.py"):
-        check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
-    check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
-    check_slurm_tasks(LaunchEnv(0, 1, 0, None, None, "slurm"), {"SLURM_NTASKS": "1"})

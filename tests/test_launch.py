@@ -190,22 +190,22 @@ def test_help_describes_every_flag(capsys):
 
 # -- defects of the launcher and of exiting (issue "Defects found by running real training
 # code", items 8, 11, 12 and 14) ------------------------------------------------------------
-CLEAN_RUNS = 50 if os.environ.get("PHALANX_SLOW") == "1" else 1
+# Two strategy/ending pairs once each; the slow cases run every pair 50 times.
+ENDINGS = [pytest.param("ddp", "shutdown", 1, id="ddp-shutdown"),
+           pytest.param("zero2", "no-shutdown", 1, id="zero2-no-shutdown")] + [
+    pytest.param(s, e, 50, id=f"{s}-{e}-50-runs", marks=pytest.mark.slow)
+    for s in ("ddp", "zero2") for e in ("shutdown", "no-shutdown")]
 
 
-ENDINGS = [(s, e) for s in ("ddp", "zero2") for e in ("shutdown", "no-shutdown")] \
-    if os.environ.get("PHALANX_SLOW") == "1" else [("ddp", "shutdown"), ("zero2", "no-shutdown")]
-
-
-@pytest.mark.parametrize("strategy, ending", ENDINGS)
-def test_a_trained_model_exits_cleanly_every_time(strategy, ending):
+@pytest.mark.parametrize("strategy, ending, runs", ENDINGS)
+def test_a_trained_model_exits_cleanly_every_time(strategy, ending, runs):
     # Item 8: the engine kept the group alive past px.shutdown(), and gloo's threads aborted
     # the process at finalisation in 6-20% of 2-rank runs (SIGABRT, exit status 1). The slow
-    # run (PHALANX_SLOW=1) runs every strategy and ending, 50 times each.
+    # cases (PHALANX_SLOW=1, or -m slow) run every strategy and ending, 50 times each.
     args = [strategy] + (["--no-shutdown"] if ending == "no-shutdown" else [])
-    for attempt in range(CLEAN_RUNS):
+    for attempt in range(runs):
         result = phalanx("run", "-n", 2, SCRIPTS / "train_and_exit.py", *args)
-        assert result.returncode == 0, f"run {attempt + 1} of {CLEAN_RUNS}:\n{result.stderr}"
+        assert result.returncode == 0, f"run {attempt + 1} of {runs}:\n{result.stderr}"
         assert sorted(re.findall(r"CLEAN rank=(\d)", result.stdout)) == ["0", "1"], result.stdout
         assert "terminate called" not in result.stderr, result.stderr
 

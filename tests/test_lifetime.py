@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import phalanx as px
-from phalanx.testing import run_ranks
+from phalanx.testing import engine_of, run_ranks
 
 
 def _train_save_and_drop(where, strategy, precision):
@@ -27,7 +27,7 @@ def _train_save_and_drop(where, strategy, precision):
     px.save(f"{where}/ckpt", model=model, optimizer=opt)
     px.save(f"{where}/background", model=model, optimizer=opt, background=True)
     px.load(f"{where}/ckpt", model=model, optimizer=opt)  # waits for the background save
-    refs = {"engine": weakref.ref(model._engine), "prepared model": weakref.ref(model),
+    refs = {"engine": weakref.ref(engine_of(model)), "prepared model": weakref.ref(model),
             "optimizer": weakref.ref(opt), "parameter": weakref.ref(px.unwrap(model)[0].weight)}
     del model, opt
     gc.collect()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.launch.env import _first_slurm_host, read_launch_env
+from phalanx import groups
+from phalanx.launch.env import LaunchEnv, _first_slurm_host, check_slurm_tasks, read_launch_env
 
 
 def test_torchrun_environment():
@@ -31,6 +32,15 @@ def test_slurm_environment_takes_the_first_node_as_master():
                                              ("x[003,5]", "x003"), ("h1,h2", "h1")])
 def test_slurm_node_lists(nodelist, first):
     assert _first_slurm_host(nodelist) == first
+
+
+def test_sbatch_without_srun_is_explained():
+    env = LaunchEnv(0, 4, 0, "node1", 29500, "slurm")
+    with pytest.raises(RuntimeError, match="SLURM_NTASKS=4 but this process was not started by "
+                                           "srun.*srun python train.py"):
+        check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+    check_slurm_tasks(env, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
+    check_slurm_tasks(LaunchEnv(0, 1, 0, None, None, "slurm"), {"SLURM_NTASKS": "1"})
 
 
 def test_no_launcher_is_a_world_of_one():
@@ -83,8 +93,13 @@ def test_init_nccl_without_a_gpu_says_so():
 
 @pytest.mark.parametrize("timeout", [30, 2.5, datetime.timedelta(minutes=1)])
 def test_init_takes_seconds_or_a_timedelta(timeout):
+    px.shutdown()  # whatever an earlier test joined: init would not look at its timeout
     px.init(timeout=timeout)
     try:
         assert px.world_size() == 1
+        # the job's timeout, which bounds every group phalanx makes (groups.py), as a timedelta
+        want = timeout if isinstance(timeout, datetime.timedelta) else \
+            datetime.timedelta(seconds=timeout)
+        assert groups.timeout() == want
     finally:
         px.shutdown()

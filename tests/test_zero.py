@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.testing import RanksFailed, run_ranks
+from phalanx.testing import RanksFailed, engine_of, run_ranks
 from parity import (assert_params_close, make_data, make_model, make_optimizer, tolerance,
                     train)
 
@@ -80,7 +80,7 @@ def _sharded_state_is_a_shard(strategy):
     F.cross_entropy(out.reshape(-1, 20), y.reshape(-1)).backward()
     opt.step()
     state = sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim() > 0)
-    grads_resident = sum(b.total_numel for b in model._engine.reducer.buckets
+    grads_resident = sum(b.total_numel for b in engine_of(model).reducer.buckets
                          if b.buffer is not None)
     return total, state, grads_resident
 

@@ -1,0 +1,51 @@
+"""px.prepare's options checked: one that differs between ranks fails on every rank naming it,
+and a bucket_mb that is not a finite number is refused (items 6 and 14 of the issue "Defects
+found by running real training code"; px.init's options are in test_runtime.py).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import phalanx as px
+from phalanx.testing import RanksFailed, run_ranks
+from small_mlp import mlp
+
+
+# -- options that differ between ranks --------------------------------------------------
+MISMATCHES = {
+    "comm_dtype": (torch.float16, torch.bfloat16),
+    "strategy": ("zero1", "zero2"),
+    "precision": ("bf16", "fp16"),
+    "bucket_mb": (25.0, 1.0),
+    "broadcast_buffers": (True, False),
+    "sync_batchnorm": (False, True),
+}
+
+
+def _mismatched_option(option):
+    kwargs = {option: MISMATCHES[option][px.rank() % 2]}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize("option", list(MISMATCHES))
+def test_an_option_that_differs_between_ranks_fails_on_every_rank_naming_it(option):
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_mismatched_option, 2, args=(option,), timeout=30)
+    text = str(info.value)
+    assert "2 of 2 ranks failed" in text
+    for rank in range(2):  # each rank's error itself (not its traceback) names the option
+        message = text.split(f"--- rank {rank} failed:\n", 1)[1].split("\n", 1)[0]
+        assert option in message, f"rank {rank}: {message}"
+
+
+# -- bucket_mb that is not a finite number ---------------------------------------------
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+@pytest.mark.parametrize("bucket_mb", [float("inf"), float("nan")])
+def test_bucket_mb_must_be_finite(strategy, bucket_mb):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="bucket_mb"):
+        px.prepare(model, opt, strategy=strategy, bucket_mb=bucket_mb)
