@@ -52,7 +52,9 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
         error = str(exc)
     agree(comm, error, f"px.load({path!r})")
 
-    small = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
+    # map_location: a stateful value saved from a GPU loads on the CPU, not on the saving
+    # rank's GPU (which this process may not have)
+    small = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
     names: set[str] = set()
     problems = []
     if model_state is not None:

@@ -31,10 +31,12 @@ def agree(comm: Comm, error: str | None, what: str) -> None:
 
 
 def rng_state() -> dict:
+    """This rank's generators: CPU, Python, NumPy, and its own GPU's (the current device's;
+    not every GPU's, which a later run that sees fewer GPUs could not restore)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -42,7 +44,11 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # saved as every GPU's: take this device's
+            cuda = cuda[min(torch.cuda.current_device(), len(cuda) - 1)] if cuda else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 

@@ -129,13 +129,19 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             for r in optim_ranges:
                 param, key = r.name[len("optim/"):].rsplit("/", 1)
                 snap.keys.setdefault(param, set()).add(key)
+    on_gpu = False
     for r in ranges:
         key = f"{r.name}@{r.start}"
         values_ = r.values.detach()
-        if copy_out:
-            values_ = values_.to("cpu", copy=True)
+        if copy_out:  # pinned and without blocking from a GPU: one wait for them all, below
+            on_gpu = on_gpu or values_.device.type == "cuda"
+            staged = torch.empty(values_.shape, dtype=values_.dtype,
+                                 pin_memory=values_.device.type == "cuda")
+            values_ = staged.copy_(values_, non_blocking=True)
         snap.tensors[key] = values_
         snap.index.append((r.name, own_file, key, r.start, r.end, str(r.values.dtype)[6:]))
+    if on_gpu:
+        torch.cuda.current_stream().synchronize()
     snap.keys = {k: sorted(v) for k, v in snap.keys.items()}
     snap.rng = rng_state()
     if comm.rank == 0:

@@ -33,7 +33,7 @@ from .clipping import clip_units
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
 from .reducer import GradReducer
-from .units import module_units
+from .units import module_units, step_run_bytes, step_runs
 
 __all__ = ["FlatEngine"]
 
@@ -97,7 +97,7 @@ class FlatEngine:
         self._unsettled: list[FlatUnit] = []  # finished in this backward, flags not read yet
         self._overflow: bool | None = None    # fp16: read at the end of the last backward
         # See [Note: fp32 gradients a few units at a time]
-        self.step_chunk_bytes = int(4 * bucket_mb * 2**20)
+        self.step_chunk_bytes = step_run_bytes(bucket_mb)
 
     # -- the Engine protocol ------------------------------------------------------------------
     def watch_steps(self, optimizer, fn) -> None:
@@ -308,15 +308,8 @@ class FlatEngine:
         """The units stepped together (see [Note: fp32 gradients a few units at a time])."""
         if all(u.reduced.dtype == u.master_dtype for u in ready) and unscale == 1.0:
             return [ready]
-        runs, size = [[]], 0
-        for unit in ready:
-            nbytes = unit.reduced.numel() * torch.finfo(unit.master_dtype).bits // 8
-            if runs[-1] and size + nbytes > self.step_chunk_bytes:
-                runs.append([])
-                size = 0
-            runs[-1].append(unit)
-            size += nbytes
-        return runs
+        sizes = [u.reduced.numel() * torch.finfo(u.master_dtype).bits // 8 for u in ready]
+        return [[ready[i] for i in run] for run in step_runs(sizes, self.step_chunk_bytes)]
 
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

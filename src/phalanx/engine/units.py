@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 __all__ = ["find_blocks", "resolve_block_classes", "plan_units", "module_units", "unit_caps",
-           "unit_numels", "unit_roots", "check_gather_options", "FIRST_UNIT_MIB"]
+           "unit_numels", "unit_roots", "check_gather_options", "step_runs", "step_run_bytes",
+           "FIRST_UNIT_MIB"]
 
 FIRST_UNIT_MIB = 1.0
 
@@ -128,6 +129,27 @@ def module_units(module: nn.Module, params: list[torch.Tensor], itemsize: int,
     entries = [(p.numel(), block_of.get(p), (p.dtype, p.device)) for p in ordered]
     first, cap = unit_caps(bucket_mb, itemsize)
     return [[ordered[i] for i in unit] for unit in plan_units(entries, first, cap)]
+
+
+def step_runs(grad_bytes: list[int], budget: int) -> list[list[int]]:
+    """The runs of units the optimizer steps together when each needs a gradient made in the
+    master dtype (`grad_bytes` per unit, in order): consecutive units up to `budget` bytes, a
+    unit over it alone (see [Note: fp32 gradients a few units at a time] in flat_engine.py).
+    The planner counts the same runs."""
+    runs: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(grad_bytes):
+        if runs[-1] and size + nbytes > budget:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += nbytes
+    return runs if runs[-1] else []
+
+
+def step_run_bytes(bucket_mb: float) -> int:
+    """The budget of a run: four buckets' worth of gradients in the master dtype."""
+    return int(4 * bucket_mb * 2**20)
 
 
 def unit_numels(numels, blocks, itemsize: int, bucket_mb: float) -> list[int]:

@@ -17,12 +17,15 @@ are all of them on Ctrl-C or at `timeout`, whose error holds the Python stack of
 still running. No worker outlives the call.
 
 [Note: fork or spawn]
-Workers are forked where that is safe: they start in milliseconds and a function defined in a
-notebook cell or in `__main__` needs no pickling, because the child is a copy of this process.
-Forking is not safe once this process has initialised CUDA (the CUDA runtime does not survive
-a fork), so then the workers are started fresh ("spawn"): the function and its arguments are
-pickled, which works for a function importable from a module, not for one defined in a
-notebook; call px.spawn before anything touches the GPU, or move the function to a module.
+Workers are forked on a machine without a GPU: they start in milliseconds and a function
+defined in a notebook cell or in `__main__` needs no pickling, because the child is a copy of
+this process. On a machine with a GPU they are started fresh ("spawn") instead, always: a
+process that has initialised the CUDA driver cannot be forked into workers that use the GPU,
+and `torch.cuda.is_available()`, which most notebooks call first, initialises it (unless
+PYTORCH_NVML_BASED_CUDA_CHECK=1), with no way to ask afterwards whether it did. (The GPUs are
+counted through NVML, `torch.cuda.device_count()`, which initialises nothing.) A fresh worker
+receives the function and its arguments by value through cloudpickle, so a function defined in
+a notebook cell works there too; it imports torch again, which takes seconds.
 `testing.run_ranks`, the harness of every multi-process test, is this same mechanism.
 
 [Note: leaving together]
@@ -82,11 +85,27 @@ def spawn(fn, *args, processes=None, timeout: float | None = None, **kwargs):
 
 
 def _start_method() -> str:
+    """See [Note: fork or spawn]."""
     import torch
 
-    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized() \
+            and torch.cuda.device_count() == 0:
         return "fork"
     return "spawn"
+
+
+def _by_value(fn, args, kwargs) -> bytes:
+    """The call, pickled by value for a fresh worker (see [Note: fork or spawn])."""
+    import cloudpickle
+
+    return cloudpickle.dumps((fn, args, kwargs))
+
+
+def _fresh_worker_main(call: bytes, *rest):
+    import cloudpickle
+
+    fn, args, kwargs = cloudpickle.loads(call)
+    _worker_main(fn, args, kwargs, *rest)
 
 
 def _free_port() -> int:
@@ -157,7 +176,9 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
     """Run `fn` on `n` processes and return what each returned (None for ranks other than 0
     with collect="rank0"). `rendezvous` is "tcp" (a free local port) or "file" (a file store:
     no ports, so parallel test runs never collide). Raises SpawnError / SpawnTimeout."""
-    ctx = mp.get_context(start_method or _start_method())
+    method = start_method or _start_method()
+    ctx = mp.get_context(method)
+    call = _by_value(fn, args, kwargs) if method != "fork" else None
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     tmp = tempfile.mkdtemp(prefix="phalanx-workers-")
     where = f"file://{os.path.join(tmp, 'store')}" if rendezvous == "file" else str(_free_port())
@@ -168,9 +189,13 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
         for rank in range(n):
             recv, send = ctx.Pipe(duplex=True)
             stack_path = os.path.join(tmp, f"stack.{rank}")
-            p = ctx.Process(target=_worker_main, name=f"rank{rank}",
-                            args=(fn, args, kwargs, rank, n, send, stack_path, where, threads,
-                                  collect, shutdown))
+            rest = (rank, n, send, stack_path, where, threads, collect, shutdown)
+            if call is None:
+                p = ctx.Process(target=_worker_main, name=f"rank{rank}",
+                                args=(fn, args, kwargs) + rest)
+            else:
+                p = ctx.Process(target=_fresh_worker_main, name=f"rank{rank}",
+                                args=(call,) + rest)
             p.start()
             send.close()
             procs.append(p)

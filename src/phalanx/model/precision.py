@@ -7,7 +7,11 @@
 
 ("fp32" means no low precision: an fp64 model stays fp64.) Under bf16/fp16, floating inputs
 are cast to the compute dtype on the way in and floating outputs to fp32 on the way out, as
-PyTorch's FSDP2 `MixedPrecisionPolicy(cast_forward_inputs=True, output_dtype=float32)` does.
+PyTorch's FSDP2 `MixedPrecisionPolicy(cast_forward_inputs=True, output_dtype=float32)` does
+(and Accelerate's mixed precision), so a loss computed from them is computed in fp32.
+`px.prepare(output_dtype=None)` leaves the outputs in the compute dtype, FSDP2's default: the
+fp32 copy of a large output (a language model's logits: 4 bytes per vocabulary entry per
+token, 1.6 GB for nanoGPT's batch of 8 x 1024 tokens x 50304) is then never made.
 
 What is cast, and why:
 - trainable parameters: their flat buffers are in the compute dtype (engine/flat.py);
@@ -46,6 +50,7 @@ class Precision:
     compute_dtype: torch.dtype | None   # None: each parameter's own dtype
     comm_dtype: torch.dtype | None      # None: the gradients' own dtype
     loss_scaler: DynamicLossScaler | None
+    output_dtype: torch.dtype | None = torch.float32  # None: the compute dtype
 
     @property
     def low(self) -> bool:
@@ -55,13 +60,15 @@ class Precision:
         return t.to(self.compute_dtype) if self.low and t.is_floating_point() else t
 
     def cast_output(self, t: torch.Tensor) -> torch.Tensor:
-        return t.float() if self.low and t.is_floating_point() else t
+        if self.low and self.output_dtype is not None and t.is_floating_point():
+            return t.to(self.output_dtype)
+        return t
 
 
-def make_precision(name: str, comm_dtype) -> Precision:
+def make_precision(name: str, comm_dtype, output_dtype=torch.float32) -> Precision:
     compute = PRECISIONS[name]
     return Precision(name, compute, COMM_DTYPES[comm_dtype],
-                     DynamicLossScaler() if name == "fp16" else None)
+                     DynamicLossScaler() if name == "fp16" else None, output_dtype)
 
 
 @torch.no_grad()

@@ -79,7 +79,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
             step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
-            blocks=None):
+            blocks=None, output_dtype: torch.dtype | None = torch.float32):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -91,6 +91,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         as one: a module class, its name, or a tuple of them (default: the children of the
         model's largest nn.ModuleList; engine/units.py).
     comm_dtype: torch.bfloat16 / torch.float16 to compress gradient communication.
+    output_dtype: under bf16/fp16, the dtype floating outputs are cast to (default
+        torch.float32); None leaves them in the compute dtype (model/precision.py).
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
     broadcast_buffers: keep buffers equal to rank 0's before each forward with gradients.
     comm: the `phalanx.collectives.Comm` to communicate through (default: one over the job's
@@ -119,6 +121,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                                          check_replicas_every)
     gather_options = check_gather_options(strategy, prefetch, max_gathered_mb,
                                            reshard_after_forward)
+    if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
+                                         and output_dtype.is_floating_point):
+        raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "
+                         "torch.float32 (the default), or None to keep the compute dtype")
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}: one of 'raise' (the default), 'skip', "
                          "'warn' or None (no check)")
@@ -146,7 +152,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         optimizer_groups(optimizer, model)
     options = {"strategy": strategy, "precision": precision, "bucket_mb": float(bucket_mb),
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
-               "broadcast_buffers": bool(broadcast_buffers),
+               "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
                **gather_options,
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes]}
@@ -154,7 +160,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if not built_on_meta:
         broadcast_from_rank0(model, comm)
 
-    policy = make_precision(precision, comm_dtype)
+    policy = make_precision(precision, comm_dtype, output_dtype)
     original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
     # what a full build draws into, before the cast (for fill_shards below)
