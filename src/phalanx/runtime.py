@@ -174,7 +174,8 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
          hang_after: float | None = None, device=None) -> None:
     """Join the job's process group (idempotent). With no launcher, a world of one.
 
-    `backend=None` picks NCCL when CUDA is available and gloo otherwise. `timeout` (seconds, or
+    `backend=None` picks PHALANX_BACKEND if set, else NCCL when CUDA is available and gloo
+    otherwise (px.spawn's and phalanx run's workers read the variable too). `timeout` (seconds, or
     a `datetime.timedelta`) is the one setting for waiting: the process group's connection and
     every collective are bounded by it, and a collective that has waited `hang_after` seconds
     (default: a third of `timeout`, or PHALANX_HANG_AFTER) ends the job with a hang report
@@ -191,6 +192,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     """
     timeout = _check_timeout(timeout)
     requested = _requested_device(device)
+    backend = backend if backend is not None else os.environ.get("PHALANX_BACKEND") or None
     _check_backend(backend)
     if hang_after is not None:
         hang_after = _check_timeout(hang_after).total_seconds()

@@ -1,0 +1,33 @@
+"""benchmarks/gpu_accept.py, the GPU acceptance suite, as far as a machine without a GPU can run
+it: with no CUDA it says so and exits 0 with every check skipped, and its checks' code runs on
+the CPU at small sizes (--cpu-dry-run), so a broken check is found before a GPU is lent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu_accept.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run the suite")
+def test_without_cuda_every_check_is_skipped_and_the_exit_status_is_0():
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "No CUDA device: every check skipped" in done.stdout
+    assert "0 passed, 0 failed, 13 skipped" in done.stdout
+
+
+def test_the_checks_run_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-dry-run", "--json",
+                           str(tmp_path / "rows.jsonl")], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = (tmp_path / "rows.jsonl").read_text().splitlines()
+    assert len(rows) == 13
+    assert "7 passed, 0 failed, 6 skipped" in done.stdout, done.stdout[-3000:]
