@@ -163,6 +163,7 @@ def test_unit_layout_matches_the_engines_units(compute_bytes):
     and no unit mixes two transformer layers."""
     from phalanx.engine.units import find_blocks, module_units
     from phalanx.planner.layout import unit_sizes
+    from phalanx.engine.units import step_run_bytes, step_runs
     from phalanx.planner.reference_model import ReferenceTransformer
     from phalanx.planner.transformer import shape_from_config
 
@@ -210,19 +211,28 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
                                                   "backward start")
 
 
-def test_the_flat_engine_steps_one_unit_at_a_time():
+def test_the_flat_engine_steps_runs_of_units():
     from phalanx.planner.memory import step_working_bytes
     units = [300, 1000, 700]
     bf16, fp32 = PRECISIONS["bf16-mixed"], PRECISIONS["fp32"]
-    # mixed precision: one unit's fp32 gradient (4 B/element), plus Adam's temporaries of that
-    # unit alone: one state-sized tensor with foreach, two with the single-tensor loop
-    assert step_working_bytes("sgd", bf16, units, foreach=False) == 4 * 1000
-    assert step_working_bytes("adamw", bf16, units, foreach=True) == 4 * 1000 + 4 * 1000
-    assert step_working_bytes("adamw", bf16, units, foreach=False) == 4 * 1000 + 2 * 4 * 1000
-    # fp32 sharded: the gradients are views, each unit still stepped alone
+    # mixed precision, a run of one unit (a budget below two units' fp32 gradients): one
+    # unit's fp32 gradient (4 B/element), plus Adam's temporaries of that unit alone: one
+    # state-sized tensor with foreach, two with the single-tensor loop
+    one = 4 * 1000
+    assert step_working_bytes("sgd", bf16, units, foreach=False, run_bytes=one) == 4 * 1000
+    assert step_working_bytes("adamw", bf16, units, foreach=True,
+                              run_bytes=one) == 4 * 1000 + 4 * 1000
+    assert step_working_bytes("adamw", bf16, units, foreach=False,
+                              run_bytes=one) == 4 * 1000 + 2 * 4 * 1000
+    # a budget of two units: 300 and 1000 form a run, then 700 alone
+    two = 4 * 1300
+    assert step_working_bytes("sgd", bf16, units, foreach=False, run_bytes=two) == 4 * 1300
+    assert step_working_bytes("adamw", bf16, units, foreach=True,
+                              run_bytes=two) == 4 * 1300 + 4 * 1300
+    # fp32: the gradients are views and every unit is stepped in one call
     assert step_working_bytes("sgd", fp32, units, foreach=False) == 0
-    assert step_working_bytes("adamw", fp32, units, foreach=True) == 4 * 1000
-    assert step_working_bytes("adamw", fp32, units, foreach=False) == 2 * 4 * 1000
+    assert step_working_bytes("adamw", fp32, units, foreach=True) == 4 * 2000
+    assert step_working_bytes("adamw", fp32, units, foreach=False) == 4 * (2 * 700 + 1000)
     # fp32 ddp: all parameters in one call; foreach over all of them, or the single-tensor loop
     # stepping 700 while the result for 1000 is still held
     params = units
@@ -307,7 +317,8 @@ def test_kept_buffers_and_step_gradient_match_the_engine(precision):
     step working memory (SGD makes no temporaries of its own), and the optimizer is called
     once per planned unit by the flat engine, once in all by fp32 ddp."""
     from phalanx.planner.layout import unit_sizes
-    world, bucket_mb = 2, 0.03  # several units: the pool and the one-unit step matter
+    from phalanx.engine.units import step_run_bytes, step_runs
+    world, bucket_mb = 2, 0.01  # several units and runs: the pool and the runs matter
     strategies = ["ddp", "zero1", "zero2"]
     measured = run_ranks(lambda: [_engine_kept_and_step_bytes(s, precision, bucket_mb)
                                   for s in strategies], world, timeout=90)
@@ -330,5 +341,10 @@ def test_kept_buffers_and_step_gradient_match_the_engine(precision):
                 assert step_grad > 0
             shapes = [tuple(p.shape) for p in model.parameters()]
             units = unit_sizes(shapes, None, 4 if precision == "fp32" else 2, bucket_mb)
-            assert calls == (1 if (strategy, precision) == ("ddp", "fp32") else len(units))
             assert len(units) > 2
+            # fp32: one call over every unit; bf16: one per run of units (units.step_runs)
+            shards = [-(-u // (1 if strategy == "ddp" else world)) for u in units]
+            runs = step_runs([4 * u for u in shards], step_run_bytes(bucket_mb))
+            assert calls == (1 if precision == "fp32" else len(runs)), strategy
+            if precision == "bf16":
+                assert len(runs) > 1  # the runs, not one call, are under test

@@ -117,7 +117,9 @@ def test_the_slowed_rank_is_named_the_straggler():
     for rank_rows in rows:
         for _, _, everyone in rank_rows[2:]:
             assert everyone["slowest_rank"] == 1, everyone
-            assert everyone["skew_s"] == pytest.approx(0.05, abs=0.02), everyone
+            # the 50 ms sleep, plus what a loaded machine adds to one rank's compute (this
+            # failed once at +0.02 s with the suite sharing 2 cores with other work)
+            assert 0.035 <= everyone["skew_s"] <= 0.12, everyone
 
 
 def test_rank0_logs_and_the_report_renders(tmp_path):

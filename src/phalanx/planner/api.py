@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..engine.units import check_gather_options
+from ..engine.units import check_gather_options, step_run_bytes
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
 from .layout import unit_sizes, zero3_gathering
@@ -148,7 +148,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
                                gathered_numel=gathering[0])
         step_bytes = step_working_bytes(optimizer, prec, _stepped(strategy, n),
                                         foreach=backend == "nccl",
-                                        per_unit=not (strategy == "ddp" and replicated))
+                                        per_unit=not (strategy == "ddp" and replicated),
+                                        run_bytes=step_run_bytes(bucket_mb))
         return (states, buffers, step_bytes) + peak_bytes(states.total, buffers, activations,
                                                           step_bytes)
 

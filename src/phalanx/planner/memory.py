@@ -41,15 +41,16 @@ PyTorch's foreach implementation, the default on GPU, makes them for all the ten
 call at once: one state-sized tensor over everything stepped. Its single-tensor
 implementation, the default on CPU, makes two of the tensor being stepped while the previous
 tensor's last one is still held: up to about three of the largest tensor stepped.
-fp32 ddp steps the model's own parameters in one call. phalanx's flat engine (every other
-strategy and precision) calls the optimizer once per unit, on that unit's master pieces alone
-(see [Note: fp32 gradients one unit at a time] in engine/flat_engine.py, and engine/units.py
-for the units; the single-tensor temporaries are modelled on the unit as one tensor, an upper
-bound, since a unit's pieces are stepped one parameter at a time);
-under mixed precision it first makes that unit's fp32 gradient from the compute-dtype one and
-drops it after the call. Its step's working memory is then the largest, over units, of the
-unit's fp32 gradient (4 bytes per owned element, mixed precision only) plus the optimizer's
-temporaries for that one tensor.
+fp32 ddp steps the model's own parameters in one call, and so does phalanx's flat engine when
+the gradients already are in the master dtype (fp32: every unit's master pieces in one call).
+Under mixed precision the flat engine makes the fp32 gradients of a run of consecutive units
+at a time (up to four buckets' worth: engine/units.py, step_runs and step_run_bytes, shared
+with the engine; see [Note: fp32 gradients a few units at a time] in engine/flat_engine.py),
+steps that run's master pieces in one call and drops the gradients after it. Its step's
+working memory is then the largest, over runs, of the run's fp32 gradients (4 bytes per owned
+element) plus the optimizer's temporaries for the run's tensors (the single-tensor
+temporaries are modelled on each unit as one tensor, an upper bound, since a unit's pieces
+are stepped one parameter at a time).
 
 [Note: Peak]
 Not everything is alive at once. Model states and the kept buffers always are; on top of
@@ -67,6 +68,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from ..engine.units import step_runs
 
 __all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "STRATEGIES", "optimizer_state_elements",
            "ModelStates", "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes"]
@@ -202,18 +205,23 @@ def _temporaries(optimizer: str, state: int, stepped: list[int], foreach: bool) 
 
 
 def step_working_bytes(optimizer: str, precision: Precision, stepped: list[int],
-                       foreach: bool, per_unit: bool = True) -> int:
+                       foreach: bool, per_unit: bool = True, run_bytes: int | None = None) -> int:
     """Transient bytes of one optimizer step (see [Note: Optimizer step working memory]).
     `stepped` are the element counts of the tensors this rank steps, in the optimizer's order:
-    with `per_unit` (the flat engine) one master shard per unit, each stepped in a call of its
-    own; without it (fp32 ddp) the model's parameters, stepped in one call."""
+    with `per_unit` (the flat engine) one master shard per unit; without it (fp32 ddp) the
+    model's parameters. The flat engine steps every unit in one call when the gradients are
+    already in the master dtype (fp32), and under mixed precision makes the fp32 gradients for
+    a run of units at a time, up to `run_bytes` of them (engine/units.py: step_runs, the same
+    runs the engine steps)."""
     if not stepped:
         return 0
     state = 4 if precision.mixed else precision.state
-    if not per_unit:
+    if not per_unit or not precision.mixed:
         return _temporaries(optimizer, state, stepped, foreach)
-    grad = 4 if precision.mixed else 0  # the fp32 gradient made for the unit being stepped
-    return max(grad * u + _temporaries(optimizer, state, [u], foreach) for u in stepped)
+    runs = step_runs([4 * u for u in stepped], run_bytes if run_bytes is not None else 0)
+    return max(4 * sum(stepped[i] for i in run)
+               + _temporaries(optimizer, state, [stepped[i] for i in run], foreach)
+               for run in runs)
 
 
 def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int):
