@@ -23,6 +23,25 @@ that should train the model from forward, or use bf16, which needs no scaling.
 The scale follows the usual schedule: halve it and skip the step when any rank saw an inf or
 NaN (one MAX all-reduce, so every rank skips the same steps), double it after `growth_interval`
 good steps in a row.
+
+[Note: the ranks' sum must fit in fp16]
+Gradients are averaged over the ranks in the dtype they travel in, fp16 unless `comm_dtype`
+says otherwise, and an average is a sum before it is a mean: gloo's AVG (and SUM followed by a
+division) adds the ranks' fp16 values in fp16 and divides last (measured, torch 2.13 gloo: two
+ranks' 40000.0 average to inf, not 40000). With every rank's gradients multiplied by the loss
+scale S, the sum over N ranks is N times the scaled mean gradient, so a mean that fits under
+fp16's 65504 still overflowed: on a causal LM whose loss comes from fp32 soft-capped logits
+(Gemma-2's shape) the final norm's weight gradient at S = 2**16 reached 38205 on one rank and
+42496 on the other: their mean fit, their sum was inf, so 2 ranks skipped a step that
+torch.amp's GradScaler on the same global batch did not (and ended 10 steps 5e-3 away from
+fp32's parameters where GradScaler stayed at 1e-4; tests/test_fp16_scaling.py). PyTorch's DDP divides each rank's gradient by
+the world size before it sums; here the division is folded into the scale: `loss_scale` is the
+scale the schedule above moves (GradScaler's, kept in checkpoints), and each rank's gradients
+are multiplied by `scale = loss_scale / D`, D the smallest power of two >= the number of ranks
+whose fp16 gradients are summed (a power of two so that the scaling and the unscaling stay
+exact). The sum of the ranks' gradients is then at most loss_scale times the largest of them,
+and the reduced mean is the mean gradient times `scale`, which the step divides by, as before.
+One process, and gradients that travel in fp32 or bf16 (`comm_dtype`), have D = 1.
 """
 
 from __future__ import annotations
@@ -53,14 +72,33 @@ class OutputGate(torch.autograd.Function):
 
 
 class DynamicLossScaler:
+    """fp16's dynamic loss scale. `loss_scale` follows the schedule (init 2**16, x2 after
+    `growth_interval` good steps, x0.5 on an overflow, as torch.amp's GradScaler); `scale` is
+    what each rank's gradients are multiplied by in backward and divided by at the step:
+    `loss_scale / divisor`, where `divisor` is the smallest power of two >= `ranks`, the number of
+    ranks whose fp16 gradients one reduction adds up (see [Note: the ranks' sum must fit in
+    fp16])."""
+
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
-        self.scale = float(init_scale)
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, ranks: int = 1):
+        if ranks < 1:
+            raise ValueError(f"ranks={ranks!r}: the number of ranks, at least 1")
+        self.loss_scale = float(init_scale)
+        self.divisor = float(1 << (int(ranks) - 1).bit_length())  # power of two >= ranks
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.good_steps = 0
         self.skipped_steps = 0
+
+    @property
+    def scale(self) -> float:
+        """The factor every rank's gradients carry between backward and the step."""
+        return self.loss_scale / self.divisor
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.loss_scale = float(value) * self.divisor
 
     def found_inf(self, grads, comm) -> bool:
         """True when any rank's gradients hold an inf or NaN (agreed on by all ranks). The
@@ -75,20 +113,22 @@ class DynamicLossScaler:
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
-            self.scale *= self.backoff_factor
+            self.loss_scale *= self.backoff_factor
             self.good_steps = 0
             self.skipped_steps += 1
         else:
             self.good_steps += 1
             if self.good_steps >= self.growth_interval:
-                self.scale *= self.growth_factor
+                self.loss_scale *= self.growth_factor
                 self.good_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps,
+        """"scale" is `loss_scale`, which does not depend on the number of ranks: a checkpoint
+        resumes at another world size with the same schedule."""
+        return {"scale": self.loss_scale, "good_steps": self.good_steps,
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        self.loss_scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import runtime
 from .loss_scaling import DynamicLossScaler
 
 __all__ = ["Precision", "PRECISIONS", "COMM_DTYPES", "make_precision", "cast_model"]
@@ -65,10 +66,22 @@ class Precision:
         return t
 
 
-def make_precision(name: str, comm_dtype, output_dtype=torch.float32) -> Precision:
+def make_precision(name: str, comm_dtype, output_dtype=torch.float32,
+                   ranks: int | None = None) -> Precision:
+    """`ranks`: how many ranks average the gradients (the model's Comm's world size; None: the
+    job's). Under fp16, when the gradients travel in fp16 their sum over the ranks must fit too,
+    so each rank's share of the loss scale is divided by it (see [Note: the ranks' sum must fit
+    in fp16] in loss_scaling.py); the job's world size is never smaller than a group's, so it is
+    a safe bound where the Comm's is not given."""
     compute = PRECISIONS[name]
-    return Precision(name, compute, COMM_DTYPES[comm_dtype],
-                     DynamicLossScaler() if name == "fp16" else None, output_dtype)
+    comm = COMM_DTYPES[comm_dtype]
+    scaler = None
+    if name == "fp16":
+        summed_in_fp16 = (comm if comm is not None else compute) == torch.float16
+        if ranks is None:
+            ranks = runtime.world_size() if summed_in_fp16 else 1
+        scaler = DynamicLossScaler(ranks=ranks if summed_in_fp16 else 1)
+    return Precision(name, compute, comm, scaler, output_dtype)
 
 
 @torch.no_grad()

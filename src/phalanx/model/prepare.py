@@ -160,7 +160,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if not built_on_meta:
         broadcast_from_rank0(model, comm)
 
-    policy = make_precision(precision, comm_dtype, output_dtype)
+    policy = make_precision(precision, comm_dtype, output_dtype, ranks=comm.world)
     original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
     # what a full build draws into, before the cast (for fill_shards below)
