@@ -1,7 +1,8 @@
 """Optimizer state in a single process's format (item 4 of the issue "Defects found by running
 real training code"): `opt.state_dict()` under ddp, `px.optimizer_state_dict(opt)` under every
-strategy and precision, the sharded optimizer's refusal of `opt.state_dict()`, and a single
-process's state loaded with `opt.load_state_dict` resuming as that process would.
+strategy and precision (`opt.state_dict()` on one rank alone under sharding is in
+test_one_rank_alone.py), and a single process's state loaded with `opt.load_state_dict`
+resuming as that process would.
 """
 
 import copy
@@ -118,30 +119,6 @@ def test_ddp_optimizer_state_dict_is_a_single_process_s(precision):
     _, want, _ = _one_process(precision, 3)
     for rank, got in enumerate(run_ranks(_ddp_state_dict, 2, args=(precision,), timeout=60)):
         assert_state_dict_like(got, want, _tolerance(precision), f"ddp {precision} rank {rank}")
-
-
-def _sharded_state_dict_refused(strategy, precision):
-    model = _net("bf16")  # float32 weights, whatever the precision
-    opt = _adamw(model)
-    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
-    _step(model, opt, 0, "bf16")
-    try:
-        opt.state_dict()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_sharded_optimizer_state_dict_raises_and_names_px_optimizer_state_dict(strategy,
-                                                                               precision):
-    for rank, message in enumerate(run_ranks(_sharded_state_dict_refused, 2,
-                                             args=(strategy, precision), timeout=60)):
-        assert message is not None, (
-            f"{strategy} {precision} rank {rank}: optimizer.state_dict() returned this rank's "
-            "shard instead of raising")
-        assert "px.optimizer_state_dict" in message, message
 
 
 def _gathered_state_dict(strategy):

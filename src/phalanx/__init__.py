@@ -18,6 +18,7 @@ from .observe.metrics import log, progress
 from .faults.nonfinite import NonFiniteError
 from .faults.replica_check import ReplicasDiffer
 from .launch.spawn import SpawnError, spawn
+from .engine.remote import PeerError
 
 __version__ = "0.1.0"
 
@@ -30,5 +31,5 @@ __all__ = [
     "save", "load", "latest_checkpoint", "export",
     "spawn",
     "log", "progress",
-    "CheckpointError", "SpawnError", "ReplicasDiffer", "NonFiniteError",  # to catch by name
+    "CheckpointError", "SpawnError", "ReplicasDiffer", "NonFiniteError", "PeerError",  # to catch
 ]

@@ -18,10 +18,11 @@ import datetime
 
 import torch.distributed as dist
 
-__all__ = ["set_timeout", "timeout", "group_for", "end_all", "made"]
+__all__ = ["set_timeout", "timeout", "group_for", "end_all", "made", "on_end"]
 
 _timeout: list = [None]   # px.init's timeout (a timedelta), once known
 _made: dict = {}          # (id(parent), purpose) -> (parent, group)
+_on_end: list = []        # called first by end_all (the shard service's stop: engine/remote.py)
 
 
 def set_timeout(value: datetime.timedelta | None) -> None:
@@ -51,8 +52,17 @@ def made() -> list:
     return [group for _, group in _made.values()]
 
 
+def on_end(fn) -> None:
+    """Have `end_all` call `fn()` before it destroys the groups (what still uses them stops)."""
+    if fn not in _on_end:
+        _on_end.append(fn)
+
+
 def end_all() -> None:
-    """Destroy every group made here (`px.shutdown()`, before the job's group)."""
+    """Destroy every group made here (`px.shutdown()`, before the job's group), after calling
+    what `on_end` registered."""
+    for fn in list(_on_end):
+        fn()
     entries, _ = list(_made.values()), _made.clear()
     for _, group in entries:
         try:

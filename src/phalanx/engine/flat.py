@@ -186,6 +186,15 @@ class FlatUnit:
                                     tag=f"unit[{self.index}]:unshard")
 
     @torch.no_grad()
+    def fill(self, values: torch.Tensor) -> None:
+        """zero3: give the full buffer `values` (the whole unit, read from the peers by a rank
+        acting alone; engine/remote.py) instead of gathering it."""
+        if not self.gathered:
+            self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+            self.gathered = True
+        self.flat.copy_(values, non_blocking=True)
+
+    @torch.no_grad()
     def load_master(self, values: list[torch.Tensor | None]) -> None:
         """Set the owned master from full-precision values of every parameter (None: keep)."""
         for piece in self.pieces:

@@ -19,6 +19,7 @@ hooks to the unused-parameter rule and the launch order, is the same code.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -27,18 +28,20 @@ from ..collectives import Comm
 from .. import host
 from ..records import StepCounter
 from .buckets import BufferPool, GradBucket
-from .flat import FlatUnit, Piece
+from .flat import FlatUnit
 from .zero3 import UnitGatherer
 from .clipping import clip_units
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
 from .reducer import GradReducer
+from .remote import service_for
+from .state import EngineState
 from .units import module_units, step_run_bytes, step_runs
 
 __all__ = ["FlatEngine"]
 
 
-class FlatEngine:
+class FlatEngine(EngineState):
     """Implements the `Engine` protocol (engine/__init__.py) for every strategy of policy.py."""
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
@@ -92,6 +95,15 @@ class FlatEngine:
                                    on_first_order=self._reorder if self.world > 1 else None,
                                    max_in_flight=2 if self.shard_grads else None,
                                    signal=self._signal, on_end=self._after_backward)
+        # See [Note: reading a peer's shards] in remote.py: where this rank holds 1/N of the
+        # masters, a thread serves them (and the optimizer state) to a peer that asks, and
+        # `lock` keeps a step from changing them while they are read.
+        self.lock = threading.Lock()
+        self.version = 0  # optimizer.step() calls, counted under `lock`
+        self.remote = service_for(comm) if self.sharded else None
+        self.remote_id = self.remote.register(self) if self.remote is not None else None
+        if self.gatherer is not None and self.remote is not None:  # a forward on one rank alone
+            self.gatherer.fetch = lambda unit: self.fetch_unit(unit, unit.compute_dtype)
         self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
         self.loss_scaler = precision.loss_scaler
         self._unsettled: list[FlatUnit] = []  # finished in this backward, flags not read yet
@@ -274,6 +286,13 @@ class FlatEngine:
         default), and each run's all-gather is on the wire while the next run steps. The
         optimizer's step hooks run once per run of units.
         """
+        with self.lock:  # see [Note: reading a peer's shards] in remote.py
+            try:
+                return self._step_units(step_one)
+            finally:
+                self.version += 1
+
+    def _step_units(self, step_one) -> bool:
         ready = [u for u in self.units if u.reduced is not None]
         if not ready:
             return False
@@ -315,56 +334,3 @@ class FlatEngine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over all ranks and shards (clipping.py)."""
         return clip_units(self, max_norm, norm_type)
-
-    # -- state ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def master_values(self) -> dict[int, torch.Tensor] | None:
-        """id(param) -> its full master value, where this rank holds all of it without a
-        collective (not sharded); None when the masters are sharded."""
-        if self.sharded:
-            return None
-        for unit in self.units:
-            unit.sync_master_from_cache()
-        out = {}
-        for unit in self.units:
-            for piece in unit.pieces:
-                p = unit.params[piece.param_index]
-                out[id(p)] = piece.master.detach().view_as(p)
-        return out
-
-    @torch.no_grad()
-    def master_pieces(self) -> dict[int, list[Piece]]:
-        """id(param) -> the pieces of its master that this rank holds, for every trainable
-        parameter: the owned slices when sharded, the whole parameter otherwise (a parameter
-        that is its own master is its own piece). Edits made behind phalanx's back are taken
-        into the masters first, so the pieces hold the truth."""
-        out: dict[int, list[Piece]] = {}
-        for unit in self.units:
-            unit.sync_master_from_cache()
-            for piece in unit.pieces:
-                out.setdefault(id(unit.params[piece.param_index]), []).append(piece)
-        for p in self.params:  # a world of one with nothing to adopt has no units
-            out.setdefault(id(p), [] if self.sharded else [Piece.whole(p)])
-        return out
-
-    @torch.no_grad()
-    def publish_masters(self) -> None:
-        """Refresh the parameters from masters written in place (through `master_pieces`):
-        a collective when the masters are sharded, so every rank calls it. (zero3 keeps no
-        parameters between steps: the next forward gathers them from the masters.)"""
-        if self.reshards:
-            return
-        for unit in self.units:
-            unit.unshard(self.comm, async_op=False)
-
-    @torch.no_grad()
-    def load_masters(self, values: dict[int, torch.Tensor]) -> None:
-        """Set the masters from full-precision values, keyed by id(param); then refresh the
-        parameters from them (no collective: every rank was given the same values)."""
-        for unit in self.units:
-            unit.load_master([values.get(id(p)) for p in unit.params])
-            if unit.flat is not None and not unit.master_is_view and not unit.reshards:
-                for p, offset in zip(unit.params, unit.bucket.offsets):
-                    v = values.get(id(p))
-                    if v is not None:
-                        unit.flat[offset:offset + p.numel()].copy_(v.reshape(-1))

@@ -14,11 +14,15 @@ are refused rather than silently stepped differently.
 [Note: the optimizer's state_dict]
 `optimizer.state_dict()` has the format of a single process: state keyed by the position of
 each parameter in the param groups as the user built them, tensors of the parameter's shape.
-Where each rank holds the whole state (ddp, any precision) that needs no collective. Where the
-state is sharded (zero1, zero2, zero3) it does, and `optimizer.state_dict()` is typically called on
-one rank only (rank 0 saves), so it raises and names `px.optimizer_state_dict(optimizer)`, which
-every rank calls. `optimizer.load_state_dict()` takes the single-process format under every
-strategy, precision and world size: each rank keeps the slices of its pieces.
+Where each rank holds the whole state (ddp, any precision) that is this rank's own. Where the
+state is sharded (zero1, zero2, zero3), `optimizer.state_dict()` is typically called on one rank
+only (nanoGPT saves inside `if master_process:`), so that rank reads the other ranks' shares
+one-sidedly, while they go on ([Note: reading a peer's shards] in remote.py);
+`px.optimizer_state_dict(optimizer)`, which every rank calls, gathers them in one collective
+instead. `optimizer.load_state_dict()` takes the single-process format under every strategy,
+precision and world size: each rank keeps the slices of its pieces. State already in the
+optimizer when it is prepared (loaded from a checkpoint before `px.prepare`, the order nanoGPT
+resumes in) is taken over the same way.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ class OptimizerAdapter:
         if not self.adopted:
             return
         _check_elementwise(optimizer)
+        # a state loaded before prepare, in the single-process format (see the Note)
+        loaded = optimizer.state_dict() if _has_stepped(optimizer) else None
         missing = [p for p in engine.params if p not in group_of]
         if missing:
             raise ValueError(
@@ -109,6 +115,8 @@ class OptimizerAdapter:
         optimizer.state_dict = types.MethodType(lambda opt: adapter.state_dict(), optimizer)
         optimizer.load_state_dict = types.MethodType(
             lambda opt, state_dict: adapter.load_state_dict(state_dict), optimizer)
+        if loaded is not None:
+            self.load_state_dict(loaded)
 
     # -- step -----------------------------------------------------------------------------
     def step(self, closure=None):
@@ -184,12 +192,8 @@ class OptimizerAdapter:
 
     def state_dict(self) -> dict:
         """See [Note: the optimizer's state_dict]."""
-        if self.engine.sharded:
-            raise RuntimeError(
-                f"optimizer.state_dict() under {self.engine.policy.name!r}: the optimizer state is "
-                "sharded over the ranks, so the state a single process would have needs every "
-                "rank. Call px.optimizer_state_dict(optimizer) on every rank (it returns that "
-                "state on each); optimizer.load_state_dict() takes it under any strategy")
+        if self.engine.sharded:  # the peers' shares read one-sidedly (engine/remote.py)
+            return self._assemble(self.engine.peer_optimizer_parts())
         return self._assemble([self._local_parts()])
 
     def full_state_dict(self) -> dict:
@@ -254,11 +258,16 @@ def _check_elementwise(optimizer) -> None:
             f"{type(optimizer).__name__} is not an optimizer whose update is element-wise, so "
             f"sharding or mixed precision would change its update; use one of {names}, or "
             "strategy='ddp' with precision='fp32'")
+
+
+def _has_stepped(optimizer) -> bool:
+    """Whether the optimizer holds state from steps taken (or loaded), not only what its
+    constructor made (Adagrad's accumulators at step 0)."""
     for state in optimizer.state.values():
         step = state.get("step", 0)
         if float(step) > 0 or (state and "step" not in state):
-            raise ValueError("the optimizer has already stepped; call px.prepare before the first "
-                             "optimizer.step(), and load a saved optimizer state after it")
+            return True
+    return False
 
 
 def _init_state_for_masters(optimizer) -> None:

@@ -57,6 +57,15 @@ and if any forward since the last such backward differed, every rank raises an e
 where, before the optimizer step can apply anything. Forwards under `torch.no_grad()` are not
 compared.
 
+[Note: a forward without gradients]
+A forward under `torch.no_grad()` (evaluation, `generate`) gathers no unit collectively: each
+root's units are read from the peers' shards one-sidedly (engine/remote.py), one root at a
+time, and freed when the root's forward ends, so one rank can evaluate or generate alone while
+the others train on or wait (nanoGPT evaluates inside `if master_process:`). Such a forward
+leaves the orders that prefetching follows alone and is not compared across ranks. Every rank
+evaluating at once works the same way: each reads the others' shards point to point (the same
+bytes an all-gather moves, with a round trip through the store per unit and peer).
+
 Writing the gathered values into the buffer does not count as modifying the parameters for
 autograd: each parameter keeps its own version counter (it was given the view with
 `param.data = ...`), so the saved tensors stay valid.
@@ -166,6 +175,9 @@ class UnitGatherer:
         self.prefetched = 0                   # roots gathered ahead (counted for tests/reports)
         self.prefetched_unused = 0            # ... and freed without being used
         self._checks: list = []               # see _compare_roots
+        # unit -> its whole buffer read from the peers (engine/remote.py): how a forward
+        # without gradients gathers, with no collective, so that one rank may run it alone
+        self.fetch = None
 
     def oversized(self) -> list[tuple[str, int]]:
         """Roots bigger than the bound on their own: (name, bytes)."""
@@ -298,6 +310,11 @@ class UnitGatherer:
             self._active.add(root.index)
             self._prefetched.discard(root.index)
             recomputing = _in_backward()
+            if not torch.is_grad_enabled() and not recomputing and self.fetch is not None:
+                for unit in root.units:  # see [Note: a forward without gradients]
+                    if not unit.gathered:
+                        unit.fill(self.fetch(unit))
+                return
             if recomputing:  # activation checkpointing: see the Note
                 hooked = set(self._backward_seen)
                 for index in self._recomputed:

@@ -139,6 +139,15 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         comm = Comm(runtime.default_group(), steps=steps, device=runtime.device())
     elif comm.steps is None:
         comm.steps = steps
+    if strategy == "zero3" and comm.world > 1 and uncompiled(model) is not model:
+        # tried: nanoGPT's order under zero3 fails inside dynamo's guards (IndexError in
+        # produce_guards), tracing the hooks that gather and free each block
+        raise ValueError(
+            "zero3 takes the model uncompiled: its parameters are gathered and freed by hooks "
+            "around each block's forward, and a model compiled first fails while dynamo "
+            "traces them (torch 2.13). Pass the model "
+            "before torch.compile (px.prepare(model, ...)), or use strategy='zero2', which "
+            "takes a compiled model")
     built_on_meta = on_meta(model)
     # zero3 draws the values after the engine is built, keeping only each rank's shards
     shards_only = built_on_meta and strategy == "zero3" and comm.world > 1 and init is None

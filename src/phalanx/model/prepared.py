@@ -14,17 +14,23 @@ Buffers are broadcast on a forward with gradients enabled, whatever the module's
 mode (as DDP keys it): a rank that evaluates under `torch.no_grad()` broadcasts nothing and
 waits for nobody, and a rank left in eval mode by mistake still meets the others.
 
-`state_dict()` is the user's module's, without a `module.` prefix, in the dtypes the model had
-before prepare: under bf16/fp16 the trainable parameters are the fp32 masters' values (exact
-where this rank holds every master: ddp, or one process; under zero1/2/3 each rank holds
-1/N of them, and the values are the compute-dtype parameters, widened), frozen parameters and
-cast buffers are widened back. `load_state_dict()` sets the masters from the given values
-exactly, so under ddp nothing is lost in a save and load.
+`state_dict()` is the user's module's, without a `module.` prefix, and so is
+`px.unwrap(model).state_dict()`: the user's module answers through a state_dict hook with what
+one process would hold, in the dtypes the model had before prepare. Under bf16/fp16 the
+trainable parameters are the fp32 masters' values; under zero3 (whose parameters exist only
+while their unit computes) and wherever masters are sharded, the shards this rank does not
+hold are read from the peers one unit at a time onto the CPU, without their taking part
+([Note: reading a peer's shards] in engine/remote.py), so one rank may call it alone (nanoGPT
+saves `raw_model.state_dict()` inside `if master_process:`). Frozen parameters and cast buffers
+are widened back. With `keep_vars=True` the live tensors are returned as torch returns them.
+`load_state_dict()` sets the masters from the given values exactly, so nothing is lost in a save
+and load.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -58,9 +64,18 @@ class PreparedModule(torch.nn.Module):
         self._storage = [self._where(p) for p in self._trainable]
         self._original_dtypes = original_dtypes or {}  # by the uncompiled module's names
         self._device = device
-        # A module compiled before prepare names its tensors "_orig_mod.<name>".
-        self._compiled_prefix = "_orig_mod." if type(module).__name__ == "OptimizedModule" \
-            else ""
+        # See the module docstring: the user's module (inside a module compiled before
+        # prepare) answers state_dict() with full values. A weak reference: the user's module
+        # must not keep the engine alive.
+        compiled = type(module).__name__ == "OptimizedModule"
+        user = module._modules["_orig_mod"] if compiled else module
+        mine = weakref.ref(self)
+
+        def full_state(m, sd, prefix, _meta):
+            prepared = mine()
+            if prepared is not None:
+                prepared._full_state(m, sd, prefix)
+        user.register_state_dict_post_hook(full_state)
 
     def _where(self, p):
         """The address of a parameter's values; under zero3, whose units' storage is freed and
@@ -148,24 +163,27 @@ class PreparedModule(torch.nn.Module):
             return getattr(self._modules["module"], name)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """(Under zero3 a collective: every rank calls it, the parameters are gathered.)"""
-        with self._engine.full_params():
-            sd = self.module.state_dict(*args, destination=destination, prefix=prefix,
-                                        keep_vars=keep_vars)
-            if self._engine.reshards and not keep_vars:  # copies, before the storage is freed
-                for key, value in sd.items():
-                    sd[key] = value.detach().clone()
-        masters = self._engine.master_values() if self._precision.low else None
-        by_id = {id(p): name for name, p in self.module.named_parameters()}
-        for pid, value in (masters or {}).items():
-            key = prefix + by_id[pid]
-            if key in sd:
-                sd[key] = value.detach().clone()
+        """The user's module's state, as one process would hold it (see the module docstring);
+        no collective: one rank may call it alone."""
+        return self.module.state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+
+    @torch.no_grad()
+    def _full_state(self, module, sd, prefix: str) -> None:
+        """The state_dict hook on the user's module (see the module docstring)."""
+        named = list(module.named_parameters(remove_duplicate=False))
+        if any(sd.get(prefix + name) is p for name, p in named):
+            return  # keep_vars=True: the live tensors, as torch gives them
+        engine = self._engine
+        values = engine.full_master_values() if engine.reshards or self._precision.low else {}
+        for name, p in named:
+            value = values.get(id(p))
+            if value is not None and prefix + name in sd:
+                sd[prefix + name] = value
         for name, dtype in self._original_dtypes.items():
-            key = prefix + self._compiled_prefix + name
-            if key in sd and sd[key].dtype != dtype and not keep_vars:
-                sd[key] = sd[key].to(dtype)
-        return sd
+            value = sd.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                sd[prefix + name] = value.to(dtype)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:

@@ -1,0 +1,212 @@
+"""One rank reads its peers' shards on its own: each rank serves what it holds from a thread.
+
+[Note: reading a peer's shards]
+Under zero1, zero2 and zero3 a rank holds 1/N of the masters and of the optimizer state (and
+under zero3 of the parameters), so the full state, or a forward with full parameters, needs
+the other ranks' shards. A collective would need every rank to call it at the same moment,
+and real scripts do these things on one rank only (nanoGPT evaluates and saves inside
+`if master_process:`, Hugging Face users `generate` on the main process). Here no rank has to
+take part: each rank runs a `ShardService` thread that serves its shards to a peer that asks.
+
+- Requests travel through the job's rendezvous store, over connections of the service's own
+  (a store client serialises its calls, so a server blocked in a wait on the job's client would
+  stall every other user of it: the hang watcher, the creation of groups). The asking rank
+  takes a ticket from the serving rank's counter (an atomic add) and writes its request under
+  that ticket; the server thread waits for its tickets in order. The answer's header (what
+  comes, or an error) goes back through the store, and the tensors over a gloo process group of
+  the service's own (`groups.py`, "service"), point to point, on the CPU (a GPU rank copies its
+  shard out first). No other rank, and no other group, is involved.
+- The values are consistent: a request names how many optimizer steps the asking rank has
+  taken with that model, and the server waits until its model has taken as many before it
+  reads, under the engine's lock, which `optimizer.step()` holds while it changes masters and
+  optimizer state and while it counts the step. A peer cannot step past the asking rank: its
+  next step needs the asking rank's gradients (a collective) and, under zero3, its next forward
+  the asking rank's gathers. A peer already past it (the asking rank acts between its backward
+  and its step while the peers stepped) cannot give the old values, and the asking rank gets
+  an error saying when to call instead.
+- A peer that does not answer within the job's timeout (`px.init(timeout=)`): the asking rank
+  raises `PeerError` naming the peer and what it asked for.
+- While nobody asks, the thread is blocked in one wait on the store: nothing is sent, nothing
+  is held, no CPU is used. `px.shutdown()` ends it after its barrier (a peer may read shards
+  until it reaches that barrier).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import sys
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .. import groups
+
+__all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
+
+_KEY = "phalanx/service"
+_STOP = b"stop"
+_IDLE_WAIT = datetime.timedelta(days=7)  # a wait that never times out while the job lives
+
+
+class PeerError(RuntimeError):
+    """A peer did not answer a request for its shards, or answered that it could not."""
+
+
+def _connect(store, timeout: float):
+    """A client connection of our own to the job's store (see the Note); the store itself where
+    it is not a TCP store (a file or hash store: their calls do not block one another)."""
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout))
+    return store
+
+
+class ShardService:
+    """This process's server of shards, and its requests to the peers' (see the Note)."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group = groups.group_for(group, "service", backend="gloo")
+        self.rank, self.world = rank, world
+        self.global_ranks = dist.get_process_group_ranks(self.group)
+        timeout = groups.timeout()
+        self.timeout = timeout.total_seconds() if timeout is not None else 600.0
+        store = dist.distributed_c10d._get_default_store()
+        self._serving_store = _connect(store, self.timeout)
+        self._asking_store = _connect(store, self.timeout)
+        # A key space per px.init: a store that outlives a shutdown and a new init (or a
+        # launcher's restart) has the old tickets in it.
+        attempt = (self._asking_store.add(f"{_KEY}/joined", 1) - 1) // world
+        self.prefix = f"{_KEY}/{attempt}"
+        self.engines: list = []  # weak references, by the order models were prepared
+        self.served = 0          # requests answered (tests, benchmarks)
+        self._thread = threading.Thread(target=self._serve, name="phalanx-shard-service",
+                                        daemon=True)
+        self._thread.start()
+
+    def register(self, engine) -> int:
+        """The engine's number: the same on every rank (models are prepared in one order)."""
+        self.engines.append(weakref.ref(engine))
+        return len(self.engines) - 1
+
+    def stop(self) -> None:
+        """End the serving thread: a request to itself that says stop (it answers in order)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            ticket = self._asking_store.add(f"{self.prefix}/{self.rank}/tickets", 1)
+            self._asking_store.set(f"{self.prefix}/{self.rank}/request/{ticket}", _STOP)
+        except Exception:  # noqa: BLE001 - the store is gone: the thread ends by itself
+            return
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    # -- asking ---------------------------------------------------------------------------
+    def ask(self, peer: int, engine_id: int, kind: str, arg, step: int, what: str):
+        """Ask rank `peer` (of the group) for `kind`/`arg` of engine `engine_id` once it has
+        taken `step` optimizer steps; returns (header, tensors)."""
+        store = self._asking_store
+        ticket = store.add(f"{self.prefix}/{peer}/tickets", 1)
+        store.set(f"{self.prefix}/{peer}/request/{ticket}",
+                  pickle.dumps((self.rank, engine_id, kind, arg, step)))
+        answer = f"{self.prefix}/{peer}/answer/{ticket}"
+        try:
+            store.wait([answer], datetime.timedelta(seconds=self.timeout))
+            header = pickle.loads(store.get(answer))
+        except (RuntimeError, ValueError) as exc:
+            raise PeerError(f"rank {peer} did not answer within {self.timeout:.0f} s when asked "
+                            f"for {what} (its process may have ended, or be stuck outside "
+                            f"Python; px.init(timeout=) sets the wait): "
+                            f"{type(exc).__name__}") from None
+        store.delete_key(answer)
+        if "error" in header:
+            raise PeerError(f"rank {peer} could not give {what}: {header['error']}")
+        tensors = []
+        for shape, dtype in header["tensors"]:
+            buf = torch.empty(shape, dtype=dtype)
+            try:
+                dist.recv(buf, src=self.global_ranks[peer], group=self.group,
+                          tag=ticket % 2**20)
+            except RuntimeError as exc:
+                raise PeerError(f"rank {peer} went away while sending {what}: {exc}") from None
+            tensors.append(buf)
+        return header, tensors
+
+    # -- serving --------------------------------------------------------------------------
+    def _serve(self) -> None:
+        store, ticket, warned = self._serving_store, 1, False
+        while True:
+            key = f"{self.prefix}/{self.rank}/request/{ticket}"
+            try:
+                store.wait([key], _IDLE_WAIT)
+                request = store.get(key)
+                store.delete_key(key)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+            if request == _STOP:
+                return
+            asker, engine_id, kind, arg, step = pickle.loads(request)
+            try:
+                header, tensors = self._answer(engine_id, kind, arg, step)
+            except Exception as exc:  # noqa: BLE001 - told to the asking rank
+                header, tensors = {"error": f"{type(exc).__name__}: {exc}"}, []
+            header["tensors"] = [(tuple(t.shape), t.dtype) for t in tensors]
+            try:
+                store.set(f"{self.prefix}/{self.rank}/answer/{ticket}", pickle.dumps(header))
+                for t in tensors:
+                    dist.send(t, dst=self.global_ranks[asker], group=self.group,
+                              tag=ticket % 2**20)
+                self.served += 1
+            except Exception as exc:  # noqa: BLE001 - the asking rank went away
+                if not warned:
+                    warned = True
+                    print(f"phalanx: rank {self.rank}: a peer's request for shards failed: "
+                          f"{exc}", file=sys.stderr, flush=True)
+            ticket += 1
+
+    def _answer(self, engine_id: int, kind: str, arg, step: int):
+        engine = self.engines[engine_id]() if engine_id < len(self.engines) else None
+        if engine is None:
+            raise RuntimeError(f"no prepared model number {engine_id} on this rank")
+        deadline = time.monotonic() + self.timeout
+        while engine.version < step:  # see the Note: wait for this rank's step
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"this rank has taken {engine.version} optimizer steps and "
+                                   f"did not reach step {step} within {self.timeout:.0f} s")
+            time.sleep(0.001)
+        with engine.lock:
+            if engine.version != step:
+                raise RuntimeError(
+                    f"this rank has taken {engine.version} optimizer steps and the asking rank "
+                    f"{step}: ask between optimizer.step() and the next backward (a peer may "
+                    "step while the asking rank is between its backward and its step)")
+            return engine.serve(kind, arg)
+
+
+_services: dict = {}
+
+
+def service_for(comm) -> ShardService | None:
+    """The process's shard service over `comm`'s group (made the first time: a collective of
+    its ranks); None in a world of one."""
+    if comm.group is None or comm.world == 1:
+        return None
+    entry = _services.get(id(comm.group))
+    if entry is None or entry[0] is not comm.group:
+        entry = _services[id(comm.group)] = (comm.group, ShardService(comm.group, comm.rank,
+                                                                     comm.world))
+        groups.on_end(stop_all)
+    return entry[1]
+
+
+def stop_all() -> None:
+    """End every service (`px.shutdown()`, after its barrier, before the groups end)."""
+    entries, _ = list(_services.values()), _services.clear()
+    for _, service in entries:
+        service.stop()
