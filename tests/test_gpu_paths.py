@@ -1,6 +1,7 @@
 """The paths that differ on a GPU machine, checked on the CPU where they can be: which device a
-rank takes, the inputs' move to it, how px.spawn starts workers, the meta build's values under
-per-rank seeds, and the step report's hands off the user's peak-memory statistics.
+rank takes, the inputs' move to it, px.data_loader's batches on it, how px.spawn starts workers,
+the meta build's values under per-rank seeds, the step report's hands off the user's
+peak-memory statistics, and outputs kept in the compute dtype (`output_dtype=None`).
 (benchmarks/gpu_accept.py checks the rest on a machine with a GPU.)"""
 
 from __future__ import annotations
@@ -83,6 +84,53 @@ def test_inputs_anywhere_in_the_arguments_reach_the_device():
     assert isinstance(rest["pair"], Pair) and rest["pair"].a.is_meta and rest["pair"].b == "x"
     assert isinstance(rest["batch"], Batch) and rest["batch"].tokens.is_meta
     assert rest["batch"].note == "keep"
+
+
+def _nested_collate(made):
+    """A collate_fn whose batches nest tensors in a dict, a tuple, a list, a namedtuple and a
+    dataclass, beside values that are not tensors; each batch it makes is kept in `made`."""
+    def collate(samples):
+        x = torch.tensor(samples, dtype=torch.float32)
+        batch = {"x": x, "parts": (2 * x, [torch.zeros(2), 7, "tag"]),
+                 "pair": Pair(x.long(), "p"), "batch": Batch(x[:, None], "keep")}
+        made.append(batch)
+        return batch
+    return collate
+
+
+def _tensors_in(batch):
+    return [batch["x"], batch["parts"][0], batch["parts"][1][0], batch["pair"].a,
+            batch["batch"].tokens]
+
+
+def test_px_data_loader_gives_batches_on_the_ranks_device(monkeypatch):
+    """On a GPU the targets a loop uses outside the model (`F.cross_entropy(model(x), y)`) must
+    be on the model's device too: the loader moves every tensor of a batch to px.device().
+    The meta device stands in for the GPU; device_placement=False leaves batches on the CPU."""
+    made = []
+    collate = _nested_collate(made)
+    monkeypatch.setattr(runtime, "device", lambda: torch.device("meta"))
+    placed = list(px.data_loader(list(range(10)), 4, shuffle=False, collate_fn=collate))
+    kept = list(px.data_loader(list(range(10)), 4, shuffle=False, collate_fn=collate,
+                               device_placement=False))
+    assert len(placed) == len(kept) == 3
+    for moved, stayed in zip(placed, kept):
+        assert all(t.is_meta for t in _tensors_in(moved))
+        assert all(t.device.type == "cpu" for t in _tensors_in(stayed))
+        assert [t.shape for t in _tensors_in(moved)] == [t.shape for t in _tensors_in(stayed)]
+        assert moved["parts"][1][1:] == [7, "tag"] and isinstance(moved["parts"], tuple)
+        assert isinstance(moved["pair"], Pair) and moved["pair"].b == "p"
+        assert isinstance(moved["batch"], Batch) and moved["batch"].note == "keep"
+    assert [b["x"].tolist() for b in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_px_data_loader_on_a_cpu_rank_yields_what_collate_made():
+    """On the CPU nothing is moved or rebuilt: each batch is collate's own object."""
+    assert runtime.device().type == "cpu"
+    made = []
+    got = list(px.data_loader(list(range(10)), 4, shuffle=False,
+                              collate_fn=_nested_collate(made)))
+    assert len(got) == len(made) == 3 and all(a is b for a, b in zip(got, made))
 
 
 def test_px_spawn_never_forks_where_there_is_a_gpu(monkeypatch):
@@ -169,3 +217,81 @@ def test_the_step_report_leaves_the_users_peak_statistics_alone(monkeypatch):
     assert resets == []
     assert (clock.last["gpu_allocated_mb"], clock.last["gpu_peak_allocated_mb"],
             clock.last["gpu_reserved_mb"]) == (3, 5, 8)
+
+
+# -- outputs in the compute dtype (px.prepare(output_dtype=None)) ------------------------------
+OUT_STEPS, OUT_ROWS = 6, 4  # steps; rows per rank
+
+
+def _classes(world):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(OUT_ROWS * world, 6, generator=g), torch.randint(0, 3, (OUT_ROWS * world,),
+                                                                      generator=g)
+
+
+def _classifier():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _outputs_in_bf16(strategy):
+    """bf16 training with the default output dtype (fp32) and with output_dtype=None."""
+    rank, world = px.rank(), px.world_size()
+    x, y = _classes(world)
+    mine = slice(OUT_ROWS * rank, OUT_ROWS * (rank + 1))
+    runs = {}
+    for name, options in (("fp32 outputs", {}), ("compute dtype", {"output_dtype": None})):
+        model = _classifier()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, opt = px.prepare(model, opt, strategy=strategy, precision="bf16", **options)
+        dtypes, losses = [], []
+        for _ in range(OUT_STEPS):
+            out = model(x[mine])
+            loss = F.cross_entropy(out, y[mine])
+            dtypes.append((out.dtype, loss.dtype))
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            dtypes.append((model(x[mine]).dtype, None))
+        params = [v.double() for v in model.state_dict().values()]  # the fp32 masters
+        runs[name] = dtypes, losses, params
+    return runs
+
+
+def _reference_float64(world):
+    """One process, float64, the whole global batch: the parameters after OUT_STEPS steps."""
+    model = _classifier().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _classes(world)
+    for _ in range(OUT_STEPS):
+        F.cross_entropy(model(x.double()), y).backward()  # equal shares: the ranks' mean
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_outputs_stay_in_bf16_with_output_dtype_none_and_training_still_works(strategy):
+    """output_dtype=None keeps outputs (a language model's logits) in the compute dtype, and the
+    loss computed from them still trains the model as one process does; the default gives fp32.
+    Measured against the update itself: every parameter must have moved as the reference's did
+    (within 10% of the update), so no gradient, or a gradient off by the world size, fails."""
+    world = 2
+    want = _reference_float64(world)
+    start = [p.detach().double() for p in _classifier().parameters()]
+    for rank, runs in enumerate(run_ranks(_outputs_in_bf16, world, args=(strategy,),
+                                          timeout=120)):
+        for name, dtype in (("fp32 outputs", torch.float32), ("compute dtype", torch.bfloat16)):
+            dtypes, losses, params = runs[name]
+            context = f"{strategy} rank {rank} {name}"
+            assert dtypes == [(dtype, dtype)] * OUT_STEPS + [(dtype, None)], context
+            assert losses[-1] < 0.9 * losses[0], f"{context}: losses {losses}"
+            assert len(params) == len(want), context
+            for i, (got, ref, init) in enumerate(zip(params, want, start)):
+                update = (ref - init).abs().max().item()
+                err = (got - ref).abs().max().item()
+                assert err <= 0.1 * update, (
+                    f"{context}: parameter {i} is {err:.2e} from one process's, whose update "
+                    f"was {update:.2e}")

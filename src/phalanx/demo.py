@@ -51,6 +51,7 @@ def train(strategy: str = "ddp", precision: str = "fp32", epochs: int = 12) -> f
     train_loader = px.data_loader(train_set, batch, shuffle=True, seed=0)
     test_loader = px.data_loader(test_set, 128, shuffle=False)
 
+    device = px.device()  # where the prepared model computes (and returns its outputs)
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=1e-4)
     net, optimizer = px.prepare(net, optimizer, strategy=strategy, precision=precision)
@@ -65,6 +66,9 @@ def train(strategy: str = "ddp", precision: str = "fp32", epochs: int = 12) -> f
         net.train()
         loss_sum, count = 0.0, 0
         for x, y in px.progress(train_loader, desc=f"epoch {epoch + 1}", leave=False):
+            # px.data_loader already puts batches on px.device(); the targets are moved here
+            # too so the loss never meets a CPU `y` on a GPU (a no-op where y is there)
+            y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(net(x), y)
             loss.backward()
             optimizer.step()
@@ -80,7 +84,7 @@ def train(strategy: str = "ddp", precision: str = "fp32", epochs: int = 12) -> f
         correct = []
         with torch.no_grad():
             for x, y in test_loader:
-                hits = (net(x).argmax(dim=1) == y).float()
+                hits = (net(x).argmax(dim=1) == y.to(device, non_blocking=True)).float()
                 correct.append(px.gather_for_metrics(hits, test_loader))
         seen = torch.cat(correct)
         accuracy = seen.mean().item()

@@ -20,6 +20,13 @@ evenly), and loader worker w of W takes global batches w, w + W, ... Reading the
 per process is the price of splitting without overlap; a stream that splits itself by rank
 or worker should not be given here. A stream has no order to shuffle, so `shuffle=True` is an
 error, and resuming mid-epoch needs a map-style dataset.
+
+On a GPU machine every batch arrives on `px.device()`, as Accelerate's prepared DataLoader
+gives it: each tensor in it, nested anywhere in tuples, lists, dicts, namedtuples and
+dataclasses, is copied there without blocking the host (from pinned memory), so targets used
+outside the model (`F.cross_entropy(model(x), y)`) are already where the outputs are.
+`device_placement=False` leaves batches where the workers made them (the CPU). On a CPU-only
+rank nothing is moved.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from .. import runtime
+from ..model.prepared import to_device
 from ..observe.step_report import add_data_wait
 from .sampler import DistributedSampler, check_batch_size, split_evenly
 
@@ -41,17 +49,27 @@ _OWN_ARGUMENTS = ("sampler", "batch_sampler")
 
 
 def data_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
-                drop_last: bool = False, **loader_kwargs) -> "DistributedLoader":
+                drop_last: bool = False, device_placement: bool = True,
+                **loader_kwargs) -> "DistributedLoader":
     """A DataLoader over `dataset` that gives this rank its part of each global batch.
 
     `batch_size` is per rank; other keyword arguments (`num_workers`, `collate_fn`,
-    `pin_memory`, ...) go to `torch.utils.data.DataLoader`. `pin_memory` defaults to True when
-    this rank computes on a GPU, so the prepared model's copy of each batch to it does not
-    block the host.
+    `pin_memory`, ...) go to `torch.utils.data.DataLoader`.
+
+    device_placement: when this rank computes on a device other than the CPU (`px.device()`,
+        a GPU), every tensor of each batch (nested anywhere in tuples, lists, dicts,
+        namedtuples and dataclasses) is moved there with `non_blocking=True` before the loop
+        sees it, so inputs and targets alike are on the model's device. False: batches stay
+        where collate made them (the CPU), for a loop that moves them itself. On a CPU rank
+        it changes nothing. (Other containers, such as a `UserDict`, are left as they are.)
+    `pin_memory` defaults to True when this rank computes on a GPU, so the copy of each batch
+    to it does not block the host.
     """
-    loader_kwargs.setdefault("pin_memory", runtime.device().type == "cuda")
+    here = runtime.device()
+    loader_kwargs.setdefault("pin_memory", here.type == "cuda")
+    device = here if device_placement and here.type != "cpu" else None
     return DistributedLoader(dataset, batch_size, shuffle=shuffle, seed=seed,
-                             drop_last=drop_last, **loader_kwargs)
+                             drop_last=drop_last, device=device, **loader_kwargs)
 
 
 class DistributedLoader(DataLoader):
@@ -59,11 +77,13 @@ class DistributedLoader(DataLoader):
 
     Its `sampler` is the `px.DistributedSampler` (map-style datasets), and it reports to the
     sampler each batch it yields, so a sampler state taken inside the loop counts exactly the
-    batches the loop received, whatever the workers have prefetched.
+    batches the loop received, whatever the workers have prefetched. `device` (None: none) is
+    where it moves each batch's tensors before yielding it (`px.data_loader`'s
+    `device_placement`).
     """
 
     def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, **loader_kwargs):
+                 drop_last: bool = False, device: torch.device | None = None, **loader_kwargs):
         check_batch_size(batch_size)
         for name in _OWN_ARGUMENTS:
             if name in loader_kwargs:
@@ -90,10 +110,11 @@ class DistributedLoader(DataLoader):
             object.__setattr__(self, "sampler", sampler)
             self.distributed_sampler = sampler
         self.shuffle, self.seed = shuffle, seed
+        self.device = torch.device(device) if device is not None else None
         self.drop_last_step = drop_last  # True: the incomplete last global batch is left out
 
     def __iter__(self):
-        sampler = self.distributed_sampler
+        sampler, device = self.distributed_sampler, self.device
         batches = super().__iter__()
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s
@@ -101,6 +122,8 @@ class DistributedLoader(DataLoader):
                 batch = next(batches)
             except StopIteration:
                 break
+            if device is not None:  # in this process: loader workers never touch the GPU
+                batch = to_device(batch, device)
             add_data_wait(time.perf_counter() - began)
             if sampler is not None:
                 sampler._batch_consumed()
