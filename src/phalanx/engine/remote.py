@@ -108,13 +108,21 @@ class ShardService:
             self._thread.join(timeout=5)
 
     # -- asking ---------------------------------------------------------------------------
-    def ask(self, peer: int, engine_id: int, kind: str, arg, step: int, what: str):
-        """Ask rank `peer` (of the group) for `kind`/`arg` of engine `engine_id` once it has
-        taken `step` optimizer steps; returns (header, tensors)."""
+    def ask(self, peers: list[int], engine_id: int, kind: str, arg, step: int, what: str):
+        """Ask each rank of `peers` (ranks of the group) for `kind`/`arg` of engine `engine_id`
+        once it has taken `step` optimizer steps: every request is made first, so the peers
+        read and answer at once; returns [(header, tensors)] in the order of `peers`."""
         store = self._asking_store
-        ticket = store.add(f"{self.prefix}/{peer}/tickets", 1)
-        store.set(f"{self.prefix}/{peer}/request/{ticket}",
-                  pickle.dumps((self.rank, engine_id, kind, arg, step)))
+        tickets = []
+        for peer in peers:
+            ticket = store.add(f"{self.prefix}/{peer}/tickets", 1)
+            store.set(f"{self.prefix}/{peer}/request/{ticket}",
+                      pickle.dumps((self.rank, engine_id, kind, arg, step)))
+            tickets.append(ticket)
+        return [self._receive(peer, ticket, what) for peer, ticket in zip(peers, tickets)]
+
+    def _receive(self, peer: int, ticket: int, what: str):
+        store = self._asking_store
         answer = f"{self.prefix}/{peer}/answer/{ticket}"
         try:
             store.wait([answer], datetime.timedelta(seconds=self.timeout))
