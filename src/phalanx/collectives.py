@@ -13,8 +13,10 @@ calls `torch.distributed` collectives. That gives three things one home:
 - the record (records.py): kind, sequence number, payload bytes, a tag naming what it serves
   (a bucket, a unit, a buffer broadcast), its group's name, its start and completion times.
   Completion is read from the work's future when it completes (gloo), or polled from the work
-  without blocking (NCCL, whose future completes at enqueue), never by waiting, so recording
-  costs no synchronisation. The step report, hang diagnosis and the planner's check read it.
+  without blocking (NCCL, whose futures and blocking calls return at enqueue, so there even a
+  blocking collective is issued async, waited for and polled: [Note: completion on NCCL] in
+  completion.py), never by waiting, so recording costs no synchronisation. The step report,
+  hang diagnosis and the planner's check read it.
 - the version shims (`reduce_scatter_single` / `all_gather_single` in torch 2.13, the older
   `*_tensor` names before).
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from . import groups, pickled, records
 from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
+from .completion import Handle
 from .records import CollectiveRecord
 
 __all__ = ["Comm", "Handle", "CollectiveMismatch"]
@@ -44,66 +47,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 _OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN}
-
-
-class Handle:
-    """The works of one logical collective, waited for as one; `then` runs after the wait
-    (the copy-out of a kept shard). Has `is_completed()` like a torch Work.
-
-    For a work whose backend gives no future (gloo's reduce-scatter in torch 2.13 raises
-    "Work::getFuture not implemented"), the record's completion is the first moment the
-    handle saw it complete: when polled by `is_completed()` (the reducer polls in-flight
-    buckets as gradients arrive) or when waited for.
-    """
-
-    def __init__(self, works, then=None, records=()):
-        self.works = [w for w in works if w is not None]
-        self._then = then
-        self._done = False
-        self.records = list(records)
-
-    def _saw_completion(self) -> None:
-        now = None
-        for rec in self.records:
-            if rec.completed is None:
-                if rec.pending:  # NCCL: only the device knows (see Comm.polls)
-                    rec.poll()
-                else:
-                    now = now or time.perf_counter()
-                    rec.completed = now
-
-    def is_completed(self) -> bool:
-        done = self._done or all(w.is_completed() for w in self.works)
-        if done:
-            self._saw_completion()
-        return done
-
-    def wait(self) -> bool:
-        if not self._done:
-            stalled = self.records[0].pending if self.records else None
-            began = time.perf_counter()
-            if stalled:  # NCCL: the wait is the current stream's, timed on the device
-                self.records[0].stall = _device_interval(lambda: [w.wait() for w in self.works])
-            else:
-                for w in self.works:
-                    w.wait()
-            self._saw_completion()
-            if self.records:  # the exposed time, counted once for the handle's collectives
-                self.records[0].waited += time.perf_counter() - began
-            self._done = True
-            if self._then is not None:
-                self._then()
-        return True
-
-
-def _device_interval(fn):
-    """Run `fn` between two CUDA events on the current stream: how long the stream stalls
-    there is the events' elapsed time, read once both have completed (never waited for)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    return start, end
 
 
 class Comm:
@@ -141,6 +84,7 @@ class Comm:
         # On NCCL a work's future completes when the work is enqueued, not when it is done, so
         # completion is polled from the work (a non-blocking query of the device) instead.
         self.polls = "nccl" in self.backend
+        self.in_flight: list[CollectiveRecord] = []  # polled records not yet seen complete
         records.register(self)
 
     def apart(self, purpose: str, backend: str | None = None) -> "Comm":
@@ -186,14 +130,16 @@ class Comm:
         raise mismatch(rec.group_seq, parts)
 
     def _track(self, rec: CollectiveRecord, work) -> CollectiveRecord:
-        """Note the completion: now for a call that returned (`work` None), else when the
-        work's future completes, or on NCCL when the work is seen completed (polled by the
-        hang watcher, the step report and every wait)."""
+        """Note the completion: now for a call that returned (`work` None: never on NCCL, see
+        `_issue`), else when the work's future completes, or on NCCL when the work is seen
+        completed (polled by every wait, and by the hang watcher and the step report until it
+        is: [Note: records in flight] in records.py)."""
         if work is None:  # a blocking call: all of it was waited for
             rec.completed = time.perf_counter()
             rec.waited = rec.completed - rec.started
         elif self.polls:
             rec.pending.append(work)
+            records.add_in_flight(self, rec)
         else:
             def done(_fut, rec=rec):
                 # The first sign of completion wins: the future's callback can run after a
@@ -205,6 +151,22 @@ class Comm:
             except (RuntimeError, AttributeError):  # a backend without futures
                 pass
         return rec
+
+    def _issue(self, rec: CollectiveRecord, call, async_op: bool):
+        """Make `call(async_op)`, the torch.distributed call of `rec`'s collective, and track its
+        work: a Handle when `async_op`, else None once the collective is waited for. gloo's
+        blocking call returns when the collective is done; NCCL's at enqueue, so there a blocking
+        collective is issued async and waited for as a handle (see [Note: completion on NCCL])."""
+        waits_here = not async_op and self.polls
+        with _label(rec):
+            work = call(async_op or waits_here)
+        self._track(rec, work)
+        if not (async_op or waits_here):
+            return None
+        handle = Handle([work], records=[rec])
+        if waits_here:
+            handle.wait()
+        return handle if async_op else None
 
     def _add_bytes(self, rec: CollectiveRecord, nbytes: int) -> None:
         """Bytes of a record known only once part of it ran (the object collectives)."""
@@ -218,6 +180,7 @@ class Comm:
         """Drop the process group, so nothing here keeps it alive past `px.shutdown()`."""
         self.group = None
         self.world, self.rank = 1, 0
+        records.drop_in_flight(self)
 
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:
@@ -231,10 +194,8 @@ class Comm:
         if self.group is None:
             return Handle([]) if async_op else None
         rec = self._begin("all_reduce", self._nbytes(tensor), tag)
-        with _label(rec):
-            work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
-        self._track(rec, work)
-        return Handle([work], records=[rec]) if async_op else None
+        return self._issue(rec, lambda a: dist.all_reduce(tensor, op=_OPS[op], group=self.group,
+                                                          async_op=a), async_op)
 
     def reduce_shard(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = True,
                      tag: str | None = None):
@@ -299,8 +260,8 @@ class Comm:
             return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
         rec = self._begin("all_gather", self._nbytes(tensor) * self.world, tag)
-        dist.all_gather(parts, tensor, group=self.group)
-        self._track(rec, None)
+        self._issue(rec, lambda a: dist.all_gather(parts, tensor, group=self.group, async_op=a),
+                    False)
         return parts
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False,
@@ -309,11 +270,9 @@ class Comm:
         if self.group is None:
             return Handle([]) if async_op else None
         rec = self._begin("broadcast", self._nbytes(tensor), tag)
-        with _label(rec):
-            work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src),
-                                  group=self.group, async_op=async_op)
-        self._track(rec, work)
-        return Handle([work], records=[rec]) if async_op else None
+        root = dist.get_global_rank(self.group, src)
+        return self._issue(rec, lambda a: dist.broadcast(tensor, src=root, group=self.group,
+                                                         async_op=a), async_op)
 
     # -- object collectives and barrier ------------------------------------------------------
     # Objects travel as pickles in byte tensors, as torch.distributed's object collectives
@@ -330,9 +289,12 @@ class Comm:
         self._add_bytes(rec, (8 + longest) * self.world)
         parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
                  for _ in range(self.world)]
-        dist.all_gather(parts, pickled.padded(payload, longest), group=self.group)
-        self._track(rec, None)
-        return [pickled.loads(part, size) for part, size in zip(parts, sizes)]
+        padded = pickled.padded(payload, longest)
+        self._issue(rec, lambda a: dist.all_gather(parts, padded, group=self.group, async_op=a),
+                    False)
+        out = [pickled.loads(part, size) for part, size in zip(parts, sizes)]
+        rec.poll()  # NCCL: the host has read the parts, so the device is done with them
+        return out
 
     def gather_object(self, obj, dst: int = 0, tag: str | None = None) -> list | None:
         """Every rank's `obj` on rank `dst` (a rank of this group; None elsewhere)."""
@@ -346,12 +308,14 @@ class Comm:
         if self.rank == dst:
             parts = [torch.empty(longest, dtype=torch.uint8, device=payload.device)
                      for _ in range(self.world)]
-        dist.gather(pickled.padded(payload, longest), parts,
-                    dst=dist.get_global_rank(self.group, dst), group=self.group)
-        self._track(rec, None)
+        padded, root = pickled.padded(payload, longest), dist.get_global_rank(self.group, dst)
+        self._issue(rec, lambda a: dist.gather(padded, parts, dst=root, group=self.group,
+                                               async_op=a), False)
         if parts is None:
-            return None
-        return [pickled.loads(part, size) for part, size in zip(parts, sizes)]
+            return None  # NCCL: polled until seen complete, as any record in flight
+        out = [pickled.loads(part, size) for part, size in zip(parts, sizes)]
+        rec.poll()
+        return out
 
     def _pickle_and_sizes(self, obj) -> tuple[torch.Tensor, list[int]]:
         """This rank's pickle as a byte tensor, and every rank's pickle length."""
@@ -367,11 +331,8 @@ class Comm:
         if self.group is None:
             return
         rec = self._begin("barrier", 0, tag)
-        if "nccl" in self.backend:
-            dist.barrier(group=self.group, device_ids=[self.device.index])
-        else:
-            dist.barrier(group=self.group)
-        self._track(rec, None)
+        ids = {"device_ids": [self.device.index]} if "nccl" in self.backend else {}
+        self._issue(rec, lambda a: dist.barrier(group=self.group, async_op=a, **ids), False)
 
 
 _profiling = torch._C._autograd._profiler_enabled

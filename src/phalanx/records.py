@@ -19,6 +19,16 @@ Every prepared model counts its own optimizer steps (a `StepCounter` that its en
 its Comms stamp that count on their records, so two prepared models (a GAN's two networks) do
 not double each other's step. Where no model is named (`px.log` without a step, a hang report
 over every group), the step is the largest count of any live model.
+
+[Note: records in flight]
+A record whose completion is polled (NCCL: see [Note: completion on NCCL] in completion.py) is
+also kept in its Comm's `in_flight` list from its issue until it is seen complete, and every
+`poll_completions` polls all of those, whichever records it was handed: the hang watcher hands
+it only each group's newest 64 records, so a record left pending behind more newer ones than
+that (one not yet complete at its wait and at its step's end) is still polled at every tick and
+stamped when its work completes, never left in flight to raise a false hang report. The cost is
+that of the records in flight, not of the history; the list is changed under the lock, since
+the watcher's thread drops from it what the training thread appends to.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["CollectiveRecord", "StepCounter", "register", "live", "next_seq", "current_step",
            "records_on", "records_since", "groups_in_use", "bytes_by_kind", "reset_counts",
-           "close_all", "poll_completions"]
+           "close_all", "poll_completions", "add_in_flight", "drop_in_flight"]
 
 
 @dataclass
@@ -155,13 +165,34 @@ def groups_in_use() -> dict[str, object]:
     return {comm.name: comm.group for comm in live() if comm.group is not None}
 
 
+def add_in_flight(comm, rec: CollectiveRecord) -> None:
+    """Keep `rec`, whose works `comm` polls, in flight until seen complete."""
+    with _lock:
+        comm.in_flight.append(rec)
+
+
+def drop_in_flight(comm) -> None:
+    with _lock:
+        comm.in_flight = []
+
+
 def poll_completions(records) -> None:
     """Stamp the completion of those records whose works have completed since they were
-    issued (see `CollectiveRecord.poll`)."""
+    issued (see `CollectiveRecord.poll`), and of every record in flight on any live Comm,
+    dropping those complete (see [Note: records in flight])."""
     now = time.perf_counter()
     for rec in records:
         if rec.completed is None and rec.pending:
             rec.poll(now)
+    for comm in live():
+        with _lock:
+            in_flight = list(comm.in_flight)
+        if not in_flight:
+            continue
+        for rec in in_flight:
+            rec.poll(now)
+        with _lock:
+            comm.in_flight = [rec for rec in comm.in_flight if rec.completed is None]
 
 
 def bytes_by_kind() -> dict[str, int]:

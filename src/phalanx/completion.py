@@ -1,0 +1,83 @@
+"""Waiting for collectives, and knowing when they completed: the `Handle` every `Comm` method
+returns (collectives.py).
+
+[Note: completion on NCCL]
+On gloo a work's future completes when the collective is done, and a blocking call returns
+then. On NCCL both happen at enqueue: the future completes, and a blocking call (or a wait)
+only makes the current stream wait for the communicator's. So on NCCL every collective, async
+or blocking, is issued async and its work kept in its record's `pending` (records.py): a
+blocking one is waited for here as a handle is, right after the call. Completion is then
+stamped by whoever first sees `Work.is_completed()` (a non-blocking query of the device): a
+later wait or poll of the handle, the hang watcher's tick or the step report's end, which poll
+every record still in flight (records.py, [Note: records in flight]). It is never assumed at
+enqueue, so a collective stuck on the device stays in flight where the hang watcher sees it.
+How long compute stalled behind it is the time between two CUDA events around the wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["Handle"]
+
+
+class Handle:
+    """The works of one logical collective, waited for as one; `then` runs after the wait
+    (the copy-out of a kept shard). Has `is_completed()` like a torch Work.
+
+    For a work whose backend gives no future (gloo's reduce-scatter in torch 2.13 raises
+    "Work::getFuture not implemented"), the record's completion is the first moment the
+    handle saw it complete: when polled by `is_completed()` (the reducer polls in-flight
+    buckets as gradients arrive) or when waited for.
+    """
+
+    def __init__(self, works, then=None, records=()):
+        self.works = [w for w in works if w is not None]
+        self._then = then
+        self._done = False
+        self.records = list(records)
+
+    def _saw_completion(self) -> None:
+        now = None
+        for rec in self.records:
+            if rec.completed is None:
+                if rec.pending:  # NCCL: only the device knows (see [Note: completion on NCCL])
+                    rec.poll()
+                else:
+                    now = now or time.perf_counter()
+                    rec.completed = now
+
+    def is_completed(self) -> bool:
+        done = self._done or all(w.is_completed() for w in self.works)
+        if done:
+            self._saw_completion()
+        return done
+
+    def wait(self) -> bool:
+        if not self._done:
+            stalled = self.records[0].pending if self.records else None
+            began = time.perf_counter()
+            if stalled:  # NCCL: the wait is the current stream's, timed on the device
+                self.records[0].stall = _device_interval(lambda: [w.wait() for w in self.works])
+            else:
+                for w in self.works:
+                    w.wait()
+            self._saw_completion()
+            if self.records:  # the exposed time, counted once for the handle's collectives
+                self.records[0].waited += time.perf_counter() - began
+            self._done = True
+            if self._then is not None:
+                self._then()
+        return True
+
+
+def _device_interval(fn):
+    """Run `fn` between two CUDA events on the current stream: how long the stream stalls
+    there is the events' elapsed time, read once both have completed (never waited for)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    return start, end
