@@ -11,7 +11,6 @@ every `all_gather_into` of the run went through it, in place, so the test fails 
 preference stopped reaching the engine, besides failing on any wrong value.
 """
 
-import contextlib
 
 import pytest
 import torch
@@ -20,9 +19,8 @@ import phalanx as px
 from phalanx import collectives, runtime
 from phalanx.collectives import Comm
 from phalanx.testing import run_ranks
-from test_parity64 import (B, BUCKET_MB, CLIP, DTYPE, SEED, STEPS, assert_close,
-                           assert_state_dicts_equal, chunk, loss_of, make_data, make_model,
-                           make_optimizer, reference)
+from test_parity64 import (DTYPE, assert_close, assert_state_dicts_equal, reference,
+                           train_on_rank)
 
 WORLD = 2
 # (model, optimizer, accumulation micro-steps, clip): a frozen and an unused layer (mlp), an
@@ -59,33 +57,11 @@ def _spy_on_gathers() -> dict:
     return counts
 
 
-def _train(strategy, prefer, name, opt_kind, accum, clip):
-    rank = px.rank()
-    model = make_model(name, SEED + rank)  # differs per rank: prepare must broadcast
-    opt = make_optimizer(opt_kind, model)
-    comm = Comm(runtime.default_group(), prefer=prefer)
-    model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=BUCKET_MB, comm=comm)
-    for step in range(STEPS):
-        x, y = make_data(name, WORLD * accum * B, step)
-        for a in range(accum):
-            last = a == accum - 1
-            with contextlib.nullcontext() if last else px.no_sync(model):
-                (loss_of(name, model, *chunk(x, y, a * WORLD + rank), rank) / accum).backward()
-        if clip:
-            px.clip_grad_norm_(model, CLIP)
-        opt.step()
-        opt.zero_grad()
-    if strategy == "zero3":  # no whole parameter outlives a forward: state_dict() gathers
-        sd = model.state_dict()
-        params = [sd[n] for n, _ in px.unwrap(model).named_parameters()]
-    else:
-        params = [p.detach().clone() for p in px.unwrap(model).parameters()]
-    return params, px.optimizer_state_dict(opt)
-
-
 def _train_all(strategy, prefer):
     counts = _spy_on_gathers()
-    results = {combo: _train(strategy, prefer, *combo) for combo in COMBOS}
+    results = {(name, opt, accum, clip): train_on_rank(
+        name, opt, WORLD, accum, clip, strategy, comm=Comm(runtime.default_group(), prefer=prefer))
+        for name, opt, accum, clip in COMBOS}
     return results, counts
 
 

@@ -165,10 +165,11 @@ def _reference(name, opt_kind, world, accum, clip, order):
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
 
 
-def _train_on_rank(name, opt_kind, world, accum, clip, strategy):
+def train_on_rank(name, opt_kind, world, accum, clip, strategy, comm=None):
+    """One run on this rank: its parameters and the optimizer's state (comm: px.prepare's)."""
     model = make_model(name, SEED + px.rank())  # differs per rank: prepare must broadcast
     opt = make_optimizer(opt_kind, model)
-    model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=BUCKET_MB)
+    model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=BUCKET_MB, comm=comm)
     rank = px.rank()
     for step in range(STEPS):
         x, y = make_data(name, world * accum * B, step)
@@ -194,7 +195,7 @@ COMBOS = [(name, opt, accum, clip)
 
 
 def _train_all(world, strategy):
-    return {combo: _train_on_rank(combo[0], combo[1], world, combo[2], combo[3], strategy)
+    return {combo: train_on_rank(combo[0], combo[1], world, combo[2], combo[3], strategy)
             for combo in COMBOS}
 
 
