@@ -11,7 +11,6 @@ every `all_gather_into` of the run went through it, in place, so the test fails 
 preference stopped reaching the engine, besides failing on any wrong value.
 """
 
-
 import pytest
 import torch
 
