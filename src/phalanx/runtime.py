@@ -13,7 +13,7 @@ the groups phalanx made (groups.py), the live Comms and step counters (records.p
 the hang watcher (faults/hangs.py), background saves still running (checkpoint/saving.py),
 px.log's open files (observe/metrics.py), the trace writer (observe/trace.py), the seconds
 spent waiting for data (observe/step_report.py), map_batches' call count (data/inference.py),
-and torch's replaced clip function while a model needs it (engine/torch_clip.py).
+and torch's replaced clip function while a model needs it (engine/clipping.py).
 """
 
 from __future__ import annotations

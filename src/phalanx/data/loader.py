@@ -56,6 +56,13 @@ def data_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
     `batch_size` is per rank; other keyword arguments (`num_workers`, `collate_fn`,
     `pin_memory`, ...) go to `torch.utils.data.DataLoader`.
 
+    shuffle, seed: each epoch's one global order is a permutation drawn from (seed, epoch)
+        (`loader.sampler.set_epoch(epoch)`), the same at any world size; False: the dataset's
+        order.
+    drop_last: leave out the last global batch when it is short; False (the default) splits
+        it as evenly as possible and every rank still gets the same number of batches, some
+        possibly empty (see px.DistributedSampler's note on the tail of an epoch).
+
     device_placement: when this rank computes on a device other than the CPU (`px.device()`,
         a GPU), every tensor of each batch (nested anywhere in tuples, lists, dicts,
         namedtuples and dataclasses) is moved there with `non_blocking=True` before the loop

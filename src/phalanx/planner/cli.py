@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             "vocabulary, intermediate size)")
     model.add_argument("--input-shape", metavar="SHAPE",
                        help="with --model: per-sample input shape, e.g. 3x224x224 or seq")
-    model.add_argument("--input-dtype", default="float32", choices=("float32", "long"))
+    model.add_argument("--input-dtype", default="float32", choices=("float32", "long"),
+                       help="dtype of the model's input (long: token ids)")
     model.add_argument("--blocks", metavar="CLASS[,CLASS]",
                        help="with --model: the repeated blocks' class names, as px.prepare's "
                             "blocks= (default: the children of the largest nn.ModuleList)")
@@ -59,12 +60,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seq", type=int, help="sequence length (default 2048, or the config's "
                                              "learned positions if fewer)")
     run.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    run.add_argument("--activation-checkpointing", action="store_true")
+    run.add_argument("--activation-checkpointing", action="store_true",
+                     help="count the activations of a model that recomputes its blocks")
     run.add_argument("--attention", default="eager", choices=("eager", "flash"),
                      help="attention kernel for the activation formula (default eager)")
-    run.add_argument("--bucket-mb", type=float, default=25.0)
-    run.add_argument("--comm-dtype", choices=("none", "bf16", "fp16"), default="none")
-    run.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
+    run.add_argument("--bucket-mb", type=float, default=25.0,
+                     help="px.prepare's bucket_mb: the cap of a unit (gradient bucket), MiB")
+    run.add_argument("--comm-dtype", choices=("none", "bf16", "fp16"), default="none",
+                     help="px.prepare's comm_dtype: the dtype gradients travel in")
+    run.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                     help="the process group's backend (its primitives and its speed)")
     run.add_argument("--prefetch", type=int, default=1,
                      help="zero3: blocks gathered ahead, as px.prepare's prefetch= (default 1)")
     run.add_argument("--max-gathered-mb", type=float,
@@ -74,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--units", default="GB", choices=("GB", "GiB"))
+    out.add_argument("--units", default="GB", choices=("GB", "GiB"),
+                     help="units of the memory figures printed")
     out.add_argument("--headroom", type=float, default=0.1,
                      help="memory kept free when recommending (default 0.1)")
 
