@@ -1,7 +1,7 @@
 """What it costs that one rank may act alone (engine/remote.py): the idle shard service, and the
 full state taken by rank 0 alone against `px.save` of the same model.
 
-    .venv/bin/python benchmarks/one_rank_alone.py               # both parts, 2 ranks, CPU
+    .venv/bin/python benchmarks/one_rank_alone.py               # every part, 2 ranks, CPU
     .venv/bin/python benchmarks/one_rank_alone.py --part idle --rounds 6
     .venv/bin/python benchmarks/one_rank_alone.py --part state --blocks 8
 
@@ -11,6 +11,10 @@ each) with the shard service as built ("service") and with none ("no service": t
 built without it, as in a world of one). Each run is a fresh pair of processes; the two kinds
 alternate, `--rounds` of each; a run's figure is the median over `--steps` steps of the slowest
 rank's step time; the table gives the median over runs and the ratio.
+
+Eval: the same MLP under zero3, every rank running forwards under `torch.no_grad()` at once,
+reading the units one-sidedly from the peers (as built) against gathering them collectively
+(as a forward with gradients does), alternating, `--rounds` of `--steps` forwards each.
 
 State: an MLP of `--blocks` blocks of Linear 4096 -> 4096 (8 blocks: 134.3M parameters), fp32,
 AdamW after one step, zero3 on 2 ranks. Rank 0 alone takes `model.state_dict()` and
@@ -36,7 +40,14 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 import phalanx as px  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
+from phalanx.launch.spawn import run_workers  # noqa: E402
+
+
+def run_ranks(fn, world, args=(), timeout=600):
+    """The test harness's forked ranks, over a TCP store as under `phalanx run` (the harness's
+    file store polls every 10 ms, which would be most of a shard read's time)."""
+    return run_workers(fn, world, args, None, timeout=timeout, threads=1, rendezvous="tcp",
+                       start_method="fork")
 from ddp import batch_for, loss_for, make  # noqa: E402
 
 
@@ -74,6 +85,40 @@ def idle(rounds: int, steps: int) -> None:
         on, off = statistics.median(got[True]), statistics.median(got[False])
         runs = " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(got[True], got[False]))
         print(f"{strategy:10} {on:9.4f} {off:11.4f} {on / off:7.3f}   {runs}", flush=True)
+
+
+def _eval_run(rounds: int, steps: int) -> dict:
+    from phalanx.testing import engine_of
+
+    model = make("mlp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = px.prepare(model, optimizer, strategy="zero3")
+    x, y = batch_for("mlp", px.rank(), 0)
+    loss_for("mlp", model, x, y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    gatherer = engine_of(model).gatherer
+    fetch = gatherer.fetch
+    times = {"one-sided": [], "collective": []}
+    for _ in range(rounds):
+        for kind in times:
+            gatherer.fetch = fetch if kind == "one-sided" else None
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(steps):
+                    model(x)
+            elapsed = torch.tensor([(time.perf_counter() - start) / steps])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[kind].append(elapsed.item())
+    return {kind: statistics.median(t) for kind, t in times.items()}
+
+
+def evaluation(rounds: int, steps: int) -> None:
+    r = run_ranks(_eval_run, 2, args=(rounds, steps), timeout=600)[0]
+    print("zero3 evaluation on every rank at once (12.6M MLP, 2 ranks, forward under no_grad):")
+    print(f"  one-sided reads (as built) {r['one-sided'] * 1e3:.1f} ms, collective gathers "
+          f"{r['collective'] * 1e3:.1f} ms, ratio {r['one-sided'] / r['collective']:.2f}")
 
 
 D = 4096
@@ -123,15 +168,17 @@ def state(blocks: int, repeat: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("idle", "state", "both"), default="both")
+    parser.add_argument("--part", choices=("idle", "state", "eval", "all"), default="all")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    if args.part in ("idle", "both"):
+    if args.part in ("idle", "all"):
         idle(args.rounds, args.steps)
-    if args.part in ("state", "both"):
+    if args.part in ("eval", "all"):
+        evaluation(args.rounds, args.steps)
+    if args.part in ("state", "all"):
         state(args.blocks, args.repeat)
 
 
