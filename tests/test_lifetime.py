@@ -31,6 +31,10 @@ def _train_save_and_drop(where, strategy, precision):
             "optimizer": weakref.ref(opt), "parameter": weakref.ref(px.unwrap(model)[0].weight)}
     del model, opt
     gc.collect()
+    # a sharded model's shards stay readable by the peers until the next blocking collective
+    # ([Note: a model dropped while a peer reads it] in engine/remote.py)
+    px.barrier()
+    gc.collect()
     return sorted(name for name, ref in refs.items() if ref() is not None)
 
 

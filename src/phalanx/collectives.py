@@ -162,10 +162,12 @@ class Comm:
             work = call(async_op or waits_here)
         self._track(rec, work)
         if not (async_op or waits_here):
+            records.note_blocking_done(self.group)
             return None
         handle = Handle([work], records=[rec])
         if waits_here:
             handle.wait()
+            records.note_blocking_done(self.group)
         return handle if async_op else None
 
     def _add_bytes(self, rec: CollectiveRecord, nbytes: int) -> None:

@@ -40,6 +40,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 __all__ = ["CollectiveRecord", "StepCounter", "register", "live", "next_seq", "current_step",
+           "blocking_done", "note_blocking_done", "on_blocking_done",
            "records_on", "records_since", "groups_in_use", "bytes_by_kind", "reset_counts",
            "close_all", "poll_completions", "add_in_flight", "drop_in_flight"]
 
@@ -110,6 +111,30 @@ _counters: "weakref.WeakSet[StepCounter]" = weakref.WeakSet()
 # Collectives issued on each process group (by id), over all the Comms that share it: every
 # rank issues the same sequence on a group, so this number names one collective on every rank.
 _group_seq: dict[int, int] = defaultdict(int)
+
+
+# Blocking collectives that returned, per process group (by id): when one that was issued
+# after a moment has returned on this rank, every rank of the group has issued it, so each has
+# finished what its main thread did before it (engine/remote.py releases dropped models then).
+_blocking_done: dict[int, int] = defaultdict(int)
+_on_blocking_done: list = []
+
+
+def blocking_done(group) -> int:
+    """How many blocking collectives on `group` have returned on this rank so far."""
+    return _blocking_done[id(group)]
+
+
+def note_blocking_done(group) -> None:
+    """A blocking collective on `group` returned (collectives.py); tell who asked."""
+    _blocking_done[id(group)] += 1
+    for fn in list(_on_blocking_done):
+        fn(group)
+
+
+def on_blocking_done(fn) -> None:
+    if fn not in _on_blocking_done:
+        _on_blocking_done.append(fn)
 
 
 def register(comm) -> None:

@@ -29,6 +29,16 @@ take part: each rank runs a `ShardService` thread that serves its shards to a pe
 - While nobody asks, the thread is blocked in one wait on the store: nothing is sent, nothing
   is held, no CPU is used. `px.shutdown()` ends it after its barrier (a peer may read shards
   until it reaches that barrier).
+
+[Note: a model dropped while a peer reads it]
+Every rank may call `state_dict()` and return (a function's model goes with it) while a slower
+peer still reads this rank's shards of that model. So the service holds each model's engine
+itself, and when the user's prepared model is gone it keeps the engine until a blocking
+collective on the job's group, issued after that, has returned on this rank: every peer has then
+issued it, so every peer's main thread is past its reads (they are synchronous). A dropped
+model is therefore freed at the next blocking collective (a barrier, the next `px.prepare`,
+a buffer broadcast or roots check of the next forward, clipping) or at `px.shutdown()`, not at
+the moment it is dropped.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import groups
+from .. import groups, records
 
 __all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
 
@@ -84,19 +94,41 @@ class ShardService:
         # launcher's restart) has the old tickets in it.
         attempt = (self._asking_store.add(f"{_KEY}/joined", 1) - 1) // world
         self.prefix = f"{_KEY}/{attempt}"
+        self.parent = group
         self.engines: list = []  # weak references, by the order models were prepared
+        self._held: dict[int, object] = {}   # engine id -> the engine, while its model lives
+        self._retired: list = []             # (engine, blocking collectives done when retired)
         self.served = 0          # requests answered (tests, benchmarks)
+        records.on_blocking_done(self._release)
         self._thread = threading.Thread(target=self._serve, name="phalanx-shard-service",
                                         daemon=True)
         self._thread.start()
 
     def register(self, engine) -> int:
-        """The engine's number: the same on every rank (models are prepared in one order)."""
+        """The engine's number: the same on every rank (models are prepared in one order). The
+        engine is held until `retire` (see [Note: a model dropped while a peer reads it])."""
         self.engines.append(weakref.ref(engine))
+        self._held[len(self.engines) - 1] = engine
         return len(self.engines) - 1
 
+    def retire(self, engine_id: int) -> None:
+        """The user's prepared model of engine `engine_id` is gone: keep the engine until a
+        later blocking collective on the job's group has returned (see the Note)."""
+        engine = self._held.pop(engine_id, None)
+        if engine is not None:
+            self._retired.append((engine, records.blocking_done(self.parent)))
+
+    def _release(self, group) -> None:
+        """After a blocking collective on `group` returned: free what was retired before it."""
+        if self._retired and group is self.parent:
+            done = records.blocking_done(group)
+            self._retired = [(e, mark) for e, mark in self._retired if mark >= done]
+
     def stop(self) -> None:
-        """End the serving thread: a request to itself that says stop (it answers in order)."""
+        """End the serving thread: a request to itself that says stop (it answers in order);
+        let go of every engine."""
+        self._held.clear()
+        self._retired = []
         if not self._thread.is_alive():
             return
         try:

@@ -76,6 +76,9 @@ class PreparedModule(torch.nn.Module):
             if prepared is not None:
                 prepared._full_state(m, sd, prefix)
         user.register_state_dict_post_hook(full_state)
+        remote = getattr(engine, "remote", None)
+        if remote is not None:  # see [Note: a model dropped while a peer reads it] in remote.py
+            weakref.finalize(self, remote.retire, engine.remote_id)
 
     def _where(self, p):
         """The address of a parameter's values; under zero3, whose units' storage is freed and
