@@ -51,6 +51,8 @@ def _routed_and_restored():
         raised = "non-finite" in str(exc)
     del model, opt
     gc.collect()
+    px.barrier()  # a dropped sharded model is freed at the next blocking collective
+    gc.collect()  # ([Note: a model dropped while a peer reads it] in engine/remote.py)
     restored_when_freed = torch.nn.utils.clip_grad_norm_ is original
     model, opt = px.prepare(_model(), None, strategy="ddp", precision="fp32")
     px.shutdown()

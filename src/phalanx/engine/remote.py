@@ -198,11 +198,11 @@ class ShardService:
                 header, tensors = {"error": f"{type(exc).__name__}: {exc}"}, []
             header["tensors"] = [(tuple(t.shape), t.dtype) for t in tensors]
             try:
+                self.served += 1  # before the answer: the asking rank may read it next
                 store.set(f"{self.prefix}/{self.rank}/answer/{ticket}", pickle.dumps(header))
                 for t in tensors:
                     dist.send(t, dst=self.global_ranks[asker], group=self.group,
                               tag=ticket % 2**20)
-                self.served += 1
             except Exception as exc:  # noqa: BLE001 - the asking rank went away
                 if not warned:
                     warned = True
