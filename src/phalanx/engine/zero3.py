@@ -58,7 +58,9 @@ where, before the optimizer step can apply anything. Forwards under `torch.no_gr
 compared.
 
 [Note: a forward without gradients]
-A forward under `torch.no_grad()` (evaluation, `generate`) gathers no unit collectively: each
+A forward of the model under `torch.no_grad()` (evaluation, `generate`; decided when the model's
+own forward starts, so blocks a reentrant checkpoint runs under no_grad inside a training
+forward gather as usual) gathers no unit collectively: each
 root's units are read from the peers' shards one-sidedly (engine/remote.py), one root at a
 time, and freed when the root's forward ends, so one rank can evaluate or generate alone while
 the others train on or wait (nanoGPT evaluates inside `if master_process:`). Such a forward
@@ -153,6 +155,11 @@ class UnitGatherer:
             modules[root.name].register_forward_hook(self._after(root))
             root_of.update({id(u): root.name for u in root.units})
         module.register_forward_hook(self._forward_done)  # after the roots' own hooks
+        # Whether the model's (outermost) forward records a graph: a reentrant activation
+        # checkpoint runs its blocks under no_grad inside a training forward, and those gather
+        # collectively like the rest of it (see [Note: a forward without gradients]).
+        self._grad_forward = True
+        module.register_forward_pre_hook(self._model_forward_starts, prepend=True)
         # A module inside a root, called on its own, would compute on freed storage: it gets
         # an error that says so instead (a check of a flag per call).
         unit_of = {id(p): u for u in self.units for p in u.params}
@@ -222,6 +229,9 @@ class UnitGatherer:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _model_forward_starts(self, _module, _args):
+        self._grad_forward = torch.is_grad_enabled()
 
     def _forward_done(self, _module, _args, _output):
         if self.comm.world > 1 and torch.is_grad_enabled():
@@ -310,7 +320,7 @@ class UnitGatherer:
             self._active.add(root.index)
             self._prefetched.discard(root.index)
             recomputing = _in_backward()
-            if not torch.is_grad_enabled() and not recomputing and self.fetch is not None:
+            if not self._grad_forward and not recomputing and self.fetch is not None:
                 for unit in root.units:  # see [Note: a forward without gradients]
                     if not unit.gathered:
                         unit.fill(self.fetch(unit))
