@@ -66,7 +66,8 @@ def _train_all(strategy, prefer):
 
 @pytest.mark.parametrize("prefer", [("all_gather",), ("all_gather", "reduce_scatter")],
                          ids=["all_gather", "nccl_primitives"])
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow),
+                                      pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_float64_parity_when_shards_are_gathered_by_all_gather(strategy, prefer):
     runs = run_ranks(_train_all, WORLD, args=(strategy, prefer), timeout=240)
     for combo in COMBOS:
