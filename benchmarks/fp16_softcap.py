@@ -17,51 +17,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.testing import run_ranks
 
-VOCAB, DIM, SEQ, ROWS, CAP = 64, 32, 16, 4, 30.0
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.proj(F.gelu(self.fc(self.norm(x))))
-
-
-class SoftCapLM(nn.Module):
-    """Embedding, MLP blocks (each position mixes with the running mean of the earlier ones:
-    causal), head; the logits are cast to fp32 and soft-capped there, then cross-entropy, as
-    Hugging Face's Gemma-2 (`final_logit_softcapping`) computes its loss."""
-
-    def __init__(self, vocab=VOCAB, d=DIM, blocks=2, cap=CAP):
-        super().__init__()
-        self.cap = cap
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens, targets):
-        h = self.embed(tokens)
-        steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)
-        h = h + h.cumsum(1) / steps[:, None]  # causal mixing
-        for block in self.blocks:
-            h = block(h)
-        logits = self.head(self.norm(h)).float()
-        logits = self.cap * torch.tanh(logits / self.cap)
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss, logits
+# The model and its data are the test's (tests/test_fp16_scaling.py), so the benchmark measures
+# what the test pins.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_fp16_scaling import ROWS, SoftCapLM, tokens  # noqa: E402
 
 
 def make_model(seed=0):
@@ -70,12 +37,6 @@ def make_model(seed=0):
     with torch.no_grad():  # the scale of trained LM logits, so the softcap bites
         model.head.weight.mul_(float(os.environ.get("HEAD_MUL", 8.0)))
     return model
-
-
-def tokens(step, rows):
-    g = torch.Generator().manual_seed(500 + step)
-    seq = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
-    return seq[:, :-1], seq[:, 1:]
 
 
 def grad_norm(params):
