@@ -144,9 +144,14 @@ def _record_failure(exc: BaseException, headline: str) -> None:
         "timestamp": str(int(now)),  # what the agent reads: whole seconds
         "time": now,
     }}}
+    # Written whole or not at all: the agent stops the other workers as soon as one fails, and
+    # a worker stopped halfway through writing left a truncated file that the agent's JSON
+    # reader then failed on (JSONDecodeError instead of the failure's message).
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as f:
+        with open(partial, "w") as f:
             json.dump(data, f)
+        os.replace(partial, path)
     except OSError:
         pass  # the traceback is still on stderr
 
