@@ -118,3 +118,31 @@ def test_bad_values_refused_on_every_rank():
             assert message is not None, f"rank {rank}: {options} was accepted"
             assert "staleness" in message, message
         assert "zero2" in messages[4] and "bf16" in messages[6], messages
+
+
+def _nan_on_rank1():
+    import torch.nn.functional as F
+    from staleness_runs import batch
+
+    model, opt = prepared("ddp")
+    seen = []
+    for step in range(3):
+        x, y = batch(step)
+        rows = slice(6 * px.rank(), 6 * px.rank() + 6)
+        loss = F.mse_loss(model(x[rows]), y[rows])
+        if step == 1 and px.rank() == 1:
+            loss = loss * float("nan")
+        loss.backward()  # never raises: the gradient goes out unread
+        try:
+            opt.step()
+            seen.append(None)
+        except px.NonFiniteError as exc:
+            seen.append(str(exc))
+        opt.zero_grad()
+    return seen, all(torch.isfinite(p).all().item() for p in px.unwrap(model).parameters())
+
+
+def test_nonfinite_loss_is_raised_where_its_gradient_would_apply():
+    for seen, finite in run_ranks(_nan_on_rank1, 2, timeout=60):
+        assert seen[0] is None and seen[1] is None and "rank 1" in seen[2], seen
+        assert finite
