@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from ..runtime import default_comm
+from .delayed import load_delayed
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
 from .reader import (CheckpointError, Reader, complete_checkpoints, read_manifest,
                      verify_files)
@@ -82,6 +83,7 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     try:
         if model_state is not None:
             model_state.load(reader, names)
+            load_delayed(model_state, reader, small.get("delayed"))  # staleness=1: delayed.py
             scaler = model_state.prepared.loss_scaler if model_state.prepared is not None \
                 else None
             if scaler is not None and LOSS_SCALER in small["stateful"]:

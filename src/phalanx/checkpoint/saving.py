@@ -32,6 +32,7 @@ from .. import runtime
 from ..collectives import Comm
 from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
+from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
 from .files import file_digest, fsync_dir, write_tensors
 from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
 from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
@@ -119,10 +120,12 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
                    copy_out: bool) -> _Snapshot:
     snap = _Snapshot(path, partial, keep_last)
     own_file = f"rank{comm.rank:05d}.safetensors"
-    ranges = []
+    ranges, delayed = [], None
     if model_state is not None:
         owner = model_state.writer_of()
         ranges += model_state.ranges(owner)
+        delayed_part, delayed = delayed_ranges(model_state, owner)  # staleness=1: delayed.py
+        ranges += delayed_part
         if optim_state is not None:
             optim_ranges, snap.whole = optim_state.ranges(owner)
             ranges += optim_ranges
@@ -155,6 +158,8 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             scaler = model_state.prepared.loss_scaler
             if scaler is not None:
                 small["stateful"][LOSS_SCALER] = copy.deepcopy(scaler.state_dict())
+        if delayed is not None:
+            small["delayed"] = delayed
         snap.small = small
         step = values.get("step")
         snap.meta = {
@@ -234,6 +239,8 @@ def _complete(snap: _Snapshot, reports: list) -> None:
         if name.startswith("optim/"):  # optimizer state has its parameter's shape
             param = name[len("optim/"):].rsplit("/", 1)[0]
             entry["shape"] = tensors[f"model/{param}"]["shape"]
+        elif name.startswith(DELAYED_PREFIX):  # a gradient still to apply has its parameter's
+            entry["shape"] = tensors[f"model/{name[len(DELAYED_PREFIX):]}"]["shape"]
         entry["pieces"].sort(key=lambda p: p[2])
     manifest = {
         "format": FORMAT, "version": 1, "saved_at": time.time(),

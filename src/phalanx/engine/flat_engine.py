@@ -31,6 +31,7 @@ from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit
 from .zero3 import UnitGatherer
 from .clipping import clip_units
+from .delayed import DelayedGrads
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
 from .reducer import GradReducer
@@ -46,7 +47,7 @@ class FlatEngine(EngineState):
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
                  precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
-                 block_classes: tuple[type, ...] | None = None):
+                 block_classes: tuple[type, ...] | None = None, staleness: int = 0):
         self.comm = comm
         self.policy = policy
         self.precision = precision
@@ -59,7 +60,7 @@ class FlatEngine(EngineState):
         low = any(compute is not None and p.dtype != compute for p in self.params)
         # The optimizer is adopted (its params become master pieces) unless every parameter is
         # its own master: no sharding and no low precision.
-        self.adopt = self.sharded or low
+        self.adopt = self.sharded or low or staleness > 0  # staleness: delayed.py steps
         if self.adopt and optimizer is None and self.params:
             raise ValueError(
                 f"strategy {policy.name!r} with precision {precision.name!r} needs the optimizer: "
@@ -83,6 +84,8 @@ class FlatEngine(EngineState):
                                compute_dtype=compute or run[0].dtype, adopt=self.adopt,
                                pool=self.pool, reshards=self.reshards)
                       for i, run in enumerate(runs)]
+        # See [Note: staleness=1] in delayed.py
+        self.delayed = DelayedGrads(self) if staleness else None
         self.gatherer = None
         if self.reshards and self.units:
             # Gathers on a group of their own: see [Note: two sequences of collectives]
@@ -156,6 +159,8 @@ class FlatEngine(EngineState):
         faults/nonfinite.py), this rank's own non-finite flag, fp16's overflow flag over the
         reduced gradients (all-reduced first where each rank reads its own shard), and zero3's
         checks that the ranks gathered the same modules in this step's forwards (zero3.py)."""
+        if self.delayed is not None:
+            return self.delayed.after_backward()
         units, self._unsettled = self._unsettled, []
         parts = [u.tail.float() for u in units]
         watch = self.nonfinite
@@ -237,6 +242,8 @@ class FlatEngine(EngineState):
 
     # -- backward ----------------------------------------------------------------------------
     def _launch(self, bucket: GradBucket):
+        if self.delayed is not None:
+            return self.delayed.launch(self.units[bucket.index])
         if self.world == 1:
             return None
         unit = self.units[bucket.index]
@@ -259,6 +266,8 @@ class FlatEngine(EngineState):
 
     def _finish(self, bucket: GradBucket) -> None:
         unit = self.units[bucket.index]
+        if self.delayed is not None:
+            return self.delayed.finish(unit)
         unit.finish_grad(shard=self.shard_grads)
         self._unsettled.append(unit)
 
@@ -288,9 +297,13 @@ class FlatEngine(EngineState):
         """
         with self.lock:  # see [Note: reading a peer's shards] in remote.py
             try:
+                if self.delayed is not None:
+                    self.delayed.take()
                 return self._step_units(step_one)
             finally:
                 self.version += 1
+                if self.delayed is not None:
+                    self.delayed.stepped()
 
     def _step_units(self, step_one) -> bool:
         ready = [u for u in self.units if u.reduced is not None]
@@ -333,4 +346,6 @@ class FlatEngine(EngineState):
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over all ranks and shards (clipping.py)."""
+        if self.delayed is not None:  # the gradient the step applies: delayed.py
+            self.delayed.take()
         return clip_units(self, max_norm, norm_type)

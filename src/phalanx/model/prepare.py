@@ -33,6 +33,7 @@ from ..observe.step_report import StepClock, step_stats as _step_stats
 from ..engine import optimizer_state_dict as _optimizer_state_dict
 from ..engine.optim import optimizer_groups
 from ..engine.units import check_gather_options
+from ..engine.delayed import check_staleness
 from ..engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
 from .prepared import PreparedModule
@@ -79,7 +80,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
             step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
-            blocks=None, output_dtype: torch.dtype | None = torch.float32):
+            blocks=None, output_dtype: torch.dtype | None = torch.float32, staleness: int = 0):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -103,6 +104,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     on_nonfinite: a NaN or inf loss on any rank, seen at the end of backward on every rank
         (faults/nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its
         gradients dropped), "skip" the step with a warning, "warn" only, or None (no check).
+    staleness: 1 applies step t-1's averaged gradients at step t, so their averaging has a
+        whole step to finish (ddp, zero1, zero2; engine/delayed.py); 0 (default): step t's.
     step_stats: time every optimizer step for `px.step_stats(model)` (observe/step_report.py).
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
         (default: each module's reset_parameters(), in order; model/materialize.py).
@@ -121,6 +124,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                                          check_replicas_every)
     gather_options = check_gather_options(strategy, prefetch, max_gathered_mb,
                                            reshard_after_forward)
+    staleness = check_staleness(staleness, strategy, precision)
     if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                          and output_dtype.is_floating_point):
         raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "
@@ -163,7 +167,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
                "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
-               **gather_options,
+               **gather_options, "staleness": staleness,
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes]}
     check_same_structure(model, comm, options)
     if not built_on_meta:
@@ -176,7 +180,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
-                          gather_options if strategy == "zero3" else None, block_classes)
+                          gather_options if strategy == "zero3" else None, block_classes,
+                          staleness=staleness)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.master_pieces(), comm, dtypes)

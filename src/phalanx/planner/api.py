@@ -20,6 +20,7 @@ from ..engine.units import check_gather_options, step_run_bytes
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
 from .layout import unit_sizes, zero3_gathering
+from .link import link_report, parse_link
 from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
                      optimizer_state_elements, peak_bytes, step_working_bytes)
 from .model_desc import ModelDesc, describe, input_from_shape
@@ -59,7 +60,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          attention: str = "eager", backend: str = "nccl", input_shape=None,
          input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB",
          blocks=None, prefetch: int = 1, max_gathered_mb: float | None = None,
-         reshard_after_forward: bool = True) -> PlanResult:
+         reshard_after_forward: bool = True, link=None, powersgd_rank: int = 4,
+         sync_every: int = 50) -> PlanResult:
     """Plan data-parallel training of a model; see the module docstring.
 
     The model is one of: `params` (a count such as 8e9 or "7.5B"), `config` (a Hugging Face style
@@ -70,6 +72,9 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     `blocks` names the repeated blocks' classes as px.prepare's `blocks=` does (a module or
     factory only); `prefetch`, `max_gathered_mb` and `reshard_after_forward` are px.prepare's
     zero3 options, and change zero3's gathered memory and backward gathers (layout.py).
+    `link` ("1Gbit", "25GB/s": planner/link.py) is the bandwidth between nodes; it replaces
+    `inter_node_bw`, and the plan says whether each strategy is communication-bound over it and
+    what PowerSGD rank `powersgd_rank` or DiLoCo `sync_every` would send instead.
     Raises ValueError with a one-line message for bad input.
     """
     desc = describe(model, params=params, config=config,
@@ -101,7 +106,12 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     peak = float(peak_tflops) if peak_tflops is not None else spec.peak_tflops(precision_key)
     intra = parse_bandwidth(intra_node_bw if intra_node_bw is not None else spec.link, LINKS,
                             "intra-node bandwidth")
-    inter = parse_bandwidth(inter_node_bw, LINKS, "inter-node bandwidth")
+    link_bps = parse_link(link) if link is not None else None
+    if link_bps is not None and nodes == 1:
+        raise ValueError("link is the bandwidth between nodes, and one node has none to cross: "
+                         "give the number of nodes (--nodes 2 or more)")
+    inter = link_bps / 1e9 if link_bps is not None else \
+        parse_bandwidth(inter_node_bw, LINKS, "inter-node bandwidth")
     bandwidth = intra if nodes == 1 else min(intra, inter)
     notes = list(desc.notes)
     if seq is None:
@@ -196,9 +206,13 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
                                             + prec.state * state_elements)
         / max(desc.trainable_params, 1),
     }
-    return PlanResult(model=desc.summary(), setting=setting,
-                      strategies={n: plans[n] for n in shown}, recommended=recommended,
-                      reason=reason, notes=notes, units=units)
+    shown_plans = {n: plans[n] for n in shown}
+    over_link = None if link_bps is None else link_report(
+        shown_plans, plans["ddp"], desc.trainable_shapes, comm_bytes or prec.grad,
+        desc.trainable_params, world, link_bps, powersgd_rank, sync_every)
+    return PlanResult(model=desc.summary(), setting=setting, strategies=shown_plans,
+                      recommended=recommended, reason=reason, notes=notes, units=units,
+                      link=over_link)
 
 
 def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpointing,

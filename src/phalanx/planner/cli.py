@@ -51,6 +51,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--intra-node-bw",
                     help=f"GB/s or preset: {', '.join(LINKS)} (default: the GPU's usual link)")
     hw.add_argument("--inter-node-bw", default="ib-400g", help="GB/s or preset (default ib-400g)")
+    hw.add_argument("--link", metavar="BANDWIDTH",
+                    help="the bandwidth between nodes, bits or bytes: 1Gbit, 100Mbit, 25GB/s "
+                         "(replaces --inter-node-bw); the plan then says whether a step is "
+                         "communication-bound over it, and what PowerSGD or DiLoCo would send")
+    hw.add_argument("--powersgd-rank", type=int, default=4,
+                    help="with --link: the PowerSGD rank of the what-if (default 4)")
+    hw.add_argument("--sync-every", type=int, default=50,
+                    help="with --link: DiLoCo's steps between averages in the what-if "
+                         "(default 50)")
 
     run = p.add_argument_group("training")
     run.add_argument("--strategy", default="all", help="ddp, zero1, zero2, zero3 or all")
@@ -115,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
             bucket_mb=args.bucket_mb, comm_dtype=args.comm_dtype, attention=args.attention,
             backend=args.backend, headroom=args.headroom, units=args.units,
             prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
-            reshard_after_forward=not args.keep_until_backward)
+            reshard_after_forward=not args.keep_until_backward, link=args.link,
+            powersgd_rank=args.powersgd_rank, sync_every=args.sync_every)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(result.to_json() if args.json else result)

@@ -51,6 +51,7 @@ class PlanResult:
     reason: str
     notes: list[str] = field(default_factory=list)
     units: str = "GB"
+    link: object = None  # a LinkReport (link.py) when a link was given
 
     def __getitem__(self, strategy: str) -> StrategyPlan:
         return self.strategies[strategy]
@@ -64,6 +65,7 @@ class PlanResult:
             "recommended": self.recommended,
             "reason": self.reason,
             "notes": list(self.notes),
+            **({"link": self.link.to_dict()} if self.link is not None else {}),
         }
 
     def to_json(self, indent: int = 2) -> str:
@@ -123,6 +125,9 @@ def format_table(r: PlanResult) -> str:
                                   for p in r.strategies.values()])
     row("scaling efficiency", [f"{p.scaling_efficiency:.0%}" for p in r.strategies.values()])
     lines.append("")
+    if r.link is not None:
+        lines.extend(r.link.lines())
+        lines.append("")
     lines.append(f"recommended: {r.recommended or 'none'}: {r.reason}")
     if r.notes:
         lines.append("notes:")
