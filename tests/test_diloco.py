@@ -271,6 +271,8 @@ def _bad(case):
             px.prepare(model, opt, strategy=px.DiLoCo(sync_every=2), comm_dtype=torch.bfloat16)
         elif case == "sync_batchnorm":
             px.prepare(model, opt, strategy=px.DiLoCo(sync_every=2), sync_batchnorm=True)
+        elif case == "check_replicas_every":
+            px.prepare(model, opt, strategy=px.DiLoCo(sync_every=2), check_replicas_every=5)
         elif case == "config":
             px.DiLoCo(sync_every=0)
     except ValueError as exc:
@@ -289,8 +291,52 @@ def test_bad_configurations_raise_at_construction(kwargs, match):
 
 
 def test_bad_options_raise_on_every_rank_before_any_collective():
-    cases = ["class", "string", "no optimizer", "comm_dtype", "sync_batchnorm", "config"]
+    cases = ["class", "string", "no optimizer", "comm_dtype", "sync_batchnorm",
+             "check_replicas_every", "config"]
     for case, want in zip(cases, ["an instance", "needs its interval", "needs the optimizer",
-                                  "DiLoCo never sends", "every forward", "sync_every=0"]):
+                                  "DiLoCo never sends", "every forward", "lets differ",
+                                  "sync_every=0"]):
         messages = run_ranks(_bad, 2, args=(case,), timeout=TIMEOUT)
         assert all(m is not None and want in m for m in messages), (case, messages)
+
+
+def _buffers_and_nan():
+    """BatchNorm buffers just before and after a sync; then a NaN loss on rank 1 alone under
+    on_nonfinite='skip'."""
+    rank, world = px.rank(), px.world_size()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = px.prepare(model, opt, strategy=px.DiLoCo(sync_every=2), on_nonfinite="skip")
+    bn = px.unwrap(model)[1]
+    x, y = _batch(0)
+    rows = GLOBAL // world
+    mine = slice(rank * rows, (rank + 1) * rows)
+    before = None
+    for step in range(2):
+        F.mse_loss(model(x[mine] * (1 + step + rank)), y[mine]).backward()
+        if step == 1:
+            before = (bn.running_mean.clone(), bn.running_var.clone())
+        opt.step()
+        opt.zero_grad()
+    after = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+    start = [p.detach().clone() for p in model.parameters()]
+    loss = F.mse_loss(model(x[mine]), y[mine])
+    if rank == 1:
+        loss = loss * float("nan")
+    loss.backward()
+    opt.step()  # an inner step: rank 1 skips it on its own, rank 0 steps, nobody waits
+    opt.zero_grad()
+    changed = any(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
+    return before, after, changed
+
+
+def test_buffers_are_averaged_at_a_sync_and_a_nan_on_one_rank_is_that_ranks_alone():
+    results = run_ranks(_buffers_and_nan, 2, timeout=TIMEOUT)
+    (b0, a0, changed0), (b1, a1, changed1) = results
+    assert not torch.equal(b0[0], b1[0])  # each rank's own statistics before the sync
+    for i in range(2):
+        assert torch.allclose(a0[i], (b0[i] + b1[i]) / 2, rtol=0, atol=1e-15)
+        assert torch.equal(a0[i], a1[i])
+    assert a0[2] == a1[2] == 2
+    assert changed0 and not changed1
