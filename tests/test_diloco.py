@@ -146,17 +146,20 @@ def test_sync_every_step_with_plain_outer_sgd_equals_ddp():
         _assert_close(diloco, ddp, "DiLoCo(1, outer_lr=1, outer_momentum=0) against ddp")
 
 
-def _descent(lr, momentum, comm_dtype):
+def _descent(lr, momentum, comm_dtype, precision):
     """A convex least-squares problem: the global loss at the synced weights before and after
     one outer step, each rank's parameters after it, and the step's report."""
     rank, world = px.rank(), px.world_size()
     torch.manual_seed(0)
     model = nn.Linear(6, 3).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, opt = px.prepare(model, opt, strategy=px.DiLoCo(
+    model, opt = px.prepare(model, opt, precision=precision, strategy=px.DiLoCo(
         sync_every=4, outer_lr=lr, outer_momentum=momentum, comm_dtype=comm_dtype))
     x, y = _batch(0)
-    global_loss = lambda: F.mse_loss(px.unwrap(model)(x), y).item()  # noqa: E731
+
+    def global_loss():
+        with torch.no_grad():
+            return F.mse_loss(model(x), y).item()
     before = global_loss()
     reports = []
     rows = GLOBAL // world
@@ -170,12 +173,15 @@ def _descent(lr, momentum, comm_dtype):
     return before, global_loss(), params, reports
 
 
-@pytest.mark.parametrize("lr,momentum,comm_dtype", [(0.7, 0.9, None), (1.0, 0.0, "bf16")])
+@pytest.mark.parametrize("lr,momentum,comm_dtype,precision", [
+    (0.7, 0.9, None, "fp32"), (1.0, 0.0, "bf16", "fp32"), (0.7, 0.9, None, "bf16")])
 def test_one_outer_step_descends_and_every_rank_holds_the_same_weights(lr, momentum,
-                                                                        comm_dtype):
+                                                                        comm_dtype, precision):
     """The sign test (a pseudo-gradient of now - synced would step uphill), and the step report:
-    inner steps send nothing, the sync one all-reduce of every parameter in the comm dtype."""
-    results = run_ranks(_descent, 2, args=(lr, momentum, comm_dtype), timeout=TIMEOUT)
+    inner steps send nothing, the sync one all-reduce of every parameter in the comm dtype (the
+    float64 masters' under bf16 compute)."""
+    results = run_ranks(_descent, 2, args=(lr, momentum, comm_dtype, precision),
+                        timeout=TIMEOUT)
     before, after, params, reports = results[0]
     assert after < 0.9 * before, (before, after)
     for _, _, other, _ in results[1:]:
@@ -187,7 +193,7 @@ def test_one_outer_step_descends_and_every_rank_holds_the_same_weights(lr, momen
     assert reports[3]["all_reduce/bytes"] == numel * (2 if comm_dtype else 8)
 
 
-def _first_part(path, H, kind, momentum, steps):
+def _first_part(path, H, kind, momentum, steps, export=None):
     rank, world = px.rank(), px.world_size()
     model = _model()
     opt = _inner(kind, model)
@@ -195,6 +201,8 @@ def _first_part(path, H, kind, momentum, steps):
     for step in range(steps):
         _local_step(model, opt, step, rank, world)
     px.save(path, model=model, optimizer=opt)
+    if export is not None:
+        px.export(export, model)
     return [p.detach().clone() for p in px.unwrap(model).parameters()]
 
 
@@ -239,9 +247,13 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
         for _, params in resumed:
             _assert_close(params, straight[1], f"resumed on {world} ranks")
     mid = str(tmp_path / "mid")
-    at_save = run_ranks(_first_part, 2, args=(mid, 3, "sgd", 0.9, 4), timeout=TIMEOUT)
+    exported = str(tmp_path / "synced.safetensors")
+    at_save = run_ranks(_first_part, 2, args=(mid, 3, "sgd", 0.9, 4, exported), timeout=TIMEOUT)
     synced = _simulate(2, 3, 3, "sgd", 0.7, 0.9)[0]  # the weights of the sync after step 3
     assert not all(torch.equal(a, b) for a, b in zip(at_save[0], synced))
+    from safetensors.torch import load_file
+    weights = load_file(exported)
+    _assert_close([weights[n] for n, _ in _model().named_parameters()], synced, "px.export")
     results = run_ranks(_load_elsewhere, 3, args=(mid,), timeout=TIMEOUT)
     for loaded, _ in results:
         _assert_close(loaded, synced, "resumed from the last sync")

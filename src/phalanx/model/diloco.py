@@ -38,7 +38,8 @@ class DiLoCo:
         the dtype the pseudo-gradient is averaged in (half the bytes of fp32; the paper's
         successors average it in fp16 or less, OpenDiLoCo arXiv:2407.07852).
 
-    Between syncs nothing is communicated: `.grad` is this rank's own gradient, so
+    Between syncs nothing is communicated: the model's parameters are this rank's own, `.grad`
+    is this rank's own gradient, so
     `px.clip_grad_norm_` clips by this rank's norm, and the non-finite check looks at this
     rank's loss only. A checkpoint holds the weights of the last sync as the model's, with the
     outer momentum and each rank's own weights and inner optimizer state; see
