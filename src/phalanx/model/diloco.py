@@ -39,9 +39,8 @@ class DiLoCo:
         successors average it in fp16 or less, OpenDiLoCo arXiv:2407.07852).
 
     Between syncs nothing is communicated: the model's parameters are this rank's own, `.grad`
-    is this rank's own gradient, so
-    `px.clip_grad_norm_` clips by this rank's norm, and the non-finite check looks at this
-    rank's loss only. A checkpoint holds the weights of the last sync as the model's, with the
+    is this rank's own gradient, so `px.clip_grad_norm_` clips by this rank's norm, and the
+    non-finite check looks at this rank's loss only. A checkpoint holds the weights of the last sync as the model's, with the
     outer momentum and each rank's own weights and inner optimizer state; see
     checkpoint/diloco.py for what a load at the same and at another world size restores.
     """
