@@ -11,6 +11,7 @@ import torch
 from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
+from .diloco import load_outer
 from .reader import (CheckpointError, Reader, complete_checkpoints, read_manifest,
                      verify_files)
 from .removal import why_not_export_target
@@ -90,6 +91,8 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
                 scaler.load_state_dict(small["stateful"][LOSS_SCALER])
         if optim_state is not None:
             optim_state.load(reader, small["optimizer"], names)
+        if model_state is not None and model_state.outer is not None:
+            load_outer(model_state, optim_state, reader, manifest, small)
     finally:
         reader.close()
     for name, obj in stateful.items():

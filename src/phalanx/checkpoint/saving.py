@@ -33,6 +33,7 @@ from ..collectives import Comm
 from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
+from .diloco import DILOCO, outer_ranges, param_of
 from .files import file_digest, fsync_dir, write_tensors
 from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
 from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
@@ -132,6 +133,8 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             for r in optim_ranges:
                 param, key = r.name[len("optim/"):].rsplit("/", 1)
                 snap.keys.setdefault(param, set()).add(key)
+        if model_state.outer is not None:  # see [Note: a DiLoCo checkpoint] in diloco.py
+            ranges += outer_ranges(model_state, optim_state, owner, comm.rank)
     on_gpu = False
     for r in ranges:
         key = f"{r.name}@{r.start}"
@@ -158,6 +161,8 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             scaler = model_state.prepared.loss_scaler
             if scaler is not None:
                 small["stateful"][LOSS_SCALER] = copy.deepcopy(scaler.state_dict())
+            if model_state.outer is not None:
+                small["stateful"][DILOCO] = {"inner_steps": model_state.outer.inner_steps}
         if delayed is not None:
             small["delayed"] = delayed
         snap.small = small
@@ -241,6 +246,8 @@ def _complete(snap: _Snapshot, reports: list) -> None:
             entry["shape"] = tensors[f"model/{param}"]["shape"]
         elif name.startswith(DELAYED_PREFIX):  # a gradient still to apply has its parameter's
             entry["shape"] = tensors[f"model/{name[len(DELAYED_PREFIX):]}"]["shape"]
+        elif name.startswith("diloco/"):  # so has DiLoCo's (diloco.py)
+            entry["shape"] = tensors[f"model/{param_of(name)}"]["shape"]
         entry["pieces"].sort(key=lambda p: p[2])
     manifest = {
         "format": FORMAT, "version": 1, "saved_at": time.time(),

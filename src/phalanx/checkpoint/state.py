@@ -49,7 +49,10 @@ class ModelState:
         # a plain model (a compiled module's own names start with "_orig_mod.").
         self.module = uncompiled(self.prepared.module if self.prepared is not None else model)
         self.engine = self.prepared._engine if self.prepared is not None else None
-        self.comm: Comm = self.engine.comm if self.engine is not None else default_comm()
+        # the prepared model's Comm: the job's, also where the engine's is a world of one (DiLoCo)
+        self.comm: Comm = self.prepared._comm if self.prepared is not None else default_comm()
+        # DiLoCo's outer state (engine/diloco.py); see [Note: a DiLoCo checkpoint] in diloco.py
+        self.outer = getattr(self.prepared, "_diloco", None)
         self.sharded = bool(self.engine is not None and self.engine.sharded)
         named = self.module.state_dict(keep_vars=True)
         self.names: dict[int, str] = {}      # id(tensor) -> the first name it has
@@ -101,7 +104,10 @@ class ModelState:
         for name, t in self.tensors.items():
             if not self.writes(name, owner):
                 continue
-            if name in self.trainable:
+            if name in self.trainable and self.outer is not None:  # the last sync's weights
+                synced = self.outer.synced[self.outer.index[id(self.trainable[name])]]
+                out.append(Range(f"model/{name}", 0, t.numel(), synced.detach().reshape(-1)))
+            elif name in self.trainable:
                 for piece in self.pieces[name]:
                     out.append(Range(f"model/{name}", piece.start, piece.end,
                                      piece.master.detach().reshape(-1)))

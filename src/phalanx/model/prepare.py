@@ -36,6 +36,7 @@ from ..engine.units import check_gather_options
 from ..engine.delayed import check_staleness
 from ..engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
+from .diloco import attach as attach_diloco, check_diloco_options, inner_comm, split_strategy
 from .prepared import PreparedModule
 
 __all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "optimizer_state_dict",
@@ -84,7 +85,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
-        "zero3" (alias "fsdp": and parameters; engine/zero3.py).
+        "zero3" (alias "fsdp": and parameters; engine/zero3.py), or px.DiLoCo(sync_every=H):
+        local steps and an outer step every H (model/diloco.py).
     precision: "fp32" (the parameters' own dtype), or "bf16"/"fp16" compute with master
         weights in the parameters' dtype (fp16 with dynamic loss scaling).
     bucket_mb: cap of a unit (gradient bucket), in MiB; the first is at most 1 MiB.
@@ -120,11 +122,17 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
+    diloco, strategy = split_strategy(strategy)
     strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
                                          check_replicas_every)
+    check_diloco_options(diloco, optimizer, comm_dtype=comm_dtype, sync_batchnorm=sync_batchnorm,
+                         check_replicas_every=check_replicas_every)
     gather_options = check_gather_options(strategy, prefetch, max_gathered_mb,
                                            reshard_after_forward)
     staleness = check_staleness(staleness, strategy, precision)
+    if staleness and diloco is not None:
+        raise ValueError("staleness=1 delays each step's gradient average, and DiLoCo averages "
+                         "no gradients between its syncs: use one of them, not both")
     if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                          and output_dtype.is_floating_point):
         raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "
@@ -168,7 +176,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
                **gather_options, "staleness": staleness,
-               "blocks": None if block_classes is None else [c.__name__ for c in block_classes]}
+               "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
+               "diloco": diloco}
     check_same_structure(model, comm, options)
     if not built_on_meta:
         broadcast_from_rank0(model, comm)
@@ -179,17 +188,19 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     # what a full build draws into, before the cast (for fill_shards below)
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
     cast_model(model, policy)
-    engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
+    engine = build_engine(model, optimizer, comm if diloco is None else inner_comm(comm),
+                          strategy, policy, bucket_mb,
                           gather_options if strategy == "zero3" else None, block_classes,
                           staleness=staleness)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.master_pieces(), comm, dtypes)
     if on_nonfinite is not None:
-        engine.nonfinite = NonFiniteWatch(on_nonfinite, comm)
+        engine.nonfinite = NonFiniteWatch(on_nonfinite, engine.comm)  # DiLoCo: this rank's
     engine.steps = steps
     if optimizer is not None:  # the step that collective records and reports name
         engine.watch_steps(optimizer, steps.tick)
+    outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     if check_replicas_every is not None and optimizer is not None:
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
@@ -199,12 +210,15 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
               "bucket_mb": float(bucket_mb), "comm_dtype": COMM_DTYPES[comm_dtype],
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "optimizer": _optimizer_name(optimizer)})
-    clock = StepClock(comm, runtime.device(), steps, engine.groups()) if step_stats else None
+    clock = StepClock(comm, runtime.device(), steps,
+                      engine.groups() if outer is None else outer.groups()) if step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
-    wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
+    wrapped = PreparedModule(model, engine, comm, policy,
+                             broadcast_buffers=broadcast_buffers and outer is None,
                              original_dtypes=original_dtypes, clock=clock,
                              device=runtime.device())
+    wrapped._diloco = outer  # the outer state a checkpoint holds (checkpoint/diloco.py)
     return wrapped, optimizer
 
 
