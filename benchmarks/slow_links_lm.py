@@ -15,7 +15,8 @@ Step k of every competitor reads the same global batch.
 Every competitor trains its own copy from the same initial weights, in the same processes,
 taking turns in rotating order, `--steps` steps a turn; round 0 warms up (and trains). A step's
 time is the slowest rank's, averaged over the timed rounds (a DiLoCo sync lands in some steps
-only, so the mean and not the median). The compute-only bound is the same forward, backward and
+only, so the mean and not the median); the bytes sent are the step report's, averaged over every
+step. The compute-only bound is the same forward, backward and
 step with no communication at all. At the end every competitor's held-out loss is measured on
 the same 8 batches (the mean of the ranks' losses, which under DiLoCo hold the synced weights
 when the step count is a multiple of H).
@@ -115,12 +116,12 @@ def worker(rounds: int, steps: int) -> None:
                 opt.step()
                 opt.zero_grad()
                 done[name] += 1
+                if name != "compute-only":  # the last step's bytes: summed over every step
+                    sent[name] = sent.get(name, 0) + px.step_stats(model).get("comm_bytes", 0)
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if r > 0:
                 times[name].append(elapsed.item() / steps)
-            if name != "compute-only":
-                sent[name] = px.step_stats(model).get("comm_bytes", 0)
     losses = {}
     held_out = [batch(table, seed=10**6 + i) for i in range(8)]
     for name in names:
@@ -130,6 +131,7 @@ def worker(rounds: int, steps: int) -> None:
         dist.all_reduce(mine)
         losses[name] = mine.item() / world
     if rank == 0:
+        sent = {name: total / done[name] for name, total in sent.items()}
         print("RESULT " + json.dumps({"times": times, "sent": sent, "losses": losses,
                                       "steps": done}), flush=True)
     px.shutdown()
