@@ -49,7 +49,12 @@ class ModelState:
         # a plain model (a compiled module's own names start with "_orig_mod.").
         self.module = uncompiled(self.prepared.module if self.prepared is not None else model)
         self.engine = self.prepared._engine if self.prepared is not None else None
-        self.comm: Comm = self.engine.comm if self.engine is not None else default_comm()
+        # With shard_size the engine shards over a group; the checkpoint spans the job, and the
+        # first replica group alone writes the shards, which every replica reads (hybrid.py).
+        replicas = getattr(self.engine, "replicas", None)
+        self.comm: Comm = replicas.job if replicas is not None else \
+            self.engine.comm if self.engine is not None else default_comm()
+        self.writes_shards = replicas is None or replicas.comm.rank == 0
         self.sharded = bool(self.engine is not None and self.engine.sharded)
         named = self.module.state_dict(keep_vars=True)
         self.names: dict[int, str] = {}      # id(tensor) -> the first name it has
@@ -93,7 +98,9 @@ class ModelState:
         return owner
 
     def writes(self, name: str, owner: dict[str, int]) -> bool:
-        return owner.get(name, self.comm.rank) == self.comm.rank
+        if name not in owner:  # a sharded master: its shard group's first replica writes it
+            return self.writes_shards
+        return owner[name] == self.comm.rank
 
     @torch.no_grad()
     def ranges(self, owner: dict[str, int]) -> list[Range]:
