@@ -289,6 +289,8 @@ def _bad(case):
             px.DiLoCo(sync_every=0)
         elif case == "staleness":
             px.prepare(model, opt, strategy=px.DiLoCo(sync_every=2), staleness=1)
+        elif case == "shard_size":
+            px.prepare(model, opt, strategy=px.DiLoCo(sync_every=2), shard_size=2)
     except ValueError as exc:
         return str(exc)
     return None
@@ -306,10 +308,10 @@ def test_bad_configurations_raise_at_construction(kwargs, match):
 
 def test_bad_options_raise_on_every_rank_before_any_collective():
     cases = ["class", "string", "no optimizer", "comm_dtype", "sync_batchnorm",
-             "check_replicas_every", "config", "staleness"]
+             "check_replicas_every", "config", "staleness", "shard_size"]
     for case, want in zip(cases, ["an instance", "needs its interval", "needs the optimizer",
                                   "DiLoCo never sends", "every forward", "lets differ",
-                                  "sync_every=0", "not both"]):
+                                  "sync_every=0", "not both", "leave shard_size out"]):
         messages = run_ranks(_bad, 2, args=(case,), timeout=TIMEOUT)
         assert all(m is not None and want in m for m in messages), (case, messages)
 

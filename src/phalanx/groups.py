@@ -18,7 +18,7 @@ import datetime
 
 import torch.distributed as dist
 
-__all__ = ["set_timeout", "timeout", "group_for", "end_all", "made", "on_end"]
+__all__ = ["set_timeout", "timeout", "group_for", "partition", "end_all", "made", "on_end"]
 
 _timeout: list = [None]   # px.init's timeout (a timedelta), once known
 _made: dict = {}          # (id(parent), purpose) -> (parent, group)
@@ -45,6 +45,26 @@ def group_for(parent, purpose: str, backend: str | None = None):
                                use_local_synchronization=True, **kwargs)
         entry = _made[key] = (parent, group)
     return entry[1]
+
+
+def partition(parent, size: int) -> tuple:
+    """(the group of `size` consecutive ranks of `parent` holding this rank, the group of the
+    ranks at this rank's position in every such group): hybrid sharding's two groups
+    (hybrid.py). Every rank of `parent` makes every one of them, in one order (torch asks each
+    rank to take part in making every group of a partition), once per (parent, size)."""
+    key = (id(parent), f"hybrid:{size}")
+    entry = _made.get(key)
+    if entry is None or entry[0] is not parent:
+        ranks = dist.get_process_group_ranks(parent)
+        me = ranks.index(dist.get_rank())
+        kwargs = {"timeout": _timeout[0]} if _timeout[0] is not None else {}
+        blocks = [ranks[g:g + size] for g in range(0, len(ranks), size)]
+        columns = [ranks[i::size] for i in range(size)]
+        made = [dist.new_group(r, **kwargs) for r in blocks + columns]
+        shards, replicas = made[me // size], made[len(blocks) + me % size]
+        _made[(id(parent), f"hybrid:{size}:replicas")] = (parent, replicas)
+        entry = _made[key] = (parent, shards)
+    return entry[1], _made[(id(parent), f"hybrid:{size}:replicas")][1]
 
 
 def made() -> list:

@@ -53,6 +53,10 @@ class ModelState:
         self.comm: Comm = self.prepared._comm if self.prepared is not None else default_comm()
         # DiLoCo's outer state (engine/diloco.py); see [Note: a DiLoCo checkpoint] in diloco.py
         self.outer = getattr(self.prepared, "_diloco", None)
+        # With shard_size the engine shards over a group; the checkpoint spans the job, and the
+        # first replica group alone writes the shards, which every replica reads (hybrid.py).
+        replicas = getattr(self.engine, "replicas", None)
+        self.writes_shards = replicas is None or replicas.comm.rank == 0
         self.sharded = bool(self.engine is not None and self.engine.sharded)
         named = self.module.state_dict(keep_vars=True)
         self.names: dict[int, str] = {}      # id(tensor) -> the first name it has
@@ -96,7 +100,9 @@ class ModelState:
         return owner
 
     def writes(self, name: str, owner: dict[str, int]) -> bool:
-        return owner.get(name, self.comm.rank) == self.comm.rank
+        if name not in owner:  # a sharded master: its shard group's first replica writes it
+            return self.writes_shards
+        return owner[name] == self.comm.rank
 
     @torch.no_grad()
     def ranges(self, owner: dict[str, int]) -> list[Range]:

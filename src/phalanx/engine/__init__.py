@@ -51,14 +51,15 @@ class Engine(Protocol):
 
 def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
                  gather_options: dict | None = None, block_classes=None,
-                 staleness: int = 0) -> Engine:
+                 staleness: int = 0, replicas=None) -> Engine:
     """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (zero3.py);
     block_classes: the classes whose instances are the repeated blocks (units.py);
-    staleness: 1 applies each step's averaged gradients at the next step (delayed.py)."""
+    staleness: 1 applies each step's averaged gradients at the next step (delayed.py);
+    replicas: shard_size's average across shard groups, `comm` being the group (hybrid.py)."""
     policy = POLICIES[strategy]
     engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,
                         gather_options=gather_options, block_classes=block_classes,
-                        staleness=staleness)
+                        staleness=staleness, replicas=replicas)
     if (policy.grads is SHARD and comm.world > 1) or precision.loss_scaler is not None \
             or staleness:
         route_torch_clip(engine)

@@ -47,8 +47,10 @@ class FlatEngine(EngineState):
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
                  precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
-                 block_classes: tuple[type, ...] | None = None, staleness: int = 0):
+                 block_classes: tuple[type, ...] | None = None, staleness: int = 0,
+                 replicas=None):
         self.comm = comm
+        self.replicas = replicas  # shard_size: the average across groups (hybrid.py)
         self.policy = policy
         self.precision = precision
         self.world, self.rank = comm.world, comm.rank
@@ -127,7 +129,13 @@ class FlatEngine(EngineState):
     def groups(self) -> list:
         """The process groups this engine issues on (the step report reads their records)."""
         comms = [self.comm] + ([self.gatherer.comm] if self.gatherer is not None else [])
+        comms += [self.replicas.comm, self.replicas.job] if self.replicas is not None else []
         return [c.group for c in comms if c.group is not None]
+
+    def names_across(self) -> set:
+        """The names of the groups whose collectives cross shard groups (hybrid.py): the
+        step report counts their bytes apart; none without shard_size (one group)."""
+        return {self.replicas.comm.name, self.replicas.job.name} if self.replicas else set()
 
     def no_sync(self):
         return self.reducer.no_sync()
@@ -161,6 +169,8 @@ class FlatEngine(EngineState):
         checks that the ranks gathered the same modules in this step's forwards (zero3.py)."""
         if self.delayed is not None:
             return self.delayed.after_backward()
+        if self.replicas is not None:
+            self.replicas.wait()
         units, self._unsettled = self._unsettled, []
         parts = [u.tail.float() for u in units]
         watch = self.nonfinite
@@ -237,6 +247,8 @@ class FlatEngine(EngineState):
         order = torch.tensor([b.index for b in completed], dtype=torch.int64,
                              device=self.comm.device)
         self.comm.broadcast(order, src=0, tag="launch order")
+        if self.replicas is not None:
+            self.replicas.order(order)
         by_index = {b.index: b for b in self.reducer.buckets}
         self.reducer.set_buckets([by_index[i] for i in order.tolist()])
 
@@ -269,6 +281,8 @@ class FlatEngine(EngineState):
         if self.delayed is not None:
             return self.delayed.finish(unit)
         unit.finish_grad(shard=self.shard_grads)
+        if self.replicas is not None:
+            self.replicas.average(unit, self.shard_grads)
         self._unsettled.append(unit)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -92,8 +92,11 @@ class ShardService:
         self._asking_store = _connect(store, self.timeout)
         # A key space per px.init: a store that outlives a shutdown and a new init (or a
         # launcher's restart) has the old tickets in it.
-        attempt = (self._asking_store.add(f"{_KEY}/joined", 1) - 1) // world
-        self.prefix = f"{_KEY}/{attempt}"
+        # shard_size: one service per shard group, each with keys of its own (hybrid.py)
+        key = _KEY if world == dist.get_world_size() else \
+            f"{_KEY}/ranks {','.join(map(str, self.global_ranks))}"
+        attempt = (self._asking_store.add(f"{key}/joined", 1) - 1) // world
+        self.prefix = f"{key}/{attempt}"
         self.parent = group
         self.engines: list = []  # weak references, by the order models were prepared
         self._held: dict[int, object] = {}   # engine id -> the engine, while its model lives

@@ -34,6 +34,7 @@ from ..engine import optimizer_state_dict as _optimizer_state_dict
 from ..engine.optim import optimizer_groups
 from ..engine.units import check_gather_options
 from ..engine.delayed import check_staleness
+from ..engine.hybrid import check_shard_size, layout
 from ..engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
 from .diloco import attach as attach_diloco, check_diloco_options, inner_comm, split_strategy
@@ -81,7 +82,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
             step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
-            blocks=None, output_dtype: torch.dtype | None = torch.float32, staleness: int = 0):
+            blocks=None, output_dtype: torch.dtype | None = torch.float32, staleness: int = 0,
+            shard_size: int | str | None = None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -108,6 +110,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         gradients dropped), "skip" the step with a warning, "warn" only, or None (no check).
     staleness: 1 applies step t-1's averaged gradients at step t, so their averaging has a
         whole step to finish (ddp, zero1, zero2; engine/delayed.py); 0 (default): step t's.
+    shard_size: zero1/zero2/zero3 shard within groups of this many consecutive ranks and
+        replicate across the groups ("node": the launcher's LOCAL_WORLD_SIZE); gradients are
+        averaged across groups, nothing else crosses them (engine/hybrid.py). None: all ranks.
     step_stats: time every optimizer step for `px.step_stats(model)` (observe/step_report.py).
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
         (default: each module's reset_parameters(), in order; model/materialize.py).
@@ -160,6 +165,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             "traces them (torch 2.13). Pass the model "
             "before torch.compile (px.prepare(model, ...)), or use strategy='zero2', which "
             "takes a compiled model")
+    if diloco is not None and shard_size is not None:
+        raise ValueError("shard_size shards zero1/zero2/zero3 state within groups; DiLoCo's "
+                         "inner steps are replicated and local: leave shard_size out")
+    shard_size = check_shard_size(shard_size, strategy, comm.world, staleness)
     built_on_meta = on_meta(model)
     # zero3 draws the values after the engine is built, keeping only each rank's shards
     shards_only = built_on_meta and strategy == "zero3" and comm.world > 1 and init is None
@@ -175,7 +184,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
                "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
-               **gather_options, "staleness": staleness,
+               **gather_options, "staleness": staleness, "shard_size": shard_size,
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
                "diloco": diloco}
     check_same_structure(model, comm, options)
@@ -188,10 +197,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     # what a full build draws into, before the cast (for fill_shards below)
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
     cast_model(model, policy)
-    engine = build_engine(model, optimizer, comm if diloco is None else inner_comm(comm),
-                          strategy, policy, bucket_mb,
+    # the whole world, or a group of it; a world of one under DiLoCo (model/diloco.py)
+    shard_comm, replicas = layout(comm if diloco is None else inner_comm(comm), shard_size)
+    engine = build_engine(model, optimizer, shard_comm, strategy, policy, bucket_mb,
                           gather_options if strategy == "zero3" else None, block_classes,
-                          staleness=staleness)
+                          staleness=staleness, replicas=replicas)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.master_pieces(), comm, dtypes)
@@ -211,7 +221,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "optimizer": _optimizer_name(optimizer)})
     clock = StepClock(comm, runtime.device(), steps,
-                      engine.groups() if outer is None else outer.groups()) if step_stats else None
+                      engine.groups() if outer is None else outer.groups(),
+                      across=engine.names_across()) if step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
     wrapped = PreparedModule(model, engine, comm, policy,

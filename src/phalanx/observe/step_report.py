@@ -17,7 +17,9 @@ synchronisation:
   work's future when it completes on gloo, polled from the work without blocking on NCCL,
   never waited for), on every group the model issues on (the job's, and zero3's gathers);
   per kind, the collectives' count, bytes and algorithmic bandwidth (bytes over time in
-  flight);
+  flight); and the bytes within a shard group and across groups (`intra_group_bytes`,
+  `inter_group_bytes`: with `shard_size`, the replica group's and the job's group's count as
+  across; without it everything is within the one group);
 - exposed communication: the time the training waited for a collective (the training
   thread blocked in a handle's wait or a blocking call; on NCCL, the compute stream's stall
   at a wait, from two CUDA events); overlap = (communication - exposed) / communication;
@@ -103,8 +105,9 @@ class StepClock:
     """Times one prepared model's steps (see the module's docstring)."""
 
     def __init__(self, comm, device: torch.device, steps: records.StepCounter,
-                 groups: list | None = None):
+                 groups: list | None = None, across: set | None = None):
         self.comm = comm
+        self.across = across or set()  # names of groups that span shard groups (shard_size)
         self.steps = steps
         self.groups = groups if groups is not None else [comm.group]
         self.cuda = device.type == "cuda"
@@ -184,6 +187,8 @@ class StepClock:
             "exposed_comm_s": min(exposed, wall),
             "overlap": (comm - min(exposed, comm)) / comm if comm > 0 else 0.0,
             "comm_bytes": sum(e[1] for e in kinds.values()),
+            # shard_size (engine/hybrid.py): bytes within a shard group and across groups
+            "inter_group_bytes": sum(r.nbytes for r in done if r.group in self.across),
             "samples": self.samples,
             "samples_per_s": self.samples / wall if wall > 0 else 0.0,
             "tokens": self.tokens,
@@ -191,6 +196,7 @@ class StepClock:
             "rss_mb": rss / 2**20,
             "peak_rss_mb": max(peak_rss_bytes(), rss) / 2**20,
         }
+        report["intra_group_bytes"] = report["comm_bytes"] - report["inter_group_bytes"]
         for kind, (count, nbytes, seconds) in sorted(kinds.items()):
             report[f"{kind}/count"] = count
             report[f"{kind}/bytes"] = nbytes

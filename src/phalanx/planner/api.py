@@ -19,6 +19,7 @@ import torch
 from ..engine.units import check_gather_options, step_run_bytes
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
+from .hybrid import across_groups, check_plan_shard_size
 from .layout import unit_sizes, zero3_gathering
 from .link import link_report, parse_link
 from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
@@ -61,7 +62,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB",
          blocks=None, prefetch: int = 1, max_gathered_mb: float | None = None,
          reshard_after_forward: bool = True, link=None, powersgd_rank: int = 4,
-         sync_every: int = 50) -> PlanResult:
+         sync_every: int = 50, shard_size=None) -> PlanResult:
     """Plan data-parallel training of a model; see the module docstring.
 
     The model is one of: `params` (a count such as 8e9 or "7.5B"), `config` (a Hugging Face style
@@ -75,6 +76,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     `link` ("1Gbit", "25GB/s": planner/link.py) is the bandwidth between nodes; it replaces
     `inter_node_bw`, and the plan says whether each strategy is communication-bound over it and
     what PowerSGD rank `powersgd_rank` or DiLoCo `sync_every` would send instead.
+    `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within groups of K
+    ranks and replicated across them (planner/hybrid.py).
     Raises ValueError with a one-line message for bad input.
     """
     desc = describe(model, params=params, config=config,
@@ -85,6 +88,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     gpus, nodes = _positive_int(gpus, "gpus"), _positive_int(nodes, "nodes")
     batch, grad_accum = _positive_int(batch, "batch"), _positive_int(grad_accum, "grad_accum")
     world = gpus * nodes
+    shard_size = check_plan_shard_size(shard_size, world, gpus)
     precision_key = _choice(precision, PRECISIONS, "precision")
     prec = PRECISIONS[precision_key]
     optimizer = _choice(optimizer, OPTIMIZERS, "optimizer")
@@ -166,12 +170,15 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     tokens = world * batch * seq * grad_accum
     plans = {}
     for name in STRATEGIES:
-        states, buffers, step_bytes, total, phase = memory_at(name, world)
+        n = shard_size if shard_size is not None and name != "ddp" else world
+        states, buffers, step_bytes, total, phase = memory_at(name, n)
         gathered = prec.weight * (desc.params if name == "zero3" else desc.trainable_params)
         kept = prec.weight * gathering[1] if name == "zero3" else 0
-        colls = collectives(name, grad_comm, gathered, world, reduce_scatter, kept)
-        t = step_time(colls, world, compute_s, grad_accum, bandwidth, activation_checkpointing,
-                      units=len(units_))
+        colls = collectives(name, grad_comm, gathered, n, reduce_scatter, kept)
+        within = intra if n < world and gpus % n == 0 else bandwidth  # the group in a node
+        t = step_time(colls, n, compute_s, grad_accum, within, activation_checkpointing,
+                      units=len(units_), across=across_groups(name, grad_comm, shard_size),
+                      replicas=world // n, across_gbps=inter if nodes > 1 else intra)
         plans[name] = StrategyPlan(
             strategy=name, params_bytes=states.params, grads_bytes=states.grads,
             optimizer_bytes=states.optimizer, activations_bytes=activations,
@@ -182,7 +189,9 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
             comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=t.step_s,
             step_time_no_overlap_s=t.step_no_overlap_s,
             scaling_efficiency=t.scaling_efficiency,
-            tokens_per_s=tokens / t.step_s if t.step_s > 0 else None)
+            tokens_per_s=tokens / t.step_s if t.step_s > 0 else None,
+            intra_group_payload_bytes=sum(t.payload_by_op.values()),
+            inter_group_payload_bytes=t.across_payload)
 
     def zero3_total(n):
         return memory_at("zero3", n)[3]
@@ -201,7 +210,7 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         "attention": attention, "intra_node_GBps": intra, "inter_node_GBps": inter,
         "bandwidth_GBps": bandwidth, "backend": backend, "bucket_mb": bucket_mb,
         "comm_dtype": None if comm_bytes is None else str(comm_dtype).replace("torch.", ""),
-        "headroom": headroom, "flops_per_step": flops,
+        "headroom": headroom, "flops_per_step": flops, "shard_size": shard_size,
         "optimizer_state_bytes_per_param": (prec.master * desc.trainable_params
                                             + prec.state * state_elements)
         / max(desc.trainable_params, 1),

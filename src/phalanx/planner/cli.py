@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="zero3: bound on the parameters gathered at once, in MiB")
     run.add_argument("--keep-until-backward", action="store_true",
                      help="zero3: px.prepare's reshard_after_forward=False")
+    run.add_argument("--shard-size", metavar="K",
+                     help="zero1/2/3 sharded within groups of K ranks ('node': --gpus), "
+                          "replicated across them; bytes within and across groups apart")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -125,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
             backend=args.backend, headroom=args.headroom, units=args.units,
             prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
             reshard_after_forward=not args.keep_until_backward, link=args.link,
-            powersgd_rank=args.powersgd_rank, sync_every=args.sync_every)
+            powersgd_rank=args.powersgd_rank, sync_every=args.sync_every,
+            shard_size=args.shard_size)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(result.to_json() if args.json else result)

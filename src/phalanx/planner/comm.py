@@ -88,11 +88,16 @@ class StepTime:
     step_s: float            # with overlap
     step_no_overlap_s: float
     scaling_efficiency: float
+    across_payload: int = 0  # shard_size: bytes handed to collectives across groups (hybrid.py)
 
 
 def step_time(colls: list[Collective], world: int, compute_s: float, grad_accum: int,
-              bandwidth_gbps: float, checkpointing: bool, units: int = 1) -> StepTime:
-    """Combine collectives and compute into a step time (see [Note: Overlap model])."""
+              bandwidth_gbps: float, checkpointing: bool, units: int = 1,
+              across: list[Collective] = (), replicas: int = 1,
+              across_gbps: float | None = None) -> StepTime:
+    """Combine collectives and compute into a step time (see [Note: Overlap model]). `across`:
+    with shard_size, the backward's collectives over the `replicas` groups, at `across_gbps`
+    (planner/hybrid.py); `colls` and `world` are then the group's."""
     by_phase = {"forward": 0.0, "backward": 0.0, "after_step": 0.0}
     comm_bytes = 0.0
     payload: dict[str, int] = {}
@@ -105,6 +110,12 @@ def step_time(colls: list[Collective], world: int, compute_s: float, grad_accum:
     bw = bandwidth_gbps * 1e9
     t = {k: v / bw for k, v in by_phase.items()}
     comm_s = comm_bytes / bw
+    across_wire = sum(wire_bytes(c.op, c.payload, replicas) for c in across)
+    if across_wire:
+        across_s = across_wire / ((across_gbps or bandwidth_gbps) * 1e9)
+        t["backward"] += across_s
+        comm_s += across_s
+        comm_bytes += across_wire
     micro = compute_s / grad_accum
     fwd = micro * (0.25 if checkpointing else 1 / 3)
     bwd = micro - fwd
@@ -119,4 +130,4 @@ def step_time(colls: list[Collective], world: int, compute_s: float, grad_accum:
     eff = compute_s / step if step > 0 else 1.0
     return StepTime(comm_bytes=comm_bytes, payload_by_op=payload, comm_s=comm_s,
                     compute_s=compute_s, step_s=step, step_no_overlap_s=no_overlap,
-                    scaling_efficiency=eff)
+                    scaling_efficiency=eff, across_payload=sum(c.payload for c in across))

@@ -34,6 +34,9 @@ class StrategyPlan:
     step_time_no_overlap_s: float
     scaling_efficiency: float    # compute time / step time
     tokens_per_s: float | None   # all ranks together
+    # shard_size (planner/hybrid.py): payload per step within a shard group and across groups
+    intra_group_payload_bytes: int = 0
+    inter_group_payload_bytes: int = 0
 
     @property
     def model_states_bytes(self) -> int:
