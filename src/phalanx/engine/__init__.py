@@ -50,12 +50,15 @@ class Engine(Protocol):
 
 
 def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
-                 gather_options: dict | None = None, block_classes=None) -> Engine:
+                 gather_options: dict | None = None, block_classes=None,
+                 compression=None) -> Engine:
     """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (zero3.py);
-    block_classes: the classes whose instances are the repeated blocks (units.py)."""
+    block_classes: the classes whose instances are the repeated blocks (units.py);
+    compression: a px.PowerSGD or None (powersgd.py)."""
     policy = POLICIES[strategy]
     engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,
-                        gather_options=gather_options, block_classes=block_classes)
+                        gather_options=gather_options, block_classes=block_classes,
+                        compression=compression)
     if (policy.grads is SHARD and comm.world > 1) or precision.loss_scaler is not None:
         route_torch_clip(engine)
     return engine

@@ -33,6 +33,7 @@ from .zero3 import UnitGatherer
 from .clipping import clip_units
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
+from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
 from .remote import service_for
 from .state import EngineState
@@ -46,7 +47,7 @@ class FlatEngine(EngineState):
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
                  precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
-                 block_classes: tuple[type, ...] | None = None):
+                 block_classes: tuple[type, ...] | None = None, compression=None):
         self.comm = comm
         self.policy = policy
         self.precision = precision
@@ -68,7 +69,8 @@ class FlatEngine(EngineState):
             if self.params else 4
         # In a world of one with nothing to adopt there is nothing to do: the module is trained
         # exactly as without phalanx, with no hooks at all.
-        plain = self.world == 1 and not self.adopt
+        # (PowerSGD changes what a step applies, so a world of one runs it too: powersgd.py)
+        plain = self.world == 1 and not self.adopt and compression is None
         runs = module_units(module, self.params, itemsize, bucket_mb, block_classes) \
             if self.params and not plain else []
         # ZeRO-2 lends its short-lived bucket buffers from a pool of three: at most two reduced
@@ -83,6 +85,8 @@ class FlatEngine(EngineState):
                                compute_dtype=compute or run[0].dtype, adopt=self.adopt,
                                pool=self.pool, reshards=self.reshards)
                       for i, run in enumerate(runs)]
+        self.compression = PowerSGDReducer(compression, self.units, self.params) \
+            if compression is not None and self.units else None
         self.gatherer = None
         if self.reshards and self.units:
             # Gathers on a group of their own: see [Note: two sequences of collectives]
@@ -156,6 +160,8 @@ class FlatEngine(EngineState):
         faults/nonfinite.py), this rank's own non-finite flag, fp16's overflow flag over the
         reduced gradients (all-reduced first where each rank reads its own shard), and zero3's
         checks that the ranks gathered the same modules in this step's forwards (zero3.py)."""
+        if self.compression is not None:
+            self.compression.backward_done()
         units, self._unsettled = self._unsettled, []
         parts = [u.tail.float() for u in units]
         watch = self.nonfinite
@@ -237,9 +243,13 @@ class FlatEngine(EngineState):
 
     # -- backward ----------------------------------------------------------------------------
     def _launch(self, bucket: GradBucket):
+        unit = self.units[bucket.index]
+        if self.compression is not None:  # None: this unit goes uncompressed this time
+            work = self.compression.reduce(unit, self.comm)
+            if work is not None:
+                return work
         if self.world == 1:
             return None
-        unit = self.units[bucket.index]
         work = unit.reduce_grad(self.comm, self.precision.comm_dtype, shard=self.shard_grads)
         unit.reshard()  # zero3: every gradient of the unit is there, its values are not needed
         return work

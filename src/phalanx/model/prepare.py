@@ -32,6 +32,7 @@ from ..faults.replica_check import ReplicaCheck
 from ..observe.step_report import StepClock, step_stats as _step_stats
 from ..engine import optimizer_state_dict as _optimizer_state_dict
 from ..engine.optim import optimizer_groups
+from ..engine.powersgd_config import check_compression
 from ..engine.units import check_gather_options
 from ..engine.units import resolve_block_classes
 from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
@@ -79,7 +80,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             check_replicas_every: int | None = None, on_nonfinite: str | None = "raise",
             step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
-            blocks=None, output_dtype: torch.dtype | None = torch.float32):
+            blocks=None, output_dtype: torch.dtype | None = torch.float32, compression=None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -91,6 +92,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         as one: a module class, its name, or a tuple of them (default: the children of the
         model's largest nn.ModuleList; engine/units.py).
     comm_dtype: torch.bfloat16 / torch.float16 to compress gradient communication.
+    compression: px.PowerSGD(rank=..., start_step=...) sends low-rank factors of the gradients
+        (ddp, zero1, zero2; engine/powersgd.py); None sends them whole.
     output_dtype: under bf16/fp16, the dtype floating outputs are cast to (default
         torch.float32); None leaves them in the compute dtype (model/precision.py).
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
@@ -121,6 +124,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                                          check_replicas_every)
     gather_options = check_gather_options(strategy, prefetch, max_gathered_mb,
                                            reshard_after_forward)
+    check_compression(compression, strategy, precision, comm_dtype)
     if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                          and output_dtype.is_floating_point):
         raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "
@@ -163,7 +167,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
                "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
-               **gather_options,
+               **gather_options, "compression": compression,
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes]}
     check_same_structure(model, comm, options)
     if not built_on_meta:
@@ -176,7 +180,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
     cast_model(model, policy)
     engine = build_engine(model, optimizer, comm, strategy, policy, bucket_mb,
-                          gather_options if strategy == "zero3" else None, block_classes)
+                          gather_options if strategy == "zero3" else None, block_classes,
+                          compression)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.master_pieces(), comm, dtypes)
@@ -197,6 +202,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     clock = StepClock(comm, runtime.device(), steps, engine.groups()) if step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
+    if clock is not None and getattr(engine, "compression", None) is not None:
+        clock.extras.append(engine.compression.step_report)
     wrapped = PreparedModule(model, engine, comm, policy, broadcast_buffers=broadcast_buffers,
                              original_dtypes=original_dtypes, clock=clock,
                              device=runtime.device())
