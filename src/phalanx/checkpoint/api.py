@@ -10,6 +10,7 @@ import torch
 
 from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
+from .compression import load_compression
 from .reader import (CheckpointError, Reader, complete_checkpoints, read_manifest,
                      verify_files)
 from .removal import why_not_export_target
@@ -88,6 +89,8 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
                 scaler.load_state_dict(small["stateful"][LOSS_SCALER])
         if optim_state is not None:
             optim_state.load(reader, small["optimizer"], names)
+        if model_state is not None:
+            load_compression(model_state, reader, names)
     finally:
         reader.close()
     for name, obj in stateful.items():

@@ -32,6 +32,7 @@ from .. import runtime
 from ..collectives import Comm
 from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
+from .compression import compression_ranges
 from .files import file_digest, fsync_dir, write_tensors
 from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
 from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
@@ -129,6 +130,7 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             for r in optim_ranges:
                 param, key = r.name[len("optim/"):].rsplit("/", 1)
                 snap.keys.setdefault(param, set()).add(key)
+        ranges += compression_ranges(model_state)  # a collective where the model compresses
     on_gpu = False
     for r in ranges:
         key = f"{r.name}@{r.start}"
@@ -234,6 +236,8 @@ def _complete(snap: _Snapshot, reports: list) -> None:
         if name.startswith("optim/"):  # optimizer state has its parameter's shape
             param = name[len("optim/"):].rsplit("/", 1)[0]
             entry["shape"] = tensors[f"model/{param}"]["shape"]
+        elif entry["shape"] is None:  # flat, whole, one rank's (checkpoint/compression.py)
+            entry["shape"] = [max(p[3] for p in entry["pieces"])]
         entry["pieces"].sort(key=lambda p: p[2])
     manifest = {
         "format": FORMAT, "version": 1, "saved_at": time.time(),
