@@ -132,10 +132,11 @@ CONFIGS = {"warm": px.PowerSGD(rank=2, start_step=1),
 
 
 def _every_strategy(strategies):
-    out = {(s, c): _train(s, config, 5)[0][-1] for s in strategies
-           for c, config in CONFIGS.items()}
+    """The warm start under every strategy; the other configurations under the last."""
+    out = {(s, c): _train(s, config, 4)[0][-1] for s in strategies
+           for c, config in CONFIGS.items() if c == "warm" or s == strategies[-1]}
     if px.world_size() == 1:
-        out["uncompressed"] = _train("ddp", None, 5)[0][-1]
+        out["uncompressed"] = _train("ddp", None, 4)[0][-1]
     return out
 
 
@@ -220,13 +221,15 @@ def _prepared(strategy, seed):
     return px.prepare(model, opt, strategy=strategy, compression=RESUME)
 
 
-def _uninterrupted_or_first_half(path, steps):
-    """ddp: `steps` steps from the start; with `path`, saved there after them."""
+def _uninterrupted_and_first_half(path):
+    """ddp: 2K steps from the start; and K steps, saved to `path`."""
     model, opt = _prepared("ddp", 0)
-    train_steps(model, opt, steps, 0, px.world_size(), px.rank())
-    if path is not None:
-        px.save(path, model=model, optimizer=opt)
-    return state_of(model, opt)
+    train_steps(model, opt, 2 * K, 0, px.world_size(), px.rank())
+    whole = state_of(model, opt)
+    model, opt = _prepared("ddp", 0)
+    train_steps(model, opt, K, 0, px.world_size(), px.rank())
+    px.save(path, model=model, optimizer=opt)
+    return whole
 
 
 def _second_half(path, strategy):
@@ -257,12 +260,18 @@ def _max_rel(got, want) -> float:
     return worst
 
 
+@pytest.fixture(scope="module")
+def saved_at_2_ranks(tmp_path_factory):
+    """A checkpoint of ddp at 2 ranks after K steps, and the uninterrupted run's 2K steps."""
+    path = str(tmp_path_factory.mktemp("powersgd") / "ckpt")
+    want = run_ranks(_uninterrupted_and_first_half, 2, args=(path,), timeout=90)[0]
+    return path, want
+
+
 @pytest.mark.parametrize("loaded", [("zero2", 3), ("ddp", 1)], ids=["zero2-3", "ddp-1"])
-def test_a_checkpoint_at_2_ranks_resumes_at_another_world_size_as_the_run_goes_on(tmp_path,
-                                                                                  loaded):
-    path = str(tmp_path / "ckpt")
-    want = run_ranks(_uninterrupted_or_first_half, 2, args=(None, 2 * K), timeout=90)[0]
-    run_ranks(_uninterrupted_or_first_half, 2, args=(path, K), timeout=90)
+def test_a_checkpoint_at_2_ranks_resumes_at_another_world_size_as_the_run_goes_on(
+        saved_at_2_ranks, loaded):
+    path, want = saved_at_2_ranks
     with open(os.path.join(path, "manifest.json")) as f:
         saved = json.load(f)["tensors"]
     for name in ("embed.weight", "inp.weight", "out.weight"):
@@ -271,8 +280,10 @@ def test_a_checkpoint_at_2_ranks_resumes_at_another_world_size_as_the_run_goes_o
         assert f"powersgd/{name}/q" in saved
     for resumed, forgot in run_ranks(_second_half, loaded[1], args=(path, loaded[0]),
                                      timeout=90):
+        # measured: 2.0e-14 (zero2, 3 ranks) and 9.3e-15 (ddp, 1 rank) relative
         assert _max_rel(resumed, want) < 1e-10
-        assert _max_rel(forgot, want) > 1e-6  # the saved state is what made it equal
+        # without the saved error and Q: 1.6e-2 and 1.6e-2
+        assert _max_rel(forgot, want) > 1e-4  # the saved state is what made it equal
 
 
 # -- the step report --------------------------------------------------------------------------------
