@@ -52,8 +52,9 @@ def _train(strategy, compression, steps, bucket_mb=0.004, precision="fp32"):
         opt.zero_grad()
         params.append([p.detach().clone() for p in px.unwrap(model).parameters()])
         reports.append(px.step_stats(model))
-    if precision == "bf16":  # the parameters (bf16) and the dtypes of the error feedback
-        return [p.double() for p in params[-1]], [e.dtype for e in compressor.errors.values()]
+    if precision == "bf16":  # the parameters (bf16), the error feedback's dtypes, bytes sent
+        return ([p.double() for p in params[-1]], [e.dtype for e in compressor.errors.values()],
+                reports[-1]["powersgd/bytes"])
     return params, reports
 
 
@@ -143,7 +144,11 @@ def _every_strategy(strategies):
     if px.world_size() == 1:
         out["uncompressed"] = _train("ddp", None, 4)[0][-1]
     else:  # bf16 compute: the factors and the error feedback in fp32, sent in bf16
-        out["bf16"] = _train("zero2", CONFIGS["warm"], 4, precision="bf16")
+        # (one unit each: bucket_mb caps a unit's bytes, so a smaller cap would lay them out
+        # differently in two dtypes)
+        out["bf16"] = _train("zero2", CONFIGS["warm"], 4, bucket_mb=25, precision="bf16")
+        out["float64 bytes"] = _train("zero2", CONFIGS["warm"], 2, bucket_mb=25)[1][-1][
+            "powersgd/bytes"]
     return out
 
 
@@ -154,8 +159,9 @@ def test_ddp_zero1_zero2_at_3_ranks_equal_one_process_on_the_global_batch():
         assert _rel(alone["ddp", config], alone["uncompressed"]) > 1e-3, config
     results = run_ranks(_every_strategy, 3, args=(["ddp", "zero1", "zero2"],), timeout=120)
     for rank, got in enumerate(results):
-        bf16, dtypes = got.pop("bf16")
+        bf16, dtypes, sent = got.pop("bf16")
         assert dtypes and set(dtypes) == {torch.float32}
+        assert sent * 4 == got.pop("float64 bytes")  # the same elements, 2 bytes each
         # it trains like the float64 run, to bf16's round-off (measured: 4.3e-2 after 4 steps)
         assert _rel(bf16, alone["ddp", "warm"]) < 0.1
         for (strategy, config), params in got.items():
