@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.testing import engine_of, run_ranks
-from checkpoint_runs import K, make_batch, make_model, make_optimizer, state_of, train_steps
+from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
 
 DTYPE = torch.float64
 ROWS = 12  # the global batch: divides by 1, 2 and 3 ranks
@@ -268,10 +268,10 @@ def test_a_skipped_nan_step_does_not_carry_into_the_error_feedback():
 RESUME = px.PowerSGD(rank=2, start_step=1, min_compression=1.5)  # the tied embedding is compressed
 
 
-def _prepared(strategy, seed):
+def _prepared(strategy, seed, bucket_mb=25.0):
     model = make_model(seed)
     opt = make_optimizer(model)
-    return px.prepare(model, opt, strategy=strategy, compression=RESUME)
+    return px.prepare(model, opt, strategy=strategy, bucket_mb=bucket_mb, compression=RESUME)
 
 
 def _uninterrupted_and_first_half(path):
@@ -285,15 +285,17 @@ def _uninterrupted_and_first_half(path):
     return whole
 
 
-def _second_half(path, strategy):
+def _second_half(path, strategy, bucket_mb):
     """Load, then K more steps; the same with the PowerSGD state cleared after the load (the
     comparison must be able to fail)."""
     out = []
     for forget in (False, True):
-        model, opt = _prepared(strategy, 99 + px.rank())  # only the load sets the values
+        model, opt = _prepared(strategy, 99 + px.rank(), bucket_mb)  # only the load sets values
         px.load(path, model=model, optimizer=opt)
         compressor = engine_of(model).compression
         assert compressor.reductions == K and compressor.compressing
+        if bucket_mb < 1:  # the layout differs from the saving run's (one unit there)
+            assert len(engine_of(model).units) == 5  # (measured: one per parameter)
         if forget:
             compressor.errors.clear()
             compressor.qs.clear()
@@ -321,7 +323,9 @@ def saved_at_2_ranks(tmp_path_factory):
     return path, want
 
 
-@pytest.mark.parametrize("loaded", [("zero2", 3), ("ddp", 1)], ids=["zero2-3", "ddp-1"])
+# zero2 at 3 ranks with other buckets too (a unit per parameter): the state is per parameter
+@pytest.mark.parametrize("loaded", [("zero2", 3, 0.0005), ("ddp", 1, 25.0)],
+                         ids=["zero2-3", "ddp-1"])
 def test_a_checkpoint_at_2_ranks_resumes_at_another_world_size_as_the_run_goes_on(
         saved_at_2_ranks, loaded):
     path, want = saved_at_2_ranks
@@ -331,8 +335,8 @@ def test_a_checkpoint_at_2_ranks_resumes_at_another_world_size_as_the_run_goes_o
         assert saved[f"powersgd/{name}/error"]["shape"] == [int(saved[f"model/{name}"][
             "shape"][0] * saved[f"model/{name}"]["shape"][1])]
         assert f"powersgd/{name}/q" in saved
-    for resumed, forgot in run_ranks(_second_half, loaded[1], args=(path, loaded[0]),
-                                     timeout=90):
+    for resumed, forgot in run_ranks(_second_half, loaded[1],
+                                     args=(path, loaded[0], loaded[2]), timeout=90):
         # measured: 9.0e-16 (zero2, 3 ranks) and 1.0e-15 (ddp, 1 rank) relative
         assert _max_rel(resumed, want) < 1e-10
         # without the saved error and Q: 0.60 (an AdamW state entry) in both
