@@ -6,6 +6,9 @@ batch give the same run (the state depends only on means over ranks); error feed
 applied updates add up to the true gradients; a checkpoint resumes at another world size and
 strategy as the uninterrupted run goes on; bad requests fail on every rank; the step report
 counts the bytes sent and the compression.
+
+Every 2-rank run is made in one start of the ranks (the `at_2_ranks` fixture): starting ranks,
+not training these small models, took most of this file's time.
 """
 
 from __future__ import annotations
@@ -62,6 +65,25 @@ def _rel(got, want) -> float:
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
 
 
+FEEDBACK_STEPS = (10, 40, 160)
+
+
+def _at_2_ranks(path):
+    """Every 2-rank run of this file in one start of the ranks (each is a function below)."""
+    return {"start": _full_rank_and_start(),
+            "feedback": _with_and_without_feedback(FEEDBACK_STEPS),
+            "nan": _a_nan_step_skipped(1),
+            "reports": _two_reports(),
+            "uninterrupted": _uninterrupted_and_first_half(path)}
+
+
+@pytest.fixture(scope="module")
+def at_2_ranks(tmp_path_factory):
+    """Each rank's results of `_at_2_ranks`, and the checkpoint it saved."""
+    path = str(tmp_path_factory.mktemp("powersgd") / "ckpt")
+    return run_ranks(_at_2_ranks, 2, args=(path,), timeout=180), path
+
+
 # -- bad requests ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     ({"rank": 0}, "rank of the factors"), ({"rank": 2.0}, "rank of the factors"),
@@ -111,8 +133,8 @@ def _full_rank_and_start():
     return out
 
 
-def test_full_rank_is_uncompressed_averaging_and_before_start_step_nothing_changes():
-    for rank, out in enumerate(run_ranks(_full_rank_and_start, 2, timeout=120)):
+def test_full_rank_is_uncompressed_averaging_and_before_start_step_nothing_changes(at_2_ranks):
+    for rank, out in enumerate(r["start"] for r in at_2_ranks[0]):
         for strategy in ("ddp", "zero2"):
             none, _ = out[strategy, "none"]
             full, full_reports = out[strategy, "full"]
@@ -212,12 +234,10 @@ def _with_and_without_feedback(steps):
     return _accumulated_updates(True, steps), _accumulated_updates(False, steps[:1])
 
 
-def test_error_feedback_makes_the_applied_updates_add_up_to_the_true_gradients():
-    steps, world = (10, 40, 160), 2
-    want = torch.stack(_fixed_gradients(world)).mean(0)
+def test_error_feedback_makes_the_applied_updates_add_up_to_the_true_gradients(at_2_ranks):
+    want = torch.stack(_fixed_gradients(2)).mean(0)
     assert torch.linalg.matrix_rank(want) == 6
-    (updates, total), (without, _) = run_ranks(_with_and_without_feedback, world,
-                                               args=(steps,), timeout=90)[0]
+    (updates, total), (without, _) = at_2_ranks[0][0]["feedback"]
     gap = {t: ((u - want).norm() / want.norm()).item() for t, u in updates.items()}
     # the applied updates are exactly T*G less the mean error left over (measured: 2.8e-15
     # relative)...
@@ -256,8 +276,8 @@ def _a_nan_step_skipped(nan_at):
     return params, list(compressor.errors.values()) + list(compressor.qs.values())
 
 
-def test_a_skipped_nan_step_does_not_carry_into_the_error_feedback():
-    for params, state in run_ranks(_a_nan_step_skipped, 2, args=(1,), timeout=60):
+def test_a_skipped_nan_step_does_not_carry_into_the_error_feedback(at_2_ranks):
+    for params, state in (r["nan"] for r in at_2_ranks[0]):
         assert all(torch.equal(a, b) for a, b in zip(params[1], params[0]))  # skipped
         assert all(torch.isfinite(t).all() for t in state)
         assert all(torch.isfinite(p).all() for p in params[3])
@@ -315,20 +335,13 @@ def _max_rel(got, want) -> float:
     return worst
 
 
-@pytest.fixture(scope="module")
-def saved_at_2_ranks(tmp_path_factory):
-    """A checkpoint of ddp at 2 ranks after K steps, and the uninterrupted run's 2K steps."""
-    path = str(tmp_path_factory.mktemp("powersgd") / "ckpt")
-    want = run_ranks(_uninterrupted_and_first_half, 2, args=(path,), timeout=90)[0]
-    return path, want
-
-
 # zero2 at 3 ranks with other buckets too (a unit per parameter): the state is per parameter
 @pytest.mark.parametrize("loaded", [("zero2", 3, 0.0005), ("ddp", 1, 25.0)],
                          ids=["zero2-3", "ddp-1"])
 def test_a_checkpoint_at_2_ranks_resumes_at_another_world_size_as_the_run_goes_on(
-        saved_at_2_ranks, loaded):
-    path, want = saved_at_2_ranks
+        at_2_ranks, loaded):
+    results, path = at_2_ranks
+    want = results[0]["uninterrupted"]
     with open(os.path.join(path, "manifest.json")) as f:
         saved = json.load(f)["tensors"]
     for name in ("embed.weight", "inp.weight", "out.weight"):
@@ -348,12 +361,12 @@ def _two_reports():
     return _train("ddp", px.PowerSGD(rank=2, start_step=1), 2, bucket_mb=25)[1]
 
 
-def test_the_step_report_gives_the_bytes_sent_and_the_compression():
+def test_the_step_report_gives_the_bytes_sent_and_the_compression(at_2_ranks):
     # One unit (bucket_mb=25), float64, 2 ranks, rank 2. Uncompressed: 1739 elements (16x32 +
     # 32 + 32x32 + 32 + 4x32 + 4 gradients, 6 used-flags, 1 signal). Compressed: P of 32x16
     # (32x2) and of 32x32 (32x2), the 4x32 matrix whole (128 < 2 * (4+32) * 2), the biases,
     # flags and signal: 331 elements; then Q (16x2 and 32x2): 96.
-    for before, after in run_ranks(_two_reports, 2, timeout=60):
+    for before, after in (r["reports"] for r in at_2_ranks[0]):
         assert before["powersgd/bytes"] == before["powersgd/dense_bytes"] == 1739 * 8
         assert before["powersgd/compression"] == 1.0
         assert after["powersgd/dense_bytes"] == 1739 * 8
