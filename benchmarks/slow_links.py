@@ -10,9 +10,10 @@ each `--rates` (tc's token bucket, both directions). Each node's launcher is `ph
 (12.6M parameters: 50 MB of fp32 gradients a step), AdamW, 32 x 512 per rank. Every
 competitor trains its own copy in the same processes, taking turns in rotating order: the
 compute-only bound (the same forward, backward and step with no communication), phalanx ddp,
-and ddp with bf16 communication. A step's time is the slowest rank's; the table gives medians
-over rounds, the fraction of the compute-only bound's throughput each reaches, the bytes each
-sends per step (the step report), and the bytes node 1's link carried in the whole run.
+ddp with bf16 communication, and ddp with PowerSGD at rank 4 (compressing from the first
+step). A step's time is the slowest rank's; the table gives medians over rounds, the fraction
+of the compute-only bound's throughput each reaches, the bytes each sends per step (the step
+report), and the bytes node 1's link carried in the whole run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve()
-COMPETITORS = ("compute-only", "ddp", "ddp bf16 comm")
+COMPETITORS = ("compute-only", "ddp", "ddp bf16 comm", "ddp powersgd")
 
 
 def worker(rounds: int, steps: int) -> None:
@@ -45,12 +46,15 @@ def worker(rounds: int, steps: int) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if name != "compute-only":
             comm = torch.bfloat16 if "bf16" in name else None
-            model, opt = px.prepare(model, opt, strategy="ddp", comm_dtype=comm)
+            compression = px.PowerSGD(rank=4, start_step=0) if "powersgd" in name else None
+            model, opt = px.prepare(model, opt, strategy="ddp", comm_dtype=comm,
+                                    compression=compression)
         runs[name] = (model, opt)
     times = {name: [] for name in COMPETITORS}
     sent = {}
     for r in range(rounds + 1):  # round 0 warms up
-        order = COMPETITORS[r % 3:] + COMPETITORS[:r % 3]
+        turn = r % len(COMPETITORS)
+        order = COMPETITORS[turn:] + COMPETITORS[:turn]
         for name in order:
             model, opt = runs[name]
             step_times = []

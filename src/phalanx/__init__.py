@@ -20,6 +20,7 @@ from .faults.nonfinite import NonFiniteError
 from .faults.replica_check import ReplicasDiffer
 from .launch.spawn import SpawnError, spawn
 from .engine.remote import PeerError
+from .engine.powersgd_config import PowerSGD
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
     "prepare", "no_sync", "clip_grad_norm_", "unwrap", "optimizer_state_dict", "step_stats",
     "DiLoCo",
+    "PowerSGD",
     "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
     "global_mean",
     "plan",

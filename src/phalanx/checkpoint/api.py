@@ -12,6 +12,7 @@ from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
 from .diloco import load_outer
+from .compression import load_compression
 from .reader import (CheckpointError, Reader, complete_checkpoints, read_manifest,
                      verify_files)
 from .removal import why_not_export_target
@@ -93,6 +94,8 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
             optim_state.load(reader, small["optimizer"], names)
         if model_state is not None and model_state.outer is not None:
             load_outer(model_state, optim_state, reader, manifest, small)
+        if model_state is not None:
+            load_compression(model_state, reader, names)
     finally:
         reader.close()
     if model_state is not None and model_state.sharded:

@@ -34,6 +34,7 @@ from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
 from .diloco import DILOCO, outer_ranges, param_of
+from .compression import compression_ranges
 from .files import file_digest, fsync_dir, write_tensors
 from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
 from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
@@ -135,6 +136,7 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
                 snap.keys.setdefault(param, set()).add(key)
         if model_state.outer is not None:  # see [Note: a DiLoCo checkpoint] in diloco.py
             ranges += outer_ranges(model_state, optim_state, owner, comm.rank)
+        ranges += compression_ranges(model_state)  # a collective where the model compresses
     on_gpu = False
     for r in ranges:
         key = f"{r.name}@{r.start}"
@@ -248,6 +250,8 @@ def _complete(snap: _Snapshot, reports: list) -> None:
             entry["shape"] = tensors[f"model/{name[len(DELAYED_PREFIX):]}"]["shape"]
         elif name.startswith("diloco/"):  # so has DiLoCo's (diloco.py)
             entry["shape"] = tensors[f"model/{param_of(name)}"]["shape"]
+        elif entry["shape"] is None:  # flat, whole, one rank's (checkpoint/compression.py)
+            entry["shape"] = [max(p[3] for p in entry["pieces"])]
         entry["pieces"].sort(key=lambda p: p[2])
     manifest = {
         "format": FORMAT, "version": 1, "saved_at": time.time(),

@@ -5,7 +5,8 @@ under zero3 where it is gathered), buckets.py (flat gradient storage), reducer.p
 order, end of backward), flat.py (a unit: owned shard, master pieces, unshard), flat_engine.py
 (the engine), state.py (its masters as the rest of phalanx reads them), remote.py (a peer's
 shards read by a rank alone), zero3.py (gathering and freeing units around their forward and
-backward), optim.py (adopting the optimizer), naive.py (one all-reduce per parameter: the
+backward), optim.py (adopting the optimizer), powersgd.py (low-rank gradient compression in the
+reducer; its request in powersgd_config.py), naive.py (one all-reduce per parameter: the
 reference the tests compare with).
 """
 
@@ -51,15 +52,16 @@ class Engine(Protocol):
 
 def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
                  gather_options: dict | None = None, block_classes=None,
-                 staleness: int = 0, replicas=None) -> Engine:
+                 staleness: int = 0, replicas=None, compression=None) -> Engine:
     """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (zero3.py);
     block_classes: the classes whose instances are the repeated blocks (units.py);
     staleness: 1 applies each step's averaged gradients at the next step (delayed.py);
-    replicas: shard_size's average across shard groups, `comm` being the group (hybrid.py)."""
+    replicas: shard_size's average across shard groups, `comm` being the group (hybrid.py);
+    compression: a px.PowerSGD or None (powersgd.py)."""
     policy = POLICIES[strategy]
     engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,
                         gather_options=gather_options, block_classes=block_classes,
-                        staleness=staleness, replicas=replicas)
+                        staleness=staleness, replicas=replicas, compression=compression)
     if (policy.grads is SHARD and comm.world > 1) or precision.loss_scaler is not None \
             or staleness:
         route_torch_clip(engine)

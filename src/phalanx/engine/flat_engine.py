@@ -34,6 +34,7 @@ from .clipping import clip_units
 from .delayed import DelayedGrads
 from .optim import OptimizerAdapter
 from .policy import SHARD, ShardPolicy
+from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
 from .remote import service_for
 from .state import EngineState
@@ -48,7 +49,7 @@ class FlatEngine(EngineState):
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
                  precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
                  block_classes: tuple[type, ...] | None = None, staleness: int = 0,
-                 replicas=None):
+                 replicas=None, compression=None):
         self.comm = comm
         self.replicas = replicas  # shard_size: the average across groups (hybrid.py)
         self.policy = policy
@@ -71,7 +72,8 @@ class FlatEngine(EngineState):
             if self.params else 4
         # In a world of one with nothing to adopt there is nothing to do: the module is trained
         # exactly as without phalanx, with no hooks at all.
-        plain = self.world == 1 and not self.adopt
+        # (PowerSGD changes what a step applies, so a world of one runs it too: powersgd.py)
+        plain = self.world == 1 and not self.adopt and compression is None
         runs = module_units(module, self.params, itemsize, bucket_mb, block_classes) \
             if self.params and not plain else []
         # ZeRO-2 lends its short-lived bucket buffers from a pool of three: at most two reduced
@@ -88,6 +90,8 @@ class FlatEngine(EngineState):
                       for i, run in enumerate(runs)]
         # See [Note: staleness=1] in delayed.py
         self.delayed = DelayedGrads(self) if staleness else None
+        self.compression = PowerSGDReducer(compression, self.units, self.params) \
+            if compression is not None and self.units else None
         self.gatherer = None
         if self.reshards and self.units:
             # Gathers on a group of their own: see [Note: two sequences of collectives]
@@ -171,6 +175,8 @@ class FlatEngine(EngineState):
             return self.delayed.after_backward()
         if self.replicas is not None:
             self.replicas.wait()
+        if self.compression is not None:
+            self.compression.backward_done()
         units, self._unsettled = self._unsettled, []
         parts = [u.tail.float() for u in units]
         watch = self.nonfinite
@@ -256,9 +262,13 @@ class FlatEngine(EngineState):
     def _launch(self, bucket: GradBucket):
         if self.delayed is not None:
             return self.delayed.launch(self.units[bucket.index])
+        unit = self.units[bucket.index]
+        if self.compression is not None:  # None: this unit goes uncompressed this time
+            work = self.compression.reduce(unit, self.comm)
+            if work is not None:
+                return work
         if self.world == 1:
             return None
-        unit = self.units[bucket.index]
         work = unit.reduce_grad(self.comm, self.precision.comm_dtype, shard=self.shard_grads)
         unit.reshard()  # zero3: every gradient of the unit is there, its values are not needed
         return work

@@ -32,6 +32,7 @@ from ..faults.replica_check import ReplicaCheck
 from ..observe.step_report import StepClock, step_stats as _step_stats
 from ..engine import optimizer_state_dict as _optimizer_state_dict
 from ..engine.optim import optimizer_groups
+from ..engine.powersgd_config import check_compression
 from ..engine.units import check_gather_options
 from ..engine.delayed import check_staleness
 from ..engine.hybrid import check_shard_size, layout
@@ -75,6 +76,27 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype, check_replicas_ev
     return strategy, precision.lower()
 
 
+def _check_combination(diloco, staleness, compression, shard_size) -> None:
+    """The ways to communicate less that do not combine, refused by name on every rank."""
+    if staleness and diloco is not None:
+        raise ValueError("staleness=1 delays each step's gradient average, and DiLoCo averages "
+                         "no gradients between its syncs: use one of them, not both")
+    if diloco is not None and shard_size is not None:
+        raise ValueError("shard_size shards zero1/zero2/zero3 state within groups; DiLoCo's "
+                         "inner steps are replicated and local: leave shard_size out")
+    if compression is None:
+        return
+    if diloco is not None:
+        raise ValueError("compression=PowerSGD compresses each step's gradient average, and "
+                         "DiLoCo averages no gradients between its syncs: use one of them")
+    if staleness:
+        raise ValueError("compression=PowerSGD with staleness=1 is not supported: the delayed "
+                         "average sends the bucket whole; use one of them")
+    if shard_size is not None:
+        raise ValueError("compression=PowerSGD with shard_size is not supported: the average "
+                         "across shard groups is sent whole; leave shard_size out or compression")
+
+
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
@@ -83,7 +105,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
             blocks=None, output_dtype: torch.dtype | None = torch.float32, staleness: int = 0,
-            shard_size: int | str | None = None):
+            shard_size: int | str | None = None, compression=None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -96,6 +118,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         as one: a module class, its name, or a tuple of them (default: the children of the
         model's largest nn.ModuleList; engine/units.py).
     comm_dtype: torch.bfloat16 / torch.float16 to compress gradient communication.
+    compression: px.PowerSGD(rank=..., start_step=...) sends low-rank factors of the gradients
+        (ddp, zero1, zero2; engine/powersgd.py); None sends them whole.
     output_dtype: under bf16/fp16, the dtype floating outputs are cast to (default
         torch.float32); None leaves them in the compute dtype (model/precision.py).
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
@@ -135,9 +159,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     gather_options = check_gather_options(strategy, prefetch, max_gathered_mb,
                                            reshard_after_forward)
     staleness = check_staleness(staleness, strategy, precision)
-    if staleness and diloco is not None:
-        raise ValueError("staleness=1 delays each step's gradient average, and DiLoCo averages "
-                         "no gradients between its syncs: use one of them, not both")
+    check_compression(compression, strategy, precision, comm_dtype)
+    _check_combination(diloco, staleness, compression, shard_size)
     if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                          and output_dtype.is_floating_point):
         raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "
@@ -165,9 +188,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             "traces them (torch 2.13). Pass the model "
             "before torch.compile (px.prepare(model, ...)), or use strategy='zero2', which "
             "takes a compiled model")
-    if diloco is not None and shard_size is not None:
-        raise ValueError("shard_size shards zero1/zero2/zero3 state within groups; DiLoCo's "
-                         "inner steps are replicated and local: leave shard_size out")
     shard_size = check_shard_size(shard_size, strategy, comm.world, staleness)
     built_on_meta = on_meta(model)
     # zero3 draws the values after the engine is built, keeping only each rank's shards
@@ -185,6 +205,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
                **gather_options, "staleness": staleness, "shard_size": shard_size,
+               "compression": compression,
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
                "diloco": diloco}
     check_same_structure(model, comm, options)
@@ -201,7 +222,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     shard_comm, replicas = layout(comm if diloco is None else inner_comm(comm), shard_size)
     engine = build_engine(model, optimizer, shard_comm, strategy, policy, bucket_mb,
                           gather_options if strategy == "zero3" else None, block_classes,
-                          staleness=staleness, replicas=replicas)
+                          staleness=staleness, replicas=replicas, compression=compression)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.master_pieces(), comm, dtypes)
@@ -225,6 +246,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                       across=engine.names_across()) if step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
+    if clock is not None and getattr(engine, "compression", None) is not None:
+        clock.extras.append(engine.compression.step_report)
     wrapped = PreparedModule(model, engine, comm, policy,
                              broadcast_buffers=broadcast_buffers and outer is None,
                              original_dtypes=original_dtypes, clock=clock,

@@ -115,6 +115,7 @@ class StepClock:
         self._start = time.perf_counter()
         self._data_at_start = _data_wait[0]
         self.trace = tracer(comm.rank)  # observe/trace.py: None unless PHALANX_TRACE asks
+        self.extras: list = []  # fn() -> entries of the report (PowerSGD's bytes: powersgd.py)
         self._reset()
 
     def _reset(self) -> None:
@@ -205,6 +206,8 @@ class StepClock:
             report["gpu_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
             report["gpu_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
             report["gpu_reserved_mb"] = torch.cuda.memory_reserved() / 2**20
+        for extra in self.extras:
+            report.update(extra())
         self.last = report
         self._start = now
         self._data_at_start = _data_wait[0]

@@ -1,0 +1,278 @@
+"""PowerSGD inside the bucketed reducer: ddp, zero1 and zero2 send low-rank factors of the
+gradients instead of the gradients (the request and its checks: powersgd_config.py).
+
+Per unit (one bucket) and compressed reduction, for each compressed parameter, its gradient
+seen as a matrix of n = shape[0] rows and m columns, on rank i:
+  1. M_i = grad_i + e_i (e_i: this rank's error feedback), P = M_i Q, with Q (m x r) the
+     previous reduction's (warm start) or drawn from a seed made of the parameter's position
+     among the model's trainable parameters (and, without warm start, the reduction's count);
+  2. ONE all-reduce (mean) carries every P of the bucket, the parameters that travel whole
+     (vectors, and matrices that would not shrink by `min_compression`), and the bucket's
+     used-flags and non-finite signal; it is waited for inside the launch;
+  3. P is orthonormalized: a Householder QR (torch.linalg.qr), whose factor is orthonormal even
+     when P is rank-deficient (a gradient of lower rank than r), where Gram-Schmidt would
+     divide round-off by round-off;
+  4. Q = M_i^T P; every Q of the bucket in a second all-reduce (mean), the asynchronous handle
+     the reducer waits for as it would for an uncompressed bucket;
+  5. once it is done, the bucket's slot of the parameter becomes P Q^T (zero where no rank gave
+     the parameter a gradient: see [Note: gradients that never arrived] in reducer.py), and
+     e_i = M_i - P Q^T.
+The bucket then holds what an all-reduce would have left in it, and the rest of the engine
+(flat.py's finish_grad: ddp's and zero1's `.grad`, zero2's owned shard of the full average) is
+unchanged. The second round is issued from the launch, not from the wait, because every rank
+must issue collectives in the same order ([Note: one launch order on every rank] in
+reducer.py), and only the launches happen in the same order everywhere.
+
+A reduction whose factors hold an inf or NaN (a non-finite loss skipped with
+`on_nonfinite="skip"`) keeps the previous Q and clears the error feedback, which would carry
+the inf or NaN into every later step.
+
+[Note: PowerSGD's state depends only on means over ranks]
+Every quantity the algorithm uses is linear in the M_i, and only their mean is ever used:
+P = mean_i(M_i Q) = mean(M) Q, then Q' = mean_i(M_i^T P) = mean(M)^T P, the applied gradient
+P Q'^T, and the new mean error mean(e') = mean(M) - P Q'^T. With mean(M) = mean(grad) + mean(e),
+the run's trajectory (parameters, Q, mean error) depends on the ranks' gradients only through
+their mean, which is the global batch's gradient at any world size. So a checkpoint keeps the
+mean over ranks of the error feedback (one all-reduce at save) and the Q, by parameter name as
+the optimizer state is kept (checkpoint/compression.py); a resume at any world size gives every
+rank that mean as its error feedback, and continues as the uninterrupted run would have (in
+float64, to round-off: tests/test_powersgd.py). A world of one runs the same algorithm, with
+collectives that move nothing, so one process on the global batch is the reference.
+(torch's DDP hook keeps its state per bucket index, which no other bucket layout or world size
+can read.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..collectives import Handle
+from .powersgd_config import PowerSGD
+
+__all__ = ["PowerSGDReducer"]
+
+_SEED = 0x5EED
+
+
+@dataclass
+class _Matrix:
+    """A compressed parameter of a unit."""
+    index: int    # its position in the unit
+    number: int   # its position among the engine's trainable parameters: names its state
+    offset: int   # where its gradient starts in the bucket
+    n: int        # rows (shape[0])
+    m: int        # columns (the other dimensions, flattened)
+    r: int        # columns of the factors
+    p_at: int     # where its P starts in the unit's first buffer
+    q_at: int     # where its Q starts in the second
+
+
+class _UnitPlan:
+    """Which parameters of a unit are compressed, and where everything goes on the wire:
+    first buffer [every P | the parameters sent whole | flags and signal], second [every Q].
+    The buffers are made at the first compressed reduction and kept (a fresh one each step
+    would cost a page fault per 4 KiB on CPU)."""
+
+    def __init__(self, unit, numbers: dict[int, int], config: PowerSGD):
+        bucket = unit.bucket
+        self.matrices: list[_Matrix] = []
+        self.whole: list[tuple[int, int]] = []  # ranges of the bucket sent as they are
+        p_at = q_at = 0
+        for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+            n = p.shape[0] if p.dim() >= 2 else 0
+            m = p.numel() // n if n else 0
+            r = min(config.rank, n, m)
+            if r > 0 and n * m >= config.min_compression * (n + m) * r:
+                self.matrices.append(_Matrix(i, numbers[id(p)], offset, n, m, r, p_at, q_at))
+                p_at += n * r
+                q_at += m * r
+            elif self.whole and self.whole[-1][1] == offset:
+                self.whole[-1] = (self.whole[-1][0], offset + p.numel())
+            else:
+                self.whole.append((offset, offset + p.numel()))
+        self.p_numel = p_at
+        self.tail_at = p_at + sum(b - a for a, b in self.whole)
+        self.first_numel = self.tail_at + bucket.total_numel - bucket.padded_numel
+        self.second_numel = q_at
+        self.first: torch.Tensor | None = None
+        self.second: torch.Tensor | None = None
+
+    def buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.first is None:
+            self.first = torch.empty(self.first_numel, dtype=like.dtype, device=like.device)
+            self.second = torch.empty(self.second_numel, dtype=like.dtype, device=like.device)
+        return self.first, self.second
+
+
+class PowerSGDReducer:
+    """The compressor of one engine: its plan per unit and its state per parameter.
+
+    State, by the parameter's position among the engine's trainable parameters (the model's
+    order, the same at any world size and strategy): `errors`, this rank's error feedback
+    (n x m); `qs`, the warm-start Q (m x r), the same on every rank; `reductions`, how many
+    gradient reductions ran (compression starts at `config.start_step`).
+    """
+
+    def __init__(self, config: PowerSGD, units, params: list[torch.nn.Parameter]):
+        self.config = config
+        self.params = params
+        numbers = {id(p): k for k, p in enumerate(params)}
+        self.plans = [_UnitPlan(unit, numbers, config) for unit in units]
+        self.matrices = {mat.number: mat for plan in self.plans for mat in plan.matrices}
+        self.reductions = 0
+        self.errors: dict[int, torch.Tensor] = {}
+        self.qs: dict[int, torch.Tensor] = {}
+        self._sent = self._dense = 0  # bytes since the last step report
+
+    @property
+    def compressing(self) -> bool:
+        return self.reductions >= self.config.start_step
+
+    def backward_done(self) -> None:
+        """The end of a backward that reduced gradients (every rank counts the same)."""
+        self.reductions += 1
+
+    # -- one unit's reduction ---------------------------------------------------------------
+    @torch.no_grad()
+    def reduce(self, unit, comm) -> Handle | None:
+        """Start the compressed reduction of `unit`'s bucket (see the module's docstring);
+        None when the unit goes uncompressed (before start_step, or nothing to compress)."""
+        plan = self.plans[unit.index]
+        bucket = unit.bucket
+        buf = bucket.buffer
+        dense = bucket.total_numel * buf.element_size()
+        if not (self.compressing and plan.matrices):
+            self._count(comm, dense, dense)
+            return None
+        first, second = plan.buffers(buf)
+        work = torch.promote_types(buf.dtype, torch.float32)  # fp32 math for a bf16 bucket
+        ms = []
+        for mat in plan.matrices:
+            grad = buf[mat.offset:mat.offset + mat.n * mat.m].view(mat.n, mat.m)
+            if self.config.error_feedback:
+                m = self._error(mat, work, buf.device).add_(grad)  # holds M until finished
+            else:
+                m = grad.to(work)
+            ms.append(m)
+            first[mat.p_at:mat.p_at + mat.n * mat.r].view(mat.n, mat.r).copy_(
+                m @ self._q(mat, work, buf.device))
+        at = plan.p_numel
+        for a, b in plan.whole:
+            first[at:at + b - a].copy_(buf[a:b])
+            at += b - a
+        first[plan.tail_at:].copy_(bucket.tail())
+        comm.all_reduce(first, tag=f"unit[{unit.index}]:powersgd:P")
+        at = plan.p_numel
+        for a, b in plan.whole:
+            buf[a:b].copy_(first[at:at + b - a])
+            at += b - a
+        bucket.tail().copy_(first[plan.tail_at:])
+        ps = _orthonormal([first[mat.p_at:mat.p_at + mat.n * mat.r].view(mat.n, mat.r).to(work)
+                           for mat in plan.matrices])
+        for mat, m, p in zip(plan.matrices, ms, ps):
+            second[mat.q_at:mat.q_at + mat.m * mat.r].view(mat.m, mat.r).copy_(m.T @ p)
+        handle = comm.all_reduce(second, async_op=True, tag=f"unit[{unit.index}]:powersgd:Q")
+        self._count(comm, dense, (first.numel() + second.numel()) * first.element_size())
+        return Handle(handle.works, then=lambda: self._finish(unit, plan, ms, ps),
+                      records=handle.records)
+
+    @torch.no_grad()
+    def _finish(self, unit, plan: _UnitPlan, ms: list, ps: list) -> None:
+        """Once the Qs are averaged: the approximations into the bucket, the state updated,
+        all on the device (nothing is read back to the host)."""
+        buf = unit.bucket.buffer
+        first, second = plan.first, plan.second
+        flags = first[plan.tail_at:plan.tail_at + len(unit.params)]
+        finite = torch.isfinite(first[:plan.tail_at]).all() & torch.isfinite(second).all()
+        for mat, m, p in zip(plan.matrices, ms, ps):
+            q = second[mat.q_at:mat.q_at + mat.m * mat.r].view(mat.m, mat.r).to(p.dtype)
+            used = flags[mat.index] > 0
+            applied = (p @ q.T).mul_(used)
+            buf[mat.offset:mat.offset + mat.n * mat.m].view(mat.n, mat.m).copy_(applied)
+            if self.config.error_feedback:  # m is the error buffer, holding M
+                m.sub_(applied).masked_fill_(~finite, 0.0)
+            if self.config.warm_start:
+                old = self.qs[mat.number]
+                old.copy_(torch.where(used & finite, q, old))
+
+    # -- state ----------------------------------------------------------------------------------
+    def _error(self, mat: _Matrix, dtype, device) -> torch.Tensor:
+        e = self.errors.get(mat.number)
+        if e is None:
+            e = self.errors[mat.number] = torch.zeros(mat.n, mat.m, dtype=dtype, device=device)
+        return e
+
+    def _q(self, mat: _Matrix, dtype, device) -> torch.Tensor:
+        """Q for this reduction: the last one where warm, else drawn from a seed that every
+        rank, every world size and a resumed run make alike."""
+        if self.config.warm_start and mat.number in self.qs:
+            return self.qs[mat.number]
+        seed = _SEED + 7919 * mat.number
+        if not self.config.warm_start:
+            seed += 1_000_003 * self.reductions
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(mat.m, mat.r, generator=g, dtype=dtype).to(device)
+        if self.config.warm_start:
+            self.qs[mat.number] = q
+        return q
+
+    @torch.no_grad()
+    def mean_errors(self, comm) -> dict[int, torch.Tensor]:
+        """number -> the mean over ranks of its error feedback: a collective (every rank has
+        the same errors, made at the same reduction), one all-reduce per dtype."""
+        out = {}
+        numbers = sorted(self.errors)
+        for dtype in sorted({self.errors[k].dtype for k in numbers}, key=str):
+            mine = [k for k in numbers if self.errors[k].dtype == dtype]
+            flat = torch.cat([self.errors[k].reshape(-1) for k in mine])
+            comm.all_reduce(flat, tag="powersgd:mean errors")
+            at = 0
+            for k in mine:
+                n = self.errors[k].numel()
+                out[k] = flat[at:at + n].view_as(self.errors[k])
+                at += n
+        return out
+
+    @torch.no_grad()
+    def load(self, number: int, error: torch.Tensor | None, q: torch.Tensor | None) -> None:
+        """Set a parameter's state from a checkpoint (flat values; None: leave as is). The
+        same error is given to every rank: see [Note: PowerSGD's state depends only on means
+        over ranks]."""
+        mat = self.matrices[number]
+        p = self.params[number]
+        dtype = torch.promote_types(p.dtype, torch.float32)
+        if error is not None and self.config.error_feedback:
+            self._error(mat, dtype, p.device).copy_(error.view(mat.n, mat.m))
+        if q is not None and self.config.warm_start:
+            self.qs[mat.number] = q.view(mat.m, mat.r).to(dtype=dtype, device=p.device)
+
+    # -- the step report ------------------------------------------------------------------------
+    def _count(self, comm, dense: int, sent: int) -> None:
+        if comm.world > 1:
+            self._dense += dense
+            self._sent += sent
+
+    def step_report(self) -> dict:
+        """What the gradient reductions since the last report sent ('powersgd/bytes', handed
+        to collectives, as their records count them), what they would have sent uncompressed
+        ('powersgd/dense_bytes') and the ratio ('powersgd/compression'; 1.0 before
+        start_step)."""
+        sent, dense = self._sent, self._dense
+        self._sent = self._dense = 0
+        return {"powersgd/bytes": sent, "powersgd/dense_bytes": dense,
+                "powersgd/compression": dense / sent if sent else 1.0}
+
+
+def _orthonormal(ps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The orthonormal factor of each P's QR, in one batched call per shape."""
+    out: list = [None] * len(ps)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, p in enumerate(ps):
+        by_shape.setdefault(tuple(p.shape), []).append(i)
+    for where in by_shape.values():
+        q, _ = torch.linalg.qr(torch.stack([ps[i] for i in where]))
+        for j, i in enumerate(where):
+            out[i] = q[j]
+    return out
