@@ -29,10 +29,11 @@ gather depending on when the group reduction completes).
 With `comm_dtype` (bf16/fp16) the group reduction sends a narrow copy of the bucket and copies
 the mean back (flat.py's reduce_grad); the replica average does the same with what it averages:
 the shard (or zero1's bucket) is cast, all-reduced in that dtype and copied back at full width
-when waited for, so the bytes across groups halve from fp32 like those within. The used-flags and
-signal travel as they came out of the group's reduction: in comm_dtype, in zero1's bucket or
-beside the shard (a mean of 0s and 1s over K ranks stays above 0 when rounded, an inf stays inf). Each gradient value is then rounded to comm_dtype twice more than in the
-flat layout (the cast of the group's mean, the replicas' sum), within the tolerance
+when waited for, so the bytes across groups shrink as those within do (bf16 against float64: a
+quarter). The used-flags and signal travel as they came out of the group's reduction: in
+comm_dtype, in zero1's bucket or beside the shard (a mean of 0s and 1s over K ranks stays above
+0 when rounded, an inf stays inf). The group's mean came out of a sum in comm_dtype, so its cast
+is exact; the replicas' sum rounds once more than the flat layout's one sum, within the tolerance
 tests/test_hybrid_precision.py states.
 
 What the replicas hold is equal by construction, so gradient clipping and fp16's overflow check
