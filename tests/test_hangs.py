@@ -40,7 +40,8 @@ def test_a_sleeping_rank_is_named_with_the_collective_the_others_wait_in():
     # rank 1 sleeps before step 3's forward; rank 0 waits in the first gradient bucket
     assert "phalanx: hang at step 3: rank 1 has not entered all_reduce #" in err, err
     assert "(unit[" in err and ":grads); rank 0 has waited" in err, err
-    assert "hang.py:32 in <module>: time.sleep(600)" in err, err  # rank 1's stack
+    line = SCRIPT.read_text().splitlines().index("        time.sleep(600)") + 1
+    assert f"hang.py:{line} in <module>: time.sleep(600)" in err, err  # rank 1's stack
     assert f"exited with code {HANG_EXIT}" in err, err
     # the launcher's summary leads with the report's headline
     summary = err[err.index("phalanx run: error:"):]
@@ -48,6 +49,23 @@ def test_a_sleeping_rank_is_named_with_the_collective_the_others_wait_in():
     # the job, from start to end (two interpreters starting included), takes the threshold
     # and a few seconds, not the process group's timeout (600 s)
     assert took < THRESHOLD + 25, took
+
+
+def test_under_shard_size_the_report_names_the_group_and_its_ranks():
+    """4 ranks as 2 groups of 2 (zero2, shard_size=2), rank 3 asleep: rank 2 waits for it in
+    their group, ranks 0 and 1 for ranks 2 and 3 across groups. The report names the group
+    missing a rank that waits nowhere, by its ranks (every group of a name differs by rank)."""
+    env = dict(os.environ, PHALANX_HANG_AFTER=str(THRESHOLD))
+    result = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "4", str(SCRIPT),
+                             "sleep", "zero2", "2"], capture_output=True, text=True, timeout=120,
+                            env=env)
+    err = result.stderr
+    assert result.returncode != 0 and "DONE" not in result.stdout, err
+    assert ("hang at step 3: rank 3 has not entered all_reduce #" in err
+            and ":grads) on group 'hybrid:shards (ranks 2, 3)'; rank 2 has waited" in err), err
+    for rank, other in ((0, 2), (1, 3)):
+        assert (f"rank {rank} (" in err and ":replicas) on group 'hybrid:replicas (ranks "
+                f"{rank}, {other})'" in err), err
 
 
 def test_a_rank_with_fewer_steps_is_named_with_both_collectives():

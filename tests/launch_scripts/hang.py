@@ -6,7 +6,7 @@
   steps     rank 1 runs one step fewer (different step counts)
   dead      rank 1 ends its process without a word at step 3 (no traceback, no shutdown)
 
-argv[2] is the strategy. Prints `DONE rank=R` if it ever gets to the end (it should not).
+argv[2]: strategy; argv[3]: shard_size (the last rank then misbehaves). Prints `DONE` at the end.
 """
 
 import os
@@ -24,8 +24,9 @@ px.init()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-model, opt = px.prepare(model, opt, strategy=strategy)
-odd = px.rank() == 1
+shard = int(sys.argv[3]) if len(sys.argv) > 3 else None
+model, opt = px.prepare(model, opt, strategy=strategy, shard_size=shard)
+odd = px.rank() == (1 if shard is None else px.world_size() - 1)
 steps = 5 - (kind == "steps" and odd)
 for step in range(steps):
     if step == 3 and odd and kind == "sleep":

@@ -292,7 +292,7 @@ class FlatEngine(EngineState):
             return self.delayed.finish(unit)
         unit.finish_grad(shard=self.shard_grads)
         if self.replicas is not None:
-            self.replicas.average(unit, self.shard_grads)
+            self.replicas.average(unit, self.shard_grads, self.precision.comm_dtype)
         self._unsettled.append(unit)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -25,6 +25,17 @@ own group may be waiting for it in a zero3 gather: two groups can each hold a ra
 needs (measured to be possible by ordering alone: a rank finishes a unit before or after a
 gather depending on when the group reduction completes).
 
+[Note: the replica average in comm_dtype]
+With `comm_dtype` (bf16/fp16) the group reduction sends a narrow copy of the bucket and copies
+the mean back (flat.py's reduce_grad); the replica average does the same with what it averages:
+the shard (or zero1's bucket) is cast, all-reduced in that dtype and copied back at full width
+when waited for, so the bytes across groups shrink as those within do (bf16 against float64: a
+quarter). The used-flags and signal travel as they came out of the group's reduction: in
+comm_dtype, in zero1's bucket or beside the shard (a mean of 0s and 1s over K ranks stays above
+0 when rounded, an inf stays inf). The group's mean came out of a sum in comm_dtype, so its cast
+is exact; the replicas' sum rounds once more than the flat layout's one sum, within the tolerance
+tests/test_hybrid_precision.py states.
+
 What the replicas hold is equal by construction, so gradient clipping and fp16's overflow check
 agree within the shard group only (each shard counted once), and a checkpoint is written by the
 first replica group and read by every one (checkpoint/state.py).
@@ -99,25 +110,44 @@ class Replicas:
     def __init__(self, comm: Comm, job: Comm):
         self.comm = comm
         self.job = job   # the job's Comm: what spans groups (checkpoints, the step report)
-        self.pending: list = []
+        self.pending: list = []   # (work, full-width tensor or None, what was sent)
+        self._wires: dict[int, torch.Tensor] = {}
 
-    def average(self, unit, shard: bool) -> None:
+    def average(self, unit, shard: bool, comm_dtype: torch.dtype | None = None) -> None:
         """Issue the average of `unit`'s reduced gradient (its owned shard where gradients are
         sharded, else the whole bucket) and its flags over the replicas, once `finish_grad`
-        has made them."""
+        has made them. With `comm_dtype` the gradient travels in that dtype, as it did within
+        the group (see [Note: the replica average in comm_dtype])."""
         tag = f"unit[{unit.index}]:replicas"
+        full = unit.grad_shard if shard else unit.bucket.buffer
+        wire = full
+        if comm_dtype is not None and comm_dtype != full.dtype:
+            wire = self._wire(unit, full, comm_dtype, shard)
+        work = self.comm.all_reduce(wire, async_op=True, tag=tag)
+        self.pending.append((work, full if wire is not full else None, wire))
         if shard:
-            self.pending.append(self.comm.all_reduce(unit.grad_shard, async_op=True, tag=tag))
-            self.pending.append(self.comm.all_reduce(unit.tail, async_op=True,
-                                                     tag=tag + ":flags"))
-        else:
-            self.pending.append(self.comm.all_reduce(unit.bucket.buffer, async_op=True, tag=tag))
+            self.pending.append((self.comm.all_reduce(unit.tail, async_op=True,
+                                                      tag=tag + ":flags"), None, None))
+
+    def _wire(self, unit, full: torch.Tensor, dtype: torch.dtype, shard: bool) -> torch.Tensor:
+        """`full` cast to `dtype` in a copy kept between steps: the bucket's own wire copy
+        where the whole bucket travels (zero1), one per unit's shard otherwise."""
+        if not shard:
+            return unit.bucket.copy_for_comm(dtype)
+        wire = self._wires.get(unit.index)
+        if wire is None or wire.dtype != dtype or wire.numel() != full.numel():
+            wire = self._wires[unit.index] = torch.empty(full.numel(), dtype=dtype,
+                                                         device=full.device)
+        return wire.copy_(full)
 
     def wait(self) -> None:
-        """Every average issued in this backward is done."""
+        """Every average issued in this backward is done, and copied back to full width where
+        it travelled narrower."""
         pending, self.pending = self.pending, []
-        for work in pending:
+        for work, full, wire in pending:
             work.wait()
+            if full is not None:
+                full.copy_(wire)
 
     def order(self, order: torch.Tensor) -> None:
         """Give every rank global rank 0's launch order, once each group's rank 0 has given its

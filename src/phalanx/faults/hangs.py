@@ -86,13 +86,23 @@ def _where(name: str) -> str:
 
 
 def _stalled_group(answered: dict) -> str | None:
-    """The group whose oldest collective in flight on some rank has waited longest."""
-    best, age = None, -1.0
+    """The group whose oldest collective in flight on some rank has waited longest, among
+    those missing a member that waits in no collective at all (the rank stuck outside, whose
+    absence from its group makes ranks of other groups wait in turn: shard_size's groups),
+    else among all."""
+    idle = {r for r, s in answered.items() if all(g["waiting"] is None
+                                                  for g in s["groups"].values())}
+    best, age, best_any, age_any = None, -1.0, None, -1.0
     for s in answered.values():
         for name, g in s["groups"].items():
-            if g["waiting"] is not None and g["waiting"]["age"] > age:
+            if g["waiting"] is None:
+                continue
+            if g["waiting"]["age"] > age_any:
+                best_any, age_any = name, g["waiting"]["age"]
+            members = g.get("ranks") or answered
+            if idle.intersection(members) and g["waiting"]["age"] > age:
                 best, age = name, g["waiting"]["age"]
-    return best
+    return best if best is not None else best_any
 
 
 def compose_report(states: dict[int, dict | None], world: int) -> str:
@@ -102,7 +112,9 @@ def compose_report(states: dict[int, dict | None], world: int) -> str:
     step = max((s["step"] for s in answered.values()), default=0)
     name = _stalled_group(answered)
     empty = {"entered": 0, "waiting": None, "last": None, "by_seq": {}}
-    on = {r: s["groups"].get(name, empty) for r, s in answered.items()}
+    members = next((s["groups"][name].get("ranks") for s in answered.values()
+                    if name in s["groups"]), None) or range(world)
+    on = {r: s["groups"].get(name, empty) for r, s in answered.items() if r in members}
     waiting = {r: g["waiting"] for r, g in on.items() if g["waiting"] is not None}
     lines = []
     if not waiting:
@@ -123,7 +135,7 @@ def compose_report(states: dict[int, dict | None], world: int) -> str:
         if other:
             r, rec = next(iter(sorted(other.items())))
             head = (f"collectives out of order {at}{group}: #{k} is {ref['kind']} "
-                    f"({ref['tag']}) on {_ranks(r2 for r2 in answered if r2 not in other)} but "
+                    f"({ref['tag']}) on {_ranks(r2 for r2 in on if r2 not in other)} but "
                     f"{_describe(rec)} on {_ranks(other)}")
             steps = {s["step"] for s in answered.values()}
             if len(steps) > 1:
@@ -132,8 +144,8 @@ def compose_report(states: dict[int, dict | None], world: int) -> str:
                          + ")")
             else:
                 head += " (a rank skipped a collective, issued an extra one, or another order)"
-        elif behind or silent:
-            who = behind + silent
+        elif behind or any(r in members for r in silent):
+            who = behind + [r for r in silent if r in members]
             head = (f"hang {at}: {_ranks(who)} {'has' if len(who) == 1 else 'have'} not entered "
                     f"{_describe(ref)}{group}; {_ranks(stuck)} "
                     f"{'has' if len(stuck) == 1 else 'have'} waited {waited:.1f} s in it")
@@ -146,10 +158,14 @@ def compose_report(states: dict[int, dict | None], world: int) -> str:
         lines.append(f"  rank {r}: did not answer (its process has ended, or is frozen outside "
                      "Python)")
     for r, s in sorted(answered.items()):
-        last = on[r]["last"]
+        last = on[r]["last"] if r in on else None
         where = "no collective yet" if last is None else (
             f"last collective {_describe(last)}, "
             + ("completed" if last["done"] else f"in flight for {last['age']:.0f} s"))
+        if r not in on:  # outside the stalled group: where it waits, if anywhere
+            waits = [f"{_describe(g['waiting'])}{_where(n)}" for n, g in s["groups"].items()
+                     if g["waiting"] is not None]
+            where = "waits in " + ", ".join(waits) if waits else "waits in no collective"
         lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): step {s['step']}, {where}")
         for frame in s["stack"]:
             lines.append("      " + frame)
@@ -191,6 +207,7 @@ class HangWatch:
         # restart, the counter goes on, so an old attempt's flag is never read as a new one's.
         attempt = (self.store.add(f"{_KEY}/joined", 1) - 1) // world
         self.prefix = f"{_KEY}/{attempt}"
+        self.members: dict[str, list[int]] = {}  # a group of some ranks only -> its ranks
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-hang-watch", daemon=True)
         self._thread.start()
@@ -216,14 +233,18 @@ class HangWatch:
                           flush=True)
 
     def _groups(self) -> dict[str, list]:
-        """name -> records, for every group of the whole job that a live Comm issues on."""
+        """name -> records, for every group a live Comm issues on; a group of some ranks only
+        (shard_size's, engine/hybrid.py) named with its ranks, since the groups of one name
+        differ from rank to rank, and its ranks kept in `self.members`."""
         out = {}
         for name, group in records.groups_in_use().items():
             try:
-                if dist.get_world_size(group) != self.world:
-                    continue  # a group of some ranks only: not comparable rank by rank
+                ranks = dist.get_process_group_ranks(group)
             except (RuntimeError, ValueError):  # destroyed meanwhile
                 continue
+            if len(ranks) != self.world:
+                name = f"{name} (ranks {', '.join(map(str, ranks))})"
+                self.members[name] = list(ranks)
             recs = records.records_on(group)
             records.poll_completions(recs[-64:])
             out[name] = recs
@@ -238,7 +259,8 @@ class HangWatch:
                 "entered": recs[-1].group_seq if recs else 0,
                 "waiting": _as_dict(waiting, now) if waiting is not None else None,
                 "last": _as_dict(recs[-1], now) if recs else None,
-                "by_seq": {r.group_seq: _as_dict(r, now) for r in recs[-64:]}}
+                "by_seq": {r.group_seq: _as_dict(r, now) for r in recs[-64:]},
+                "ranks": self.members.get(name)}
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "step": records.current_step(), "groups": groups, "stack": _main_stack()}
 

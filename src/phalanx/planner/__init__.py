@@ -8,6 +8,7 @@ communication volumes and a compute/overlap model (comm.py). No process group, n
 """
 
 from .api import plan
+from .layouts import LayoutComparison, compare_layouts
 from .report import PlanResult, StrategyPlan
 
-__all__ = ["plan", "PlanResult", "StrategyPlan"]
+__all__ = ["plan", "PlanResult", "StrategyPlan", "compare_layouts", "LayoutComparison"]

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw = p.add_argument_group("devices")
     hw.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
     hw.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    hw.add_argument("--gpus-per-node", type=int, metavar="G",
+                    help="with --nodes M: GPUs per node, and compare the flat layout with "
+                         "shard_size=G (a row per layout and strategy, planner/layouts.py)")
     hw.add_argument("--gpu", default="h100", help=f"preset: {', '.join(GPUS)} (default h100)")
     hw.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 80GiB (default: preset)")
     hw.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s (default: preset)")
@@ -117,6 +120,8 @@ def main(args: argparse.Namespace) -> int:
         elif args.input_shape or args.blocks:
             raise ValueError(f"{'--input-shape' if args.input_shape else '--blocks'} goes with "
                              "--model")
+        if args.gpus_per_node is not None:
+            args.gpus = args.gpus_per_node
         result = plan(
             model=model, params=args.params, config=args.config, gpus=args.gpus,
             nodes=args.nodes, gpu=args.gpu, gpu_memory=args.gpu_memory,
@@ -133,4 +138,25 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(result.to_json() if args.json else result)
+    if args.gpus_per_node is not None and not args.json:
+        from .layouts import compare_layouts
+        try:
+            print("\n" + str(compare_layouts(model, nodes=args.nodes, **_plan_options(args))))
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
     return 0
+
+
+def _plan_options(args) -> dict:
+    """The plan's options given on the command line, for compare_layouts."""
+    return dict(params=args.params, config=args.config, gpus_per_node=args.gpus, gpu=args.gpu,
+                gpu_memory=args.gpu_memory, peak_tflops=args.peak_tflops, mfu=args.mfu,
+                strategy=args.strategy, precision=args.precision, optimizer=args.optimizer,
+                batch=args.batch, seq=args.seq, grad_accum=args.grad_accum,
+                activation_checkpointing=args.activation_checkpointing,
+                intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
+                bucket_mb=args.bucket_mb, comm_dtype=args.comm_dtype, attention=args.attention,
+                backend=args.backend, headroom=args.headroom, units=args.units,
+                prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
+                reshard_after_forward=not args.keep_until_backward, link=args.link,
+                shard_size=args.shard_size)
