@@ -22,7 +22,7 @@ from torch import nn
 
 __all__ = ["find_blocks", "resolve_block_classes", "plan_units", "module_units", "unit_caps",
            "unit_numels", "unit_roots", "check_gather_options", "step_runs", "step_run_bytes",
-           "FIRST_UNIT_MIB"]
+           "FIRST_UNIT_MIB", "borrows", "borrowing"]
 
 FIRST_UNIT_MIB = 1.0
 
@@ -159,6 +159,26 @@ def unit_numels(numels, blocks, itemsize: int, bucket_mb: float) -> list[int]:
     entries = [(n, b, None) for n, b in zip(reversed(numels), reversed(blocks))]
     first, cap = unit_caps(bucket_mb, itemsize)
     return [sum(entries[i][0] for i in unit) for unit in plan_units(entries, first, cap)] or [0]
+
+
+def borrows(numels: list[int], world: int) -> bool:
+    """Whether a unit of parameters of `numels` elements borrows its full-gradient buffer from
+    the pool under sharded gradients on `world` ranks: more than one parameter, or one that the
+    world size does not divide (a lone parameter's gradient is reduced in the tensor autograd
+    made: see [Note: a gradient reduced where autograd made it] in buckets.py)."""
+    return len(numels) > 1 or numels[0] % world != 0
+
+
+def borrowing(numels, blocks, itemsize: int, bucket_mb: float, world: int) -> tuple[int, int]:
+    """(elements of the largest unit that `borrows`, of the largest that does not), 0 where
+    there is none, for the planner: `numels` and `blocks` per trainable parameter in
+    registration order, as in `unit_numels`."""
+    blocks = blocks if blocks is not None else [None] * len(numels)
+    entries = [(n, b, None) for n, b in zip(reversed(numels), reversed(blocks))]
+    first, cap = unit_caps(bucket_mb, itemsize)
+    units = [[entries[i][0] for i in unit] for unit in plan_units(entries, first, cap)]
+    return (max((sum(u) for u in units if borrows(u, world)), default=0),
+            max((sum(u) for u in units if not borrows(u, world)), default=0))
 
 
 # -- zero3: where each unit is gathered (engine/zero3.py) -------------------------------------
