@@ -15,8 +15,10 @@ optimizer's state), sampled as each gradient arrives in backward and after forwa
 and step, over three training steps. "Peak" is the largest sample; "steady" is after
 `optimizer.zero_grad()`, between steps. Both are compared with the formula plus the buffers
 that the configuration adds, which the table prints: ZeRO-2 lends its short-lived
-full-gradient buckets from a pool of three buffers of `bucket_mb` (25 MiB by default), and
-mixed precision makes the fp32 gradient of one unit at a time inside the step.
+full-gradient buckets from a pool of two buffers, each the largest unit that borrows one (up
+to `bucket_mb`, 25 MiB by default; a unit of one parameter is reduced in the gradient autograd
+made and borrows none), and mixed precision makes the fp32 gradient of one unit at a time
+inside the step.
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ def measure(strategy, precision, bucket_mb):
         sample()
         optimizer.zero_grad()
         steady = model_state_bytes(model, optimizer)
-    # The configured buffers beyond the formula: zero2's pool of three bucket buffers (each
-    # `bucket_mb` in the compute dtype) and, under mixed precision, the fp32 gradient of the one
-    # unit being stepped (see [Note: fp32 gradients one unit at a time] in sharding.py).
+    # The configured buffers beyond the formula: zero2's pool of two bucket buffers (each the
+    # largest unit that borrows, in the compute dtype) and, under mixed precision, the fp32
+    # gradient of the units being stepped (see [Note: fp32 gradients a few units at a time] in
+    # engine/flat_engine.py).
     engine = model._engine
     pool = engine.pool
     allowance = pool.keep * pool.numel * torch.empty((), dtype=pool.dtype).element_size() \

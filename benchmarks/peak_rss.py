@@ -21,7 +21,8 @@ Per rank, exactly:
 
 The table compares the rise (largest over ranks) with the formula (fp32 AdamW, Psi parameters,
 N ranks: ddp 16 Psi, zero1 (8 + 8/N) Psi, zero2 (4 + 12/N) Psi; Rajbhandari et al. 2020) plus
-the configured buffers: ZeRO-2's pool of three `bucket_mb` buffers; for torch DDP with its
+the configured buffers: ZeRO-2's pool of two buffers of the largest unit that borrows one (up
+to `bucket_mb`); for torch DDP with its
 default `gradient_as_bucket_view=False`, its buckets, a second copy of every gradient (4 Psi).
 Activations are not in the formula; they are measured separately (every tensor autograd saves
 for backward in one step, by distinct storage, parameters excluded) and given as a column.
@@ -216,7 +217,7 @@ def _measure_rank(config, steps, warmup, batch, adamw, bucket_mb, phases, prewar
 def _buffers(model, config: str, n_params: int) -> int:
     """The configured buffers beyond the formula (see the module's docstring)."""
     if config.startswith("phalanx"):
-        pool = model._engine.pool  # zero2: `keep` buffers, each the largest bucket
+        pool = model._engine.pool  # zero2: `keep` buffers, each the largest that borrows
         return 0 if pool is None else \
             pool.keep * pool.numel * torch.empty((), dtype=pool.dtype).element_size()
     return 4 * n_params if config == "torch DDP" else 0  # its buckets: a copy of every gradient

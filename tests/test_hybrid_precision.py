@@ -28,7 +28,8 @@ def _one_step(strategy, shard_size, comm_dtype):
     opt.zero_grad()
     after = list(model.state_dict().values())
     engine = engine_of(model)
-    units = [(u.hi - u.lo, len(u.params), u.bucket.total_numel) for u in engine.units]
+    units = [(u.hi - u.lo, len(u.params), u.bucket.total_numel, u.bucket.tail_apart)
+             for u in engine.units]
     return ([b - a for b, a in zip(before, after)], px.step_stats(model)["inter_group_bytes"],
             units)
 
@@ -69,17 +70,18 @@ def test_comm_dtype_applies_to_the_average_across_groups():
             # every replica of a shard holds the same values, so every rank the same model
             for a, b in zip(narrow, results[0][strategy, torch.bfloat16][0]):
                 assert torch.equal(a, b), context
-            # bytes across: float64 -> bf16 is a quarter, flags and signal included (they come
-            # out of the group's reduction in bf16); the first backward's launch order (int64
-            # per unit) crosses too
+            # bytes across: float64 -> bf16 is a quarter, flags and signal included where they
+            # come out of the group's reduction in bf16 (a unit whose flags travel apart from
+            # its gradient, buckets.py, keeps them at full width); the first backward's launch
+            # order (int64 per unit) crosses too
             order = 8 * len(units)
             if strategy == "zero1":
-                assert full_bytes == sum(total * 8 for _, _, total in units) + order
-                assert narrow_bytes == sum(total * 2 for _, _, total in units) + order
+                assert full_bytes == sum(total * 8 for _, _, total, _ in units) + order
+                assert narrow_bytes == sum(total * 2 for _, _, total, _ in units) + order
             else:
-                shards, flags = [s for s, _, _ in units], [n + 1 for _, n, _ in units]
-                assert full_bytes == sum(s + f for s, f in zip(shards, flags)) * 8 + order
-                assert narrow_bytes == sum(s + f for s, f in zip(shards, flags)) * 2 + order
+                assert full_bytes == sum((s + n + 1) * 8 for s, n, _, _ in units) + order
+                assert narrow_bytes == sum(s * 2 + (n + 1) * (8 if apart else 2)
+                                           for s, n, _, apart in units) + order
 
 
 # -- precision="bf16" and a meta build, under zero3 -----------------------------------------------

@@ -232,3 +232,47 @@ def test_every_rank_takes_the_state_and_returns_while_a_slower_peer_still_reads(
                                                      timeout=90)
     for got in (second0, first1, second1):
         assert_close(got, first0, 0.0, f"{strategy}: the same state on every rank")
+
+
+def _asked_while_preparing(slow_in):
+    """Rank 1 is slow to finish px.prepare (`slow_in`: drawing its shards of a meta build, or
+    registering its model with its shard service) while rank 0 reads the whole state at once."""
+    torch.manual_seed(0)
+    if slow_in == "drawing":
+        with torch.device("meta"):
+            model = TinyLM()
+    else:
+        model = TinyLM()
+    if px.rank() == 1:
+        from phalanx.engine import remote
+        from phalanx.model import materialize
+
+        def slow(fn):
+            def run(*args, **kwargs):
+                out = fn(*args, **kwargs) if slow_in == "drawing" else None
+                time.sleep(1.0)  # after the generator's broadcast, before any value is drawn
+                return out if slow_in == "drawing" else fn(*args, **kwargs)
+            return run
+        if slow_in == "drawing":
+            materialize._same_generator_state = slow(materialize._same_generator_state)
+        else:
+            remote.ShardService.register = slow(remote.ShardService.register)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    model, opt = px.prepare(model, opt, strategy="zero3")
+    state = {k: v.clone() for k, v in model.state_dict().items()} if px.rank() == 0 else None
+    px.barrier()
+    return state
+
+
+@pytest.mark.parametrize("slow_in", ["drawing", "registering"])
+def test_a_peer_asked_before_it_finished_preparing_answers_once_it_has(slow_in):
+    """Rank 0 returns from px.prepare and reads rank 1's shards while rank 1 is still in it:
+    rank 1 answered with the zeros its masters start from (a meta build's values are drawn
+    after its engine exists; test_zero3.py's meta-build test read a LayerNorm's weight back as
+    zeros now and then), or with 'no prepared model number 0' before registering it. Both
+    failed here before the fix. A model is now served once px.prepare has finished with it
+    (engine/remote.py, [Note: served once prepared])."""
+    torch.manual_seed(0)
+    want = TinyLM().state_dict()
+    got = run_ranks(_asked_while_preparing, 2, args=(slow_in,), timeout=60)[0]
+    assert_close(got, want, 0.0, f"rank 0's state while rank 1 was slow {slow_in}")

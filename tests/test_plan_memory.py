@@ -202,10 +202,10 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
         states.total + kept + 10**9 + 4 * unit, "backward start")
     assert peak_bytes(states.total, buffers, 0, 2 * 10**9) == (
         states.total + kept + 2 * 10**9, "optimizer step")
-    # zero2 borrows its full-gradient buckets from a pool of three of the largest, kept
+    # zero2 borrows its full-gradient buckets from a pool of two of the largest, kept
     z2 = buffer_bytes("zero2", prec, psi, n, reduce_scatter=False, comm_bytes=None,
                       largest_unit=unit, largest_param=unit)
-    assert z2["grad_pool"] == 3 * 4 * (unit + n)
+    assert z2["grad_pool"] == 2 * 4 * (unit + n)
     states2 = model_states("zero2", prec, psi, psi, 2 * psi, n)
     assert peak_bytes(states2.total, z2, 0, 0) == (states2.total + z2["grad_pool"] + 4 * unit,
                                                   "backward start")
@@ -335,8 +335,9 @@ def test_kept_buffers_and_step_gradient_match_the_engine(precision):
             # padding of shards to the world size and fp32 ddp's used-flags: a few elements
             assert kept == pytest.approx(planned, rel=2e-3), strategy
             assert step_grad == plan.step_working_bytes, strategy
-            if strategy == "zero2":
-                assert plan.buffers_detail["grad_pool"] > 0.05 * planned
+            if strategy == "zero2":  # the pool (of the units that borrow) is more than the
+                # tolerance: a wrong pool would fail the comparison above
+                assert plan.buffers_detail["grad_pool"] > 2 * 2e-3 * planned
             if precision == "bf16":
                 assert step_grad > 0
             shapes = [tuple(p.shape) for p in model.parameters()]

@@ -5,9 +5,10 @@ under zero3 where it is gathered), buckets.py (flat gradient storage), reducer.p
 order, end of backward), flat.py (a unit: owned shard, master pieces, unshard), flat_engine.py
 (the engine), state.py (its masters as the rest of phalanx reads them), remote.py (a peer's
 shards read by a rank alone), zero3.py (gathering and freeing units around their forward and
-backward), optim.py (adopting the optimizer), powersgd.py (low-rank gradient compression in the
-reducer; its request in powersgd_config.py), naive.py (one all-reduce per parameter: the
-reference the tests compare with).
+backward; zero3_roots.py checks that the ranks gather alike), optim.py (adopting the
+optimizer), powersgd.py (low-rank gradient compression in the reducer; its request in
+powersgd_config.py), naive.py (one all-reduce per parameter: the reference the tests compare
+with).
 """
 
 from __future__ import annotations

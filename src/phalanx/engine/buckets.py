@@ -19,6 +19,16 @@ extra collective and no graph traversal. See [Note: gradients that never arrived
 The flags are written from small tensors kept on the bucket's device, one per pattern of used
 parameters seen (in a steady loop, one: all used), so filling them copies nothing from the
 host.
+
+[Note: a gradient reduced where autograd made it]
+Where gradients are sharded (zero2, zero3) a bucket's full gradients live only until its
+reduction is done. A bucket `tail_apart` keeps its flags and signal in a small tensor of their
+own, reduced by a collective of its own beside the gradients' (every zero3 bucket, and a zero2
+bucket of one parameter that needs no padding: the layout decides, the same on every rank). A
+bucket of one parameter needing no padding, tail apart, holds its gradients in the very tensor
+autograd made for `.grad` when it arrives fresh (contiguous, in the bucket's dtype, alone in
+its storage), so that gradient is neither copied nor doubled, and in a buffer of its own
+otherwise; the other buckets borrow from the pool.
 """
 
 from __future__ import annotations
@@ -31,13 +41,17 @@ __all__ = ["GradBucket", "BufferPool"]
 
 
 class BufferPool:
-    """A few flat buffers, each big enough for any bucket, lent to buckets freed every step.
+    """A few flat buffers, each big enough for any bucket that borrows, lent to buckets freed
+    every step.
 
-    ZeRO-2 frees each bucket's full gradients once its shard is reduced. Handing the memory
-    back to the system and asking for it again next step costs a page fault per 4 KiB page
-    (tens of milliseconds per step on CPU), so freed buffers wait here for the next bucket
-    instead. The `keep` buffers are made up front, so the memory a run uses does not depend on
-    how the collectives happen to be timed; more are made only while more buckets are alive
+    ZeRO-2 and zero3 free each bucket's full gradients once its shard is reduced. Handing the
+    memory back to the system and asking for it again next step costs a page fault per 4 KiB
+    page (tens of milliseconds per step on CPU), so freed buffers wait here for the next bucket
+    instead. The `keep` buffers (as many as the reducer lets be alive at once: one filling, one
+    reduced and unfinished) are made up front, each the size of the largest bucket that
+    borrows (a bucket reduced where autograd made its gradient never does: see [Note: a
+    gradient reduced where autograd made it]), so the memory a run uses does not depend on how
+    the collectives happen to be timed; more are made only while more buckets are alive
     (accumulating under no_sync), and at most `keep` are kept.
     """
 
@@ -63,9 +77,8 @@ class GradBucket:
     """The gradients of a fixed, ordered list of parameters, in one flat buffer."""
 
     def __init__(self, index: int, params, pad_to: int = 1, dtype: torch.dtype | None = None,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool | None = None, tail_apart: bool = False):
         self.index = index
-        self.pool = pool
         self.params = list(params)
         self.dtype = dtype or self.params[0].dtype
         self.device = self.params[0].device
@@ -78,6 +91,12 @@ class GradBucket:
         self.padded_numel = math.ceil(offset / pad_to) * pad_to
         # The flags, then one slot for the non-finite signal (faults/nonfinite.py).
         self.total_numel = self.padded_numel + len(self.params) + 1
+        # See [Note: a gradient reduced where autograd made it]: the flags and the signal in a
+        # tensor of their own, the buffer the gradients alone (never the pool's)
+        self.tail_apart = tail_apart
+        self.alone = tail_apart and len(self.params) == 1 and self.padded_numel == offset
+        self.pool = None if self.alone else pool
+        self._tail: torch.Tensor | None = None
         self._patterns: dict[tuple, torch.Tensor] = {}  # used flags -> the flags on the device
         self.buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] | None = None
@@ -90,7 +109,11 @@ class GradBucket:
         written (a gradient copied in, or zeros for a missing one) before the bucket is reduced.
         """
         if self.buffer is None:
-            if self.pool is None:
+            if self.tail_apart:
+                self._make_tail()
+            if self.alone:
+                self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            elif self.pool is None:
                 self.buffer = torch.zeros(self.total_numel, dtype=self.dtype, device=self.device)
             else:
                 self.buffer = self.pool.take(self.total_numel)
@@ -98,11 +121,30 @@ class GradBucket:
             self._views = [self.buffer[o:o + p.numel()].view_as(p)
                            for o, p in zip(self.offsets, self.params)]
 
+    def takes(self, grad: torch.Tensor) -> bool:
+        """Whether `grad`, autograd's gradient of the bucket's one parameter, can be the buffer
+        itself (see [Note: a gradient reduced where autograd made it])."""
+        return (self.alone and self.buffer is None and grad.dtype == self.dtype
+                and grad.device == self.device and grad.layout == torch.strided
+                and not grad.requires_grad and grad.is_contiguous()
+                and grad.storage_offset() == 0
+                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size())
+
+    def take(self, grad: torch.Tensor) -> None:
+        """Make `grad` the buffer (`takes(grad)` said it can be): no copy, no second buffer."""
+        self._make_tail()
+        self.buffer = grad.view(-1)
+        self._views = [grad]
+
+    def _make_tail(self) -> None:
+        if self._tail is None:
+            self._tail = torch.zeros(len(self.params) + 1, dtype=self.dtype, device=self.device)
+
     def copy_for_comm(self, dtype: torch.dtype) -> torch.Tensor:
         """The buffer, cast to `dtype` for the wire, in a copy kept between steps (a fresh one
         each step would cost a page fault per 4 KiB on CPU)."""
         if self.comm_buffer is None:
-            self.comm_buffer = torch.empty(self.total_numel, dtype=dtype, device=self.device)
+            self.comm_buffer = torch.empty(self.buffer.numel(), dtype=dtype, device=self.device)
         self.comm_buffer.copy_(self.buffer)
         return self.comm_buffer
 
@@ -122,7 +164,7 @@ class GradBucket:
         return self.buffer[:self.padded_numel]
 
     def flags(self) -> torch.Tensor:
-        return self.buffer[self.padded_numel:self.padded_numel + len(self.params)]
+        return self.tail()[:len(self.params)]
 
     def set_flags(self, used: tuple[bool, ...]) -> None:
         """Write the used flags (see the module's docstring: no copy from the host)."""
@@ -136,11 +178,11 @@ class GradBucket:
 
     def tail(self) -> torch.Tensor:
         """The flags and the signal, after the reduction: what the host reads once a step."""
-        return self.buffer[self.padded_numel:]
+        return self._tail if self.tail_apart else self.buffer[self.padded_numel:]
 
     def signal(self) -> torch.Tensor:
         """The one element after the flags: this rank's non-finite flag, summed over ranks."""
-        return self.buffer[self.padded_numel + len(self.params):]
+        return self.tail()[len(self.params):]
 
     def __repr__(self):
         return (f"GradBucket({self.index}, {len(self.params)} params, {self.numel} elements, "

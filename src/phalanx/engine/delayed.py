@@ -124,7 +124,11 @@ class DelayedGrads:
         """From the engine's launch: copy the complete bucket out and start its average."""
         engine, bucket = self.engine, unit.bucket
         comm_dtype = engine.precision.comm_dtype
-        buf = bucket.buffer.to(comm_dtype or bucket.buffer.dtype, copy=True)
+        # one flat copy [gradients | padding | flags | signal], also where the bucket keeps its
+        # flags apart (see [Note: a gradient reduced where autograd made it] in buckets.py)
+        whole = torch.cat([bucket.grads(), bucket.tail()]) if bucket.tail_apart \
+            else bucket.buffer
+        buf = whole.to(comm_dtype or whole.dtype, copy=True)
         mine = buf[-1:].clone()  # this rank's own non-finite signal, before averaging
         out, work = None, None
         if engine.world > 1:

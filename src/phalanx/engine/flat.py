@@ -61,7 +61,7 @@ class FlatUnit:
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,
                  sharded: bool, compute_dtype: torch.dtype, adopt: bool,
-                 pool: BufferPool | None, reshards: bool = False):
+                 pool: BufferPool | None, reshards: bool = False, shard_grads: bool = False):
         self.index = index
         self.params = params
         self.sharded = sharded
@@ -71,8 +71,13 @@ class FlatUnit:
         self.reshards = reshards
         self.gathered = True
         self.pending = None  # zero3: the all-gather of a prefetch, until someone waits on it
+        # See [Note: a gradient reduced where autograd made it] in buckets.py, and
+        # [Note: waiting for a reduction in backward] in reducer.py for `probe`.
+        alone = len(params) == 1 and params[0].numel() % (world if sharded else 1) == 0
         self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
-                                 dtype=compute_dtype, pool=pool)
+                                 dtype=compute_dtype, pool=pool,
+                                 tail_apart=shard_grads and (alone or reshards))
+        self.probe = None  # the tail's own collective, while the gradients' is in flight
         n = self.bucket.padded_numel
         shard = n // world if sharded else n
         self.lo, self.hi = (rank * shard, (rank + 1) * shard) if sharded else (0, n)
@@ -206,7 +211,10 @@ class FlatUnit:
     def reduce_grad(self, comm, comm_dtype: torch.dtype | None, shard: bool):
         """Start averaging the unit's bucket over the ranks (asynchronously): all of it, in
         place, where gradients stay full; to the owned shard where they are sharded (by
-        reduce-scatter or by all-reduce, as the Comm prefers). The used-flags ride along."""
+        reduce-scatter or by all-reduce, as the Comm prefers). The used-flags ride along, or
+        go in a collective of their own beside the gradients' (a bucket whose tail is apart,
+        or a reduce-scatter). A reduce-scatter writes straight into the owned gradient when
+        nothing is accumulated there yet."""
         bucket = self.bucket
         buf = bucket.buffer
         self._sent_compressed = comm_dtype is not None and comm_dtype != buf.dtype
@@ -214,12 +222,23 @@ class FlatUnit:
             buf = bucket.copy_for_comm(comm_dtype)
         tag = f"unit[{self.index}]:grads"
         self._received = None
-        if shard and comm.uses_reduce_scatter:
-            self._received = torch.empty(self.hi - self.lo, dtype=buf.dtype, device=buf.device)
-            grads = comm.reduce_shard(buf[:bucket.padded_numel], self._received, tag=tag)
-            flags = comm.all_reduce(buf[bucket.padded_numel:], async_op=True, tag=tag + ":flags")
-            return Handle(grads.works + flags.works, records=grads.records + flags.records)
-        return comm.all_reduce(buf, async_op=True, tag=tag)
+        n = bucket.padded_numel
+        if not (shard and (comm.uses_reduce_scatter or bucket.tail_apart)):
+            return comm.all_reduce(buf, async_op=True, tag=tag)
+        if comm.uses_reduce_scatter:
+            if self.grad_shard is None:
+                self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
+                                              device=buf.device)
+            into = self.reduced is None and buf.dtype == self.grad_shard.dtype
+            self._received = self.grad_shard if into else \
+                torch.empty(self.hi - self.lo, dtype=buf.dtype, device=buf.device)
+            grads = comm.reduce_shard(buf[:n], self._received, tag=tag)
+        else:
+            grads = comm.all_reduce(buf[:n], async_op=True, tag=tag)
+        tail = bucket.tail() if bucket.tail_apart else buf[n:]
+        flags = comm.all_reduce(tail, async_op=True, tag=tag + ":flags")
+        self.probe = flags if bucket.tail_apart else None
+        return Handle(grads.works + flags.works, records=grads.records + flags.records)
 
     def finish_grad(self, shard: bool) -> None:
         """Turn the reduced bucket into what the step reads, once its collective is done, on
@@ -235,15 +254,18 @@ class FlatUnit:
         reduced = bucket.comm_buffer if self._sent_compressed \
             else bucket.buffer
         if shard:
-            self.tail = reduced[bucket.padded_numel:].clone()  # the bucket goes back to the pool
+            tail = bucket.tail() if bucket.tail_apart else reduced[bucket.padded_numel:]
+            self.tail = tail.clone()  # the bucket's buffer is about to go
             owned = self._received if self._received is not None \
                 else reduced[self.lo:self.hi]
-            self._received = None
+            self._received = self.probe = None
             if self.grad_shard is None:
                 self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
                                               device=owned.device)
             # A second backward before zero_grad() accumulates, as in one process.
-            if self.reduced is None:
+            if owned is self.grad_shard:
+                pass  # reduce-scattered into it
+            elif self.reduced is None:
                 self.grad_shard.copy_(owned)
             else:
                 self.grad_shard.add_(owned)

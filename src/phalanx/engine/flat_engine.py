@@ -5,8 +5,10 @@ Per step, for every policy of policy.py:
              averaged over ranks while backward goes on: all-reduced in place where the policy
              keeps full gradients (every `.grad` is then the true mean over ranks), reduced to
              the owned shard where it shards them (the full bucket is given back to a pool of
-             three and `.grad` is None). Flags riding in the same collective say which
-             parameters got a gradient on any rank.
+             two, or is autograd's own gradient and goes with it, and `.grad` is None; one
+             bucket at most stays in flight while the next fills). Flags riding in the same
+             collective (or one of their own beside it) say which parameters got a gradient
+             on any rank.
   step       unit by unit, the owned reduced gradient (cast to the master dtype and unscaled
              under fp16) becomes the `.grad` of the unit's master pieces, the user's optimizer
              updates them, and `unit.unshard()` puts the update into the parameters on every
@@ -20,6 +22,7 @@ hooks to the unused-parameter rule and the launch order, is the same code.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
@@ -38,7 +41,7 @@ from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
 from .remote import service_for
 from .state import EngineState
-from .units import module_units, step_run_bytes, step_runs
+from .units import borrows, module_units, step_run_bytes, step_runs
 
 __all__ = ["FlatEngine"]
 
@@ -76,23 +79,30 @@ class FlatEngine(EngineState):
         plain = self.world == 1 and not self.adopt and compression is None
         runs = module_units(module, self.params, itemsize, bucket_mb, block_classes) \
             if self.params and not plain else []
-        # ZeRO-2 lends its short-lived bucket buffers from a pool of three: at most two reduced
-        # but unfinished (max_in_flight below) and one filling.
+        # ZeRO-2 and zero3 lend their short-lived bucket buffers from a pool of two: one
+        # reduced but unfinished (max_in_flight below) and one filling. A unit of one
+        # parameter needing no padding borrows none: its gradient is reduced in the tensor
+        # autograd made (see [Note: a gradient reduced where autograd made it] in buckets.py).
         self.pool = None
-        if self.shard_grads and runs:
-            largest = max(sum(p.numel() for p in run) + self.world for run in runs)
-            largest += max(len(run) for run in runs)  # the flags
+        pooled = [run for run in runs if borrows([p.numel() for p in run], self.world)]
+        if self.shard_grads and pooled:
+            largest = max(sum(p.numel() for p in run) + self.world for run in pooled)
+            largest += max(len(run) for run in pooled)  # the flags (the signal: in the pad)
             self.pool = BufferPool(largest, compute or runs[0][0].dtype, runs[0][0].device,
-                                   keep=3)
+                                   keep=2)
         self.units = [FlatUnit(i, run, world=self.world, rank=self.rank, sharded=self.sharded,
                                compute_dtype=compute or run[0].dtype, adopt=self.adopt,
-                               pool=self.pool, reshards=self.reshards)
+                               pool=self.pool, reshards=self.reshards,
+                               shard_grads=self.shard_grads)
                       for i, run in enumerate(runs)]
         # See [Note: staleness=1] in delayed.py
         self.delayed = DelayedGrads(self) if staleness else None
         self.compression = PowerSGDReducer(compression, self.units, self.params) \
             if compression is not None and self.units else None
         self.gatherer = None
+        # See [Note: waiting for a reduction in backward] in reducer.py: zero3 where a wait
+        # blocks the host (gloo; NCCL's holds the stream, and the host goes on gathering)
+        self._host_waits = self.reshards and bool(self.units) and not comm.polls
         if self.reshards and self.units:
             # Gathers on a group of their own: see [Note: two sequences of collectives]
             self.gatherer = UnitGatherer(module, self.units, comm.apart("zero3:gathers"),
@@ -102,8 +112,13 @@ class FlatEngine(EngineState):
         self.steps = StepCounter()  # this model's optimizer steps (px.prepare's own, once set)
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
-                                   max_in_flight=2 if self.shard_grads else None,
-                                   signal=self._signal, on_end=self._after_backward)
+                                   max_in_flight=1 if self.shard_grads else None,
+                                   signal=self._signal, on_end=self._after_backward,
+                                   may_wait=self._may_wait if self._host_waits else None)
+        self._gave_up = False  # a wait in this backward was given up (_may_wait)
+        self.patience = 0.05   # seconds a root waits for its predecessors' flags (_may_wait)
+        if self._host_waits:
+            self.gatherer.settle = lambda: self.reducer.settle(self.patience)
         # See [Note: reading a peer's shards] in remote.py: where this rank holds 1/N of the
         # masters, a thread serves them (and the optimizer state) to a peer that asks, and
         # `lock` keeps a step from changing them while they are read.
@@ -117,7 +132,7 @@ class FlatEngine(EngineState):
         self.loss_scaler = precision.loss_scaler
         self._unsettled: list[FlatUnit] = []  # finished in this backward, flags not read yet
         self._overflow: bool | None = None    # fp16: read at the end of the last backward
-        # See [Note: fp32 gradients a few units at a time]
+        # See [Note: fp32 gradients a few units at a time] in units.py
         self.step_chunk_bytes = step_run_bytes(bucket_mb)
 
     # -- the Engine protocol ------------------------------------------------------------------
@@ -170,7 +185,8 @@ class FlatEngine(EngineState):
         parameters got a gradient on any rank, and whether any rank's loss was non-finite, see
         faults/nonfinite.py), this rank's own non-finite flag, fp16's overflow flag over the
         reduced gradients (all-reduced first where each rank reads its own shard), and zero3's
-        checks that the ranks gathered the same modules in this step's forwards (zero3.py)."""
+        checks that the ranks gathered the same modules in this step's forwards
+        (zero3_roots.py)."""
         if self.delayed is not None:
             return self.delayed.after_backward()
         if self.replicas is not None:
@@ -178,6 +194,7 @@ class FlatEngine(EngineState):
         if self.compression is not None:
             self.compression.backward_done()
         units, self._unsettled = self._unsettled, []
+        self._gave_up = False
         parts = [u.tail.float() for u in units]
         watch = self.nonfinite
         mine = watch.local if watch is not None else None
@@ -270,8 +287,22 @@ class FlatEngine(EngineState):
         if self.world == 1:
             return None
         work = unit.reduce_grad(self.comm, self.precision.comm_dtype, shard=self.shard_grads)
-        unit.reshard()  # zero3: every gradient of the unit is there, its values are not needed
+        if self.gatherer is not None:  # every gradient of the unit is there: free it
+            self.gatherer.reduced(unit)
         return work
+
+    def _may_wait(self, bucket: GradBucket, patience: float) -> bool:
+        """See [Note: waiting for a reduction in backward] in reducer.py: whether every rank
+        has issued this bucket's reduction, given up to `patience` seconds to show it (once a
+        backward: a rank that holds it back will until its backward ends)."""
+        probe = self.units[bucket.index].probe
+        deadline = time.perf_counter() + (0.0 if self._gave_up else patience)
+        while probe is not None and not probe.is_completed():
+            if time.perf_counter() >= deadline:
+                self._gave_up = self._gave_up or patience > 0
+                return False
+            time.sleep(1e-4)  # the collectives' threads need the cores more than this loop
+        return probe is not None
 
     @contextmanager
     def full_params(self):
@@ -306,19 +337,8 @@ class FlatEngine(EngineState):
     def step_units(self, step_one):
         """Run `step_one()` (the user's optimizer step) over the master pieces of every unit
         that has a reduced gradient, those pieces holding their gradient in the master dtype,
-        and publish each unit's update.
-
-        [Note: fp32 gradients a few units at a time]
-        The optimizer skips parameters whose `.grad` is None, and an element-wise optimizer
-        keeps per-tensor state, so stepping some units' pieces at a time is the same update as
-        stepping all at once. When the reduced gradient already is in the master dtype and
-        needs no unscaling it is the piece's gradient itself, and every unit steps in one
-        call. With bf16/fp16 compute the optimizer needs gradients in the master dtype: made
-        all at once they would add 4 bytes per owned parameter at the peak, so they are made
-        for a run of units at a time, up to `step_chunk_bytes` (four buckets' worth by
-        default), and each run's all-gather is on the wire while the next run steps. The
-        optimizer's step hooks run once per run of units.
-        """
+        and publish each unit's update, a run of units at a time (see [Note: fp32 gradients a
+        few units at a time] in units.py)."""
         with self.lock:  # see [Note: reading a peer's shards] in remote.py
             try:
                 if self.delayed is not None:
@@ -361,7 +381,8 @@ class FlatEngine(EngineState):
         return True
 
     def _step_runs(self, ready: list[FlatUnit], unscale: float) -> list[list[FlatUnit]]:
-        """The units stepped together (see [Note: fp32 gradients a few units at a time])."""
+        """The units stepped together (see [Note: fp32 gradients a few units at a time] in
+        units.py)."""
         if all(u.reduced.dtype == u.master_dtype for u in ready) and unscale == 1.0:
             return [ready]
         sizes = [u.reduced.numel() * torch.finfo(u.master_dtype).bits // 8 for u in ready]

@@ -46,6 +46,23 @@ this iteration's state behind. At the next forward the engine asks `in_progress(
 collective was issued yet (`launched_any()`), the state is reset (`abandon()`) and training goes on as if that backward never
 ran. If some were, this rank's collectives can no longer be matched with the other ranks' with
 certainty, and the next forward raises an error that says so (DDP does the same).
+
+[Note: waiting for a reduction in backward]
+Waiting for a bucket's reduction blocks this rank until every rank has issued it, and a rank
+issues buckets in one order, each once it holds all of its gradients: one that got no gradient
+for some parameter (a branch taken on the other ranks only) issues that bucket, and every one
+after it, at the end of its backward. Under zero2 that end comes whatever this rank does. Under
+zero3 the peer's backward first gathers the roots still to come, and each gather needs this
+rank, blocked, to join it: both would wait forever (it did, with a branch on the rank in the
+first root of backward and three units after it). So zero3 waits in the middle of a backward
+only for a bucket whose flags collective (reduced apart, buckets.py) has completed, which it
+does once every rank has issued it, hence the gradients' collective before it: that one then
+completes with nothing more from this rank. Before a root makes its gradients (zero3.py), a
+rank gives the flags 50 ms to show it (a peer a little behind), once per backward; what it
+cannot show safe stays in flight (memory, never a hang) and the end of backward waits for all.
+On NCCL a wait holds the current stream, not the host, which goes on issuing its gathers: the
+bound on buckets in flight waits as under zero2, and nothing is waited for before a root (its
+device would wait for the reduction instead of computing beside it).
 """
 
 from __future__ import annotations
@@ -69,20 +86,25 @@ class GradReducer:
     `finish(bucket)` runs after the handle completed: during backward for buckets whose
     collective is already done, at the end of backward for the rest. `max_in_flight` bounds the
     buckets reduced but not yet finished (ZeRO-2 frees a bucket in `finish`, so this bounds its
-    peak gradient memory); None lets backward run on without ever waiting.
+    peak gradient memory); None lets backward run on without ever waiting. `may_wait(bucket,
+    patience)`, where given, says whether a bucket in flight may be waited for in the middle of
+    a backward (zero3 on gloo: see [Note: waiting for a reduction in backward]); without it
+    every bucket may.
     `on_first_order(buckets)` is called once, after the first backward, with the buckets in
     the order they became complete on this rank (see [Note: launch order follows readiness]).
     """
 
     def __init__(self, buckets: list[GradBucket], launch: Callable, finish: Callable,
                  on_first_order: Callable | None = None, max_in_flight: int | None = None,
-                 signal: Callable | None = None, on_end: Callable | None = None):
+                 signal: Callable | None = None, on_end: Callable | None = None,
+                 may_wait: Callable | None = None):
         self._launch_fn = launch
         self._finish_fn = finish
         self._signal = signal    # what each bucket's signal slot carries (faults/nonfinite.py)
         self._on_end = on_end    # called last at the end of each backward that communicated
         self._on_first_order = on_first_order
         self._max_in_flight = max_in_flight
+        self._may_wait = may_wait
         self.sync = True
         self.set_buckets(buckets)
         # The hook holds the reducer weakly: a hook is kept by the parameter in C++, where the
@@ -169,7 +191,23 @@ class GradReducer:
         while self._in_flight:
             bucket, work = self._in_flight[0]
             over = self._max_in_flight is not None and len(self._in_flight) > self._max_in_flight
+            if over and self._may_wait is not None:
+                over = self._may_wait(bucket, 0.0)
             if not (all_of_them or work is None or over or work.is_completed()):
+                break
+            self._in_flight.pop(0)
+            if work is not None:
+                work.wait()
+            self._finish_fn(bucket)
+
+    def settle(self, patience: float) -> None:
+        """Finish, oldest first, the buckets in flight that are done or may be waited for
+        (`may_wait`, allowed `patience` seconds to decide): called before a zero3 root makes its
+        gradients, so the ones reduced before it no longer take memory."""
+        while self._in_flight:
+            bucket, work = self._in_flight[0]
+            if not (work is None or work.is_completed()
+                    or self._may_wait is None or self._may_wait(bucket, patience)):
                 break
             self._in_flight.pop(0)
             if work is not None:
@@ -178,10 +216,16 @@ class GradReducer:
 
     @staticmethod
     def _adopt_grad(bucket: GradBucket, i: int) -> None:
-        """Make parameter i's `.grad` the bucket's view, copying a freshly made gradient in."""
-        bucket.allocate()
-        param, view = bucket.params[i], bucket.view(i)
+        """Make parameter i's `.grad` the bucket's view, copying a freshly made gradient in (or
+        making it the buffer: see [Note: a gradient reduced where autograd made it] in
+        buckets.py)."""
+        param = bucket.params[i]
         grad = param.grad
+        if grad is not None and bucket.takes(grad):
+            bucket.take(grad)
+            return
+        bucket.allocate()
+        view = bucket.view(i)
         if grad is not None and grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
             param.grad = view

@@ -39,6 +39,15 @@ issued it, so every peer's main thread is past its reads (they are synchronous).
 model is therefore freed at the next blocking collective (a barrier, the next `px.prepare`,
 a buffer broadcast or roots check of the next forward, clipping) or at `px.shutdown()`, not at
 the moment it is dropped.
+
+[Note: served once prepared]
+A rank returns from `px.prepare` and may read its peers' shards at once (`state_dict()` right
+after it), while a peer is still inside its own `px.prepare`: before its engine is registered
+(it answered 'no prepared model number 0'), or with its masters not yet holding their values
+(a meta build's are drawn after the engine exists, model/materialize.py: it answered the zeros
+they start from). So an engine is served only once `open` says its prepared model exists
+(prepared.py), and a request for one not open yet waits for it, as it waits for a step, within
+the timeout: models are prepared in one order on every rank, so the one asked for is coming.
 """
 
 from __future__ import annotations
@@ -100,6 +109,8 @@ class ShardService:
         self.parent = group
         self.engines: list = []  # weak references, by the order models were prepared
         self._held: dict[int, object] = {}   # engine id -> the engine, while its model lives
+        self._open = threading.Condition()   # guards `opened`; notified by `open`
+        self.opened = 0  # engines 0 .. opened-1 are served (see [Note: served once prepared])
         self._retired: list = []             # (engine, blocking collectives done when retired)
         self.served = 0          # requests answered (tests, benchmarks)
         records.on_blocking_done(self._release)
@@ -113,6 +124,13 @@ class ShardService:
         self.engines.append(weakref.ref(engine))
         self._held[len(self.engines) - 1] = engine
         return len(self.engines) - 1
+
+    def open(self, engine_id: int) -> None:
+        """Engine `engine_id`'s prepared model exists: serve it (and every engine before it,
+        see [Note: served once prepared])."""
+        with self._open:
+            self.opened = max(self.opened, engine_id + 1)
+            self._open.notify_all()
 
     def retire(self, engine_id: int) -> None:
         """The user's prepared model of engine `engine_id` is gone: keep the engine until a
@@ -214,10 +232,16 @@ class ShardService:
             ticket += 1
 
     def _answer(self, engine_id: int, kind: str, arg, step: int):
-        engine = self.engines[engine_id]() if engine_id < len(self.engines) else None
+        deadline = time.monotonic() + self.timeout
+        with self._open:  # see [Note: served once prepared]
+            if not self._open.wait_for(lambda: engine_id < self.opened, timeout=self.timeout):
+                raise RuntimeError(f"this rank did not finish preparing model number "
+                                   f"{engine_id} within {self.timeout:.0f} s (is px.prepare "
+                                   "called for the same models in the same order on every "
+                                   "rank?)")
+        engine = self.engines[engine_id]()
         if engine is None:
             raise RuntimeError(f"no prepared model number {engine_id} on this rank")
-        deadline = time.monotonic() + self.timeout
         while engine.version < step:  # see the Note: wait for this rank's step
             if time.monotonic() > deadline:
                 raise RuntimeError(f"this rank has taken {engine.version} optimizer steps and "

@@ -22,7 +22,7 @@ from torch import nn
 
 __all__ = ["find_blocks", "resolve_block_classes", "plan_units", "module_units", "unit_caps",
            "unit_numels", "unit_roots", "check_gather_options", "step_runs", "step_run_bytes",
-           "FIRST_UNIT_MIB"]
+           "FIRST_UNIT_MIB", "borrows", "borrowing"]
 
 FIRST_UNIT_MIB = 1.0
 
@@ -134,8 +134,19 @@ def module_units(module: nn.Module, params: list[torch.Tensor], itemsize: int,
 def step_runs(grad_bytes: list[int], budget: int) -> list[list[int]]:
     """The runs of units the optimizer steps together when each needs a gradient made in the
     master dtype (`grad_bytes` per unit, in order): consecutive units up to `budget` bytes, a
-    unit over it alone (see [Note: fp32 gradients a few units at a time] in flat_engine.py).
-    The planner counts the same runs."""
+    unit over it alone. The planner counts the same runs.
+
+    [Note: fp32 gradients a few units at a time]
+    The optimizer skips parameters whose `.grad` is None, and an element-wise optimizer keeps
+    per-tensor state, so stepping some units' pieces at a time is the same update as stepping
+    all at once. When the reduced gradient already is in the master dtype and needs no
+    unscaling it is the piece's gradient itself, and every unit steps in one call
+    (FlatEngine.step_units). With bf16/fp16 compute the optimizer needs gradients in the master
+    dtype: made all at once they would add 4 bytes per owned parameter at the peak, so they are
+    made for a run of units at a time, up to `step_run_bytes` (four buckets' worth by default),
+    and each run's all-gather is on the wire while the next run steps. The optimizer's step
+    hooks run once per run of units.
+    """
     runs: list[list[int]] = [[]]
     size = 0
     for i, nbytes in enumerate(grad_bytes):
@@ -159,6 +170,26 @@ def unit_numels(numels, blocks, itemsize: int, bucket_mb: float) -> list[int]:
     entries = [(n, b, None) for n, b in zip(reversed(numels), reversed(blocks))]
     first, cap = unit_caps(bucket_mb, itemsize)
     return [sum(entries[i][0] for i in unit) for unit in plan_units(entries, first, cap)] or [0]
+
+
+def borrows(numels: list[int], world: int) -> bool:
+    """Whether a unit of parameters of `numels` elements borrows its full-gradient buffer from
+    the pool under sharded gradients on `world` ranks: more than one parameter, or one that the
+    world size does not divide (a lone parameter's gradient is reduced in the tensor autograd
+    made: see [Note: a gradient reduced where autograd made it] in buckets.py)."""
+    return len(numels) > 1 or numels[0] % world != 0
+
+
+def borrowing(numels, blocks, itemsize: int, bucket_mb: float, world: int) -> tuple[int, int]:
+    """(elements of the largest unit that `borrows`, of the largest that does not), 0 where
+    there is none, for the planner: `numels` and `blocks` per trainable parameter in
+    registration order, as in `unit_numels`."""
+    blocks = blocks if blocks is not None else [None] * len(numels)
+    entries = [(n, b, None) for n, b in zip(reversed(numels), reversed(blocks))]
+    first, cap = unit_caps(bucket_mb, itemsize)
+    units = [[entries[i][0] for i in unit] for unit in plan_units(entries, first, cap)]
+    return (max((sum(u) for u in units if borrows(u, world)), default=0),
+            max((sum(u) for u in units if not borrows(u, world)), default=0))
 
 
 # -- zero3: where each unit is gathered (engine/zero3.py) -------------------------------------

@@ -25,10 +25,11 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
   and gathered again by that hook, so a segment of many blocks checkpointed at once holds two
   besides what is prefetched;
 - when a unit's gradients are all there, the reducer sends them out (reduced to the owned
-  shard, as zero2 does) and the unit is freed at once; at the end of the outermost backward
-  (queued from the prepared model's output gate, so a reentrant checkpoint's nested backward
-  does not end it) every unit still gathered is freed (one that got no gradient on this rank,
-  or under `no_sync`).
+  shard, as zero2 does, from the tensor autograd made where the unit is one parameter) and
+  the unit is freed at once (see [Note: prefetch] for what is waited for when); at the end
+  of the outermost backward (queued from the prepared model's output gate, so a reentrant
+  checkpoint's nested backward does not end it) every unit still gathered is freed (one that
+  got no gradient on this rank, or under `no_sync`).
 
 A module inside a root, called while that root's forward is not running, is refused with an
 error naming both (it would compute on freed storage, or on whatever happens to be gathered).
@@ -43,19 +44,8 @@ would meet a reduction on the wire and hang. So the gathers run on a process gro
 own (`Comm.twin`, made once in prepare): the reductions form one sequence, the gathers
 another, each the same on every rank.
 
-[Note: every rank runs the same roots]
-A gather is a collective: every rank must reach the same roots in the same order, as with
-PyTorch's FSDP and DeepSpeed's ZeRO-3. A branch that depends on the rank (or on per-rank
-randomness, such as layer drop) is fine inside one root: both branches' parameters are
-gathered together. Across roots it would pair one rank's gather of one block with another's
-of a different block, which gives wrong values when the two are the same size (a collective
-mismatch or a hang otherwise). So at the end of every forward that records gradients, the
-ranks exchange a signature of the sequence of roots they ran (one all-gather of 16 bytes per
-rank) and compare them on the device; the host reads the answer with the step's one read at the
-end of the backward that communicates (see [Note: one host read per step] in flat_engine.py),
-and if any forward since the last such backward differed, every rank raises an error naming
-where, before the optimizer step can apply anything. Forwards under `torch.no_grad()` are not
-compared.
+[Note: every rank runs the same roots] is in zero3_roots.py: a forward whose roots differ
+between ranks is found at the end of the backward, before the step, and named on every rank.
 
 [Note: a forward without gradients]
 A forward of the model under `torch.no_grad()` (evaluation, `generate`; decided when the model's
@@ -81,8 +71,15 @@ before it computes. Each forward records the order in which it reached the roots
 backward the order in which its output hooks fired. When a root starts (in forward or
 backward), the roots that followed it last time, up to `prefetch` of them and within
 `max_gathered_bytes` counting everything gathered now, are gathered asynchronously (the work
-handle waits on the unit: `unit.pending`, waited for before the unit is used or freed). Every
-rank runs the same model, so every rank issues the same all-gathers in the same order. When
+handle waits on the unit: `unit.pending`, waited for before the unit is used or freed). In
+backward they are chosen then but gathered once the root's units are freed (its gradients
+out), and before the root makes its gradients the reductions issued before it are finished
+where safe ([Note: waiting for a reduction in backward] in reducer.py): a root's gradients
+then meet only its own parameters, and the next root's gather runs beside their reduction,
+so beyond the shards a rank holds two units' worth at most (measured: 1.14x the ZeRO formula
+on 8 blocks of 64 MiB, where prefetching at the root's start and reducing during the next one
+held four; benchmarks/anchors.py). A deferred gather is issued before any other gather.
+Every rank runs the same model, so every rank issues the same all-gathers in the same order. When
 this pass departs from the last one (a block skipped), the roots no longer line up position
 by position and prefetching stops until they do again; roots are gathered on demand; what was
 gathered for nothing is freed at the end of the forward (or of backward), so a changing order
@@ -94,14 +91,13 @@ module that uses it, as with PyTorch's FSDP.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 from torch import nn
 from torch.autograd import Variable
 
 from .._tree import map_tensors
 from .units import unit_roots
+from .zero3_roots import compare_roots, raise_if_differed
 
 __all__ = ["UnitGatherer"]
 
@@ -181,7 +177,9 @@ class UnitGatherer:
         self.peak_bytes = 0                   # the most full parameters gathered at once
         self.prefetched = 0                   # roots gathered ahead (counted for tests/reports)
         self.prefetched_unused = 0            # ... and freed without being used
-        self._checks: list = []               # see _compare_roots
+        self._checks: list = []               # see zero3_roots.compare_roots
+        self._deferred = None  # backward: (root, roots to prefetch once its units are freed)
+        self.settle = None     # the engine's: finish reductions before a root's backward
         # unit -> its whole buffer read from the peers (engine/remote.py): how a forward
         # without gradients gathers, with no collective, so that one rank may run it alone
         self.fetch = None
@@ -196,6 +194,8 @@ class UnitGatherer:
         return sum(u.full_bytes for u in self.units if u.gathered)
 
     def gather(self, units) -> None:
+        if any(not u.gathered for u in units):
+            self.flush()  # every rank issues its gathers in one order
         works = [u.unshard(self.comm, async_op=True) for u in units if not u.gathered]
         for unit in units:
             unit.wait_gathered()
@@ -205,6 +205,7 @@ class UnitGatherer:
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
 
     def free_all(self) -> None:
+        self.flush()
         for unit in self.units:
             unit.reshard()
         self.prefetched_unused += len(self._prefetched)
@@ -235,25 +236,12 @@ class UnitGatherer:
 
     def _forward_done(self, _module, _args, _output):
         if self.comm.world > 1 and torch.is_grad_enabled():
-            self._compare_roots()
+            compare_roots(self)
         for index in self._prefetched:  # the forward took another path than the last one
             for unit in self.roots[index].units:
                 unit.reshard()
         self.prefetched_unused += len(self._prefetched)
         self._prefetched.clear()
-
-    def _compare_roots(self) -> None:
-        """See [Note: every rank runs the same roots]: exchange this forward's signature now,
-        compare on the device; the host reads the answer with the step's one read."""
-        seen = list(self._forward_seen)
-        mine = torch.tensor([len(seen), zlib.crc32(repr(seen).encode())], dtype=torch.int64,
-                            device=self.comm.device)
-        signatures = torch.stack(self.comm.all_gather_list(mine, tag="zero3:roots"))
-        self._checks.append((seen, (signatures == signatures[0]).all()))
-        if len(self._checks) > 64:  # forwards with gradients but no backward: keep the first
-            first, ok = self._checks[0]
-            self._checks = [(first, torch.stack([c for _, c in self._checks[:-1]]).all()),
-                            self._checks[-1]]
 
     def take_checks(self) -> list:
         """The (roots seen, same on every rank) of the forwards since the last backward."""
@@ -261,45 +249,52 @@ class UnitGatherer:
         return checks
 
     def raise_if_differed(self, checks: list, same: list) -> None:
-        """After the step's read (`same`: one value per check): name where the ranks went
-        different ways, on every rank (they all read the same answers)."""
-        failed = next((seen for (seen, _), ok in zip(checks, same) if not ok), None)
-        if failed is None:
-            return
-        paths = self.comm.all_gather_object([self.roots[i].name or "the model" for i in failed],
-                                            tag="zero3:roots")
-        first = next((i for i in range(max(map(len, paths)))
-                      if len({tuple(p[i:i + 1]) for p in paths}) > 1), 0)
-        ran = ", ".join(f"rank {r} {p[first] if first < len(p) else 'nothing'!r}"
-                        for r, p in enumerate(paths))
-        raise RuntimeError(
-            f"zero3: the ranks gathered different modules in this forward (gather {first + 1}: "
-            f"{ran}). Each is gathered by a collective every rank joins in the same order, so "
-            "a branch that depends on the rank must stay inside one module gathered as a whole "
-            "(a repeated block; px.prepare(..., blocks=[its class]) makes one), or the choice "
-            "the same on every rank; strategy='zero2' keeps whole parameters. (Found at the "
-            "end of backward, before the optimizer step: nothing was applied.)")
+        raise_if_differed(self, checks, same)
 
-    def _prefetch(self, order: list[int], seen: list[int]) -> None:
-        """See [Note: prefetch]: gather the roots that followed this one in `order`."""
+    def _prefetch(self, order: list[int], seen: list[int], defer: bool = False) -> None:
+        """See [Note: prefetch]: gather the roots that followed this one in `order` (with
+        `defer`, once this root's units are freed: `reduced`)."""
         pos = len(seen) - 1
         if not self.prefetch or pos >= len(order) or order[pos] != seen[-1]:
             return  # no order yet, or this pass went another way: gather on demand
-        gathered = self.gathered_bytes()
+        gathered, chosen = self.gathered_bytes(), []
         for index in order[pos + 1:pos + 1 + self.prefetch]:
-            root = self.roots[index]
-            need = root.missing_bytes()
+            need = self.roots[index].missing_bytes()
             if not need:
                 continue
             if self.limit is not None and gathered + need > self.limit:
                 break
-            for unit in root.units:
+            chosen.append(index)
+            gathered += need
+        if defer:
+            self._deferred = (seen[-1], chosen) if chosen else None
+        else:
+            self._issue(chosen)
+
+    def _issue(self, indices: list[int]) -> None:
+        for index in indices:
+            for unit in self.roots[index].units:
                 if not unit.gathered:
                     unit.pending = unit.unshard(self.comm, async_op=True)
             self._prefetched.add(index)
             self.prefetched += 1
-            gathered += need
-        self.peak_bytes = max(self.peak_bytes, gathered)
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+
+    def flush(self) -> None:
+        """Issue the deferred prefetch now (before any other gather, and at the end)."""
+        if self._deferred is not None:
+            chosen, self._deferred = self._deferred[1], None
+            self._issue(chosen)
+
+    def reduced(self, unit) -> None:
+        """From the engine: every gradient of `unit` is out, its values no longer needed. The
+        deferred prefetch goes once its root holds nothing gathered: in backward the next root
+        is gathered while this one's gradients are reduced, not while they are made, so a
+        root's gradients meet only its own parameters (see [Note: prefetch])."""
+        unit.reshard()
+        if self._deferred is not None and not any(
+                u.gathered for u in self.roots[self._deferred[0]].units):
+            self.flush()
 
     def _guard(self, name: str, roots: list[int]):
         def hook(_module, _args):
@@ -377,8 +372,10 @@ class UnitGatherer:
             self.backward_started()  # in case backward began elsewhere than at the gate
             seen = self._backward_seen
             if not seen or seen[-1] != root.index:  # a root's several outputs: once
+                if self.settle is not None:  # the reductions before it, where safe
+                    self.settle()
                 seen.append(root.index)
-                self._prefetch(self._backward_order, seen)
+                self._prefetch(self._backward_order, seen, defer=True)
             return grad
         return hook
 

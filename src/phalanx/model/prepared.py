@@ -79,6 +79,7 @@ class PreparedModule(torch.nn.Module):
         remote = getattr(engine, "remote", None)
         if remote is not None:  # see [Note: a model dropped while a peer reads it] in remote.py
             weakref.finalize(self, remote.retire, engine.remote_id)
+            remote.open(engine.remote_id)  # [Note: served once prepared] in remote.py
 
     def _where(self, p):
         """The address of a parameter's values; under zero3, whose units' storage is freed and

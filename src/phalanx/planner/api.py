@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..engine.units import check_gather_options, step_run_bytes
+from ..engine.units import borrowing, check_gather_options, step_run_bytes
 from .comm import collectives, step_time
 from .hardware import LINKS, gpu_spec
 from .hybrid import across_groups, check_plan_shard_size
@@ -157,9 +157,12 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         """Model states, buffers, step temporaries and the peak of `strategy` on n ranks."""
         states = model_states(strategy, prec, desc.params, desc.trainable_params,
                               state_elements, n)
+        lent = None if desc.trainable_shapes is None else borrowing(
+            [math.prod(s) for s in desc.trainable_shapes], desc.trainable_blocks, prec.weight,
+            bucket_mb, n)
         buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
                                comm_bytes, largest_unit, largest_param,
-                               gathered_numel=gathering[0])
+                               gathered_numel=gathering[0], borrowing=lent)
         step_bytes = step_working_bytes(optimizer, prec, _stepped(strategy, n),
                                         foreach=backend == "nccl",
                                         per_unit=not (strategy == "ddp" and replicated),

@@ -19,16 +19,20 @@ tests/test_plan_memory.py and against measured peaks by benchmarks/plan_vs_measu
 The reduced gradients themselves are the formula's g: they stay in the compute dtype, as the
 owned slice of the kept bucket (ddp, zero1) or as a persistent shard (zero2), so there is no
 separate fp32 gradient between steps.
-- grad_pool (zero2): the full-gradient buckets of ZeRO-2 are lent from a pool of three
-  buffers, each the size of the largest unit plus the world size (at most two reduced but
-  unfinished, one filling), made up front. Kept.
+- grad_pool (zero2, zero3): the full-gradient buckets of the units that borrow (more than one
+  parameter, or one whose size the world does not divide: engine/units.py `borrows`) are lent
+  from a pool of two buffers, each the size of the largest such unit plus the world size (one
+  reduced but unfinished, one filling), made up front. Kept. A unit of one parameter is
+  reduced in the gradient autograd made (engine/buckets.py), so zero2 holds, besides the one
+  being made (grad_staging), one such unit's gradients in flight (unit_grads).
 - comm_buffers: with a `comm_dtype` other than the compute dtype, the sharded engine keeps one
   low-precision copy of every unit. Kept.
 - comm_copies: what exists until a bucket's collective is finished: fp32 ddp's compressed
   copies (every bucket, at the end of backward) and the shards reduce-scatter receives (zero2
   on NCCL; zero1 keeps full gradients and all-reduces).
 - grad_staging: autograd makes each parameter's gradient as a fresh tensor, which the engine
-  then copies into its bucket; the largest parameter's gradient exists twice for a moment.
+  then copies into its bucket; the largest parameter's gradient exists twice for a moment
+  (zero2 and zero3 reduce a lone parameter's in that tensor: the one being made).
 - gathered_params (zero3): the full parameters gathered at once (planner/layout.py's
   `zero3_gathering`): the units rooted at the model itself (tied embeddings and head), which
   stay gathered through the forward and into backward, plus two of the largest root (a block:
@@ -45,7 +49,7 @@ fp32 ddp steps the model's own parameters in one call, and so does phalanx's fla
 the gradients already are in the master dtype (fp32: every unit's master pieces in one call).
 Under mixed precision the flat engine makes the fp32 gradients of a run of consecutive units
 at a time (up to four buckets' worth: engine/units.py, step_runs and step_run_bytes, shared
-with the engine; see [Note: fp32 gradients a few units at a time] in engine/flat_engine.py),
+with the engine; see [Note: fp32 gradients a few units at a time] in engine/units.py),
 steps that run's master pieces in one call and drops the gradients after it. Its step's
 working memory is then the largest, over runs, of the run's fp32 gradients (4 bytes per owned
 element) plus the optimizer's temporaries for the run's tensors (the single-tensor
@@ -166,8 +170,11 @@ def model_states(strategy: str, precision: Precision, params: int, trainable: in
 
 def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int,
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
-                 largest_param: int = 0, gathered_numel: int | None = None) -> dict:
-    """The engine's working memory by kind (see [Note: Engine buffers]); values in bytes."""
+                 largest_param: int = 0, gathered_numel: int | None = None,
+                 borrowing: tuple[int, int] | None = None) -> dict:
+    """The engine's working memory by kind (see [Note: Engine buffers]); values in bytes.
+    `borrowing`: (largest unit that borrows from the pool, largest that does not), in
+    elements (engine/units.py); None: every unit borrows, the largest being `largest_unit`."""
     # Only strategies that shard gradients reduce-scatter (zero1 keeps full gradients, so it
     # all-reduces whatever the backend: engine/policy.py).
     reduce_scatter = reduce_scatter and strategy in ("zero2", "zero3") and world > 1
@@ -177,8 +184,11 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
     out = dict.fromkeys(("grad_pool", "grad_shard", "comm_buffers", "comm_copies",
                          "gathered_params", "unit_grads"), 0)
     out["grad_staging"] = g * largest_param
-    if strategy == "zero2":
-        out["grad_pool"] = 3 * g * (largest_unit + world)
+    pooled, lone = (largest_unit, 0) if borrowing is None else borrowing
+    if strategy in ("zero2", "zero3") and world > 1 and pooled:
+        out["grad_pool"] = 2 * g * (pooled + world)
+    if strategy == "zero2" and world > 1:
+        out["unit_grads"] = g * lone
     elif strategy == "zero3" and world > 1:
         out["unit_grads"] = min(g_full, 2 * g * largest_unit)
         out["gathered_params"] = precision.weight * (
