@@ -32,7 +32,7 @@ def _reference(references, combo, world):
     return references[key]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_matches_one_process(world, references):
     results = run_ranks(_train_all, world, args=(world, COMBOS, {"strategy": "ddp"}), timeout=180)
     for combo in COMBOS:

@@ -23,6 +23,7 @@ def test_without_cuda_every_check_is_skipped_and_the_exit_status_is_0():
     assert "0 passed, 0 failed, 13 skipped" in done.stdout
 
 
+@pytest.mark.slow  # two to three minutes on 2 cores: every check of the suite, on the CPU
 def test_the_checks_run_on_the_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-dry-run", "--json",
                            str(tmp_path / "rows.jsonl")], capture_output=True, text=True,

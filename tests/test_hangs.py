@@ -77,7 +77,7 @@ def test_a_rank_with_fewer_steps_is_named_with_both_collectives():
     assert "(px.shutdown) on rank 1" in err, err
 
 
-@pytest.mark.parametrize("kind", ["skip", "extra"])
+@pytest.mark.parametrize("kind", [pytest.param("skip", marks=pytest.mark.slow), "extra"])
 def test_checked_collectives_name_what_each_rank_issues(kind):
     result, _ = run_job(kind, check=True)
     assert result.returncode != 0

@@ -190,9 +190,10 @@ def test_help_describes_every_flag(capsys):
 
 # -- defects of the launcher and of exiting (issue "Defects found by running real training
 # code", items 8, 11, 12 and 14) ------------------------------------------------------------
-# Two strategy/ending pairs once each; the slow cases run every pair 50 times.
+# One strategy/ending pair once; the slow cases run another once and every pair 50 times.
 ENDINGS = [pytest.param("ddp", "shutdown", 1, id="ddp-shutdown"),
-           pytest.param("zero2", "no-shutdown", 1, id="zero2-no-shutdown")] + [
+           pytest.param("zero2", "no-shutdown", 1, id="zero2-no-shutdown",
+                        marks=pytest.mark.slow)] + [
     pytest.param(s, e, 50, id=f"{s}-{e}-50-runs", marks=pytest.mark.slow)
     for s in ("ddp", "zero2") for e in ("shutdown", "no-shutdown")]
 
@@ -341,6 +342,7 @@ def _resume_run(tmp_path, name, kills=0, die_in_save=None, seed=0):
     return load_file(out), starts, killed_at, stderr
 
 
+@pytest.mark.slow
 def test_a_run_killed_at_random_moments_ends_as_an_uninterrupted_one(tmp_path):
     # Issue "Survive failures": SIGKILL of a random rank, twice in one run, under
     # --max-restarts 3; the workers resume from the newest complete checkpoint.

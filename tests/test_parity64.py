@@ -231,7 +231,8 @@ def references():
     return {}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 4 ranks: slow (PHALANX_SLOW=1); 2 and 3 ranks cover an even and an odd world in the suite
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
 def test_float64_parity_with_one_process(strategy, world, references):
     results = run_ranks(_train_all, world, args=(world, strategy), timeout=240)
