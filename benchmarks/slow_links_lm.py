@@ -16,7 +16,7 @@ Every competitor trains its own copy from the same initial weights, in the same 
 taking turns in rotating order, `--steps` steps a turn; round 0 warms up (and trains). A step's
 time is the slowest rank's, averaged over the timed rounds (a DiLoCo sync lands in some steps
 only, so the mean and not the median); the bytes sent are the step report's, averaged over every
-step. The compute-only bound is the same forward, backward and
+step but a turn's first. The compute-only bound is the same forward, backward and
 step with no communication at all. At the end every competitor's held-out loss is measured on
 the same 8 batches (the mean of the ranks' losses, which under DiLoCo hold the synced weights
 when the step count is a multiple of H).
@@ -110,14 +110,18 @@ def worker(rounds: int, steps: int) -> None:
             model, opt = runs[name]
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(steps):
+            for i in range(steps):
                 x, y = batch(table, seed=done[name] * world + rank)
                 model(x, y).backward()
                 opt.step()
                 opt.zero_grad()
                 done[name] += 1
-                if name != "compute-only":  # the last step's bytes: summed over every step
-                    sent[name] = sent.get(name, 0) + px.step_stats(model).get("comm_bytes", 0)
+                # The step report's bytes of this step, summed; a turn's first step is left
+                # out: its report spans the other competitors' turns since this one's last
+                # step (their collectives are on the same group).
+                if name != "compute-only" and i > 0:
+                    total, count = sent.get(name, (0, 0))
+                    sent[name] = (total + px.step_stats(model).get("comm_bytes", 0), count + 1)
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if r > 0:
@@ -131,7 +135,7 @@ def worker(rounds: int, steps: int) -> None:
         dist.all_reduce(mine)
         losses[name] = mine.item() / world
     if rank == 0:
-        sent = {name: total / done[name] for name, total in sent.items()}
+        sent = {name: total / count for name, (total, count) in sent.items()}
         print("RESULT " + json.dumps({"times": times, "sent": sent, "losses": losses,
                                       "steps": done}), flush=True)
     px.shutdown()
