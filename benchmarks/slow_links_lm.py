@@ -7,7 +7,7 @@ cluster of namespaces on this machine (phalanx.testing.cluster).
 Two nodes of one rank each (gloo, one thread per rank), each node's launcher `phalanx run
 --nnodes 2 --node-rank R`, as on a real cluster. The model is a GPT of nanoGPT's shape
 (benchmarks/gpt.py: 4 blocks, width 384, vocabulary 2048, context 64; 7.9M parameters, 32 MB of
-fp32 gradients a step), AdamW lr 1e-3, 8 sequences per rank and step. The data is made here: a
+fp32 gradients a step), AdamW lr 1e-3, 4 sequences per rank and step. The data is made here: a
 language whose every token has four successors, drawn with probabilities 0.5, 0.25, 0.15 and 0.1
 (1.21 nats per token is the best any model can do; ln 2048 = 7.62 is where training starts).
 Step k of every competitor reads the same global batch.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve()
-VOCAB, CONTEXT, BATCH = 2048, 64, 8
+VOCAB, CONTEXT, BATCH = 2048, 64, 4
 SUCCESSORS = torch.tensor([0.5, 0.25, 0.15, 0.1])
 
 
@@ -62,12 +62,13 @@ def batch(table: torch.Tensor, seed: int, size: int = BATCH):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def competitors(px) -> dict:
-    """name -> keyword arguments of px.prepare (None: compute only). A remedy whose name this
-    phalanx does not have is left out."""
+def competitors(px, only: list[str] | None = None) -> dict:
+    """name -> keyword arguments of px.prepare (None: compute only), those named in `only`
+    (all by default). A remedy whose name this phalanx does not have is left out."""
     out = {"compute-only": None, "ddp": {}, "ddp bf16 comm": {"comm_dtype": torch.bfloat16}}
     if hasattr(px, "PowerSGD"):
-        out["powersgd r4"] = {"compression": px.PowerSGD(rank=4, start_step=10)}
+        for r in (4, 8):
+            out[f"powersgd r{r}"] = {"compression": px.PowerSGD(rank=r, start_step=10)}
     if hasattr(px, "DiLoCo"):
         for h in (20, 50):
             out[f"diloco H={h}"] = {"strategy": px.DiLoCo(sync_every=h, outer_lr=0.7,
@@ -78,10 +79,14 @@ def competitors(px) -> dict:
             out["staleness=1"] = {"staleness": 1}
     except (TypeError, ValueError):
         pass
+    if only:
+        out = {name: kwargs for name, kwargs in out.items() if name in only}
+    else:
+        out.pop("powersgd r8")
     return out
 
 
-def worker(rounds: int, steps: int) -> None:
+def worker(rounds: int, steps: int, only: list[str] | None) -> None:
     import torch.distributed as dist
 
     import phalanx as px
@@ -92,7 +97,7 @@ def worker(rounds: int, steps: int) -> None:
     table = successor_table()
     c = config()
     runs = {}
-    for name, kwargs in competitors(px).items():
+    for name, kwargs in competitors(px, only).items():
         torch.manual_seed(0)
         model = GPT(c)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -146,11 +151,15 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["1gbit"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="these competitors only (with compute-only and ddp: the ratios' "
+                             "bases), e.g. --only 'powersgd r4' 'powersgd r8'")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    only = None if not args.only else ["compute-only", "ddp", *args.only]
     if args.worker:
         sys.path.insert(0, str(HERE.parent))
-        worker(args.rounds, args.steps)
+        worker(args.rounds, args.steps, only)
         return
     sys.path.insert(0, str(HERE.parents[1] / "src"))
     from phalanx.testing.cluster import Cluster, unavailable
@@ -167,7 +176,9 @@ def main() -> None:
     for rate in args.rates:
         with Cluster(nodes=2, rate=None if rate == "none" else rate) as cluster:
             nodes = cluster.launch([str(HERE), "--worker", "--rounds", str(args.rounds),
-                                    "--steps", str(args.steps)], timeout=3000)
+                                    "--steps", str(args.steps)]
+                                   + (["--only", *args.only] if args.only else []),
+                                   timeout=3000)
         for node, finished in enumerate(nodes):
             if finished.returncode != 0:
                 raise SystemExit(f"node {node} failed:\n{finished.stderr[-3000:]}")
