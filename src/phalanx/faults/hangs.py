@@ -242,7 +242,9 @@ class HangWatch:
                 ranks = dist.get_process_group_ranks(group)
             except (RuntimeError, ValueError):  # destroyed meanwhile
                 continue
-            if len(ranks) != self.world:
+            except KeyError:  # a group torch.distributed does not list: read as the job's
+                ranks = None
+            if ranks is not None and len(ranks) != self.world:
                 name = f"{name} (ranks {', '.join(map(str, ranks))})"
                 self.members[name] = list(ranks)
             recs = records.records_on(group)
