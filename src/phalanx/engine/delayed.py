@@ -126,9 +126,11 @@ class DelayedGrads:
         comm_dtype = engine.precision.comm_dtype
         # one flat copy [gradients | padding | flags | signal], also where the bucket keeps its
         # flags apart (see [Note: a gradient reduced where autograd made it] in buckets.py)
-        whole = torch.cat([bucket.grads(), bucket.tail()]) if bucket.tail_apart \
-            else bucket.buffer
-        buf = whole.to(comm_dtype or whole.dtype, copy=True)
+        dtype = comm_dtype or bucket.buffer.dtype
+        if bucket.tail_apart:  # the cat is the copy (cast on the way where comm_dtype asks)
+            buf = torch.cat([bucket.grads().to(dtype), bucket.tail().to(dtype)])
+        else:
+            buf = bucket.buffer.to(dtype, copy=True)
         mine = buf[-1:].clone()  # this rank's own non-finite signal, before averaging
         out, work = None, None
         if engine.world > 1:
