@@ -28,6 +28,7 @@ algorithm, which the planner accounts for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import zlib
 from collections import defaultdict, deque
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from . import groups, pickled, records
 from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
 from .completion import Handle
+from .elastic.gate import gate, is_loss, lost
 from .records import CollectiveRecord
 
 __all__ = ["Comm", "Handle", "CollectiveMismatch"]
@@ -47,6 +49,42 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 _OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN}
+
+
+def _guarded(cut):
+    """[Note: a collective on a broken group]
+    Under `--on-failure continue` (phalanx/elastic/) a collective that fails because a peer is
+    gone does not raise: it cuts the wire for the rest of the step (elastic/gate.py) and
+    returns what `cut(self, *args, **kwargs)` gives, the result of a collective that moved
+    nothing (this rank's own values); so does every collective while the wire is cut. The step
+    is thrown away at `optimizer.step()`, where the survivors agree on what happened.
+    Outside continue mode, and on a Comm over no group, the method runs as written."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            if not gate.active or self.group is None:
+                return method(self, *args, **kwargs)
+            if gate.cut:
+                return cut(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                if not is_loss(exc):
+                    raise
+                lost(exc)
+                return cut(self, *args, **kwargs)
+        return guarded
+    return wrap
+
+
+def _nothing(self, *args, async_op: bool = False, **kwargs):
+    return Handle([]) if async_op else None
+
+
+def _own_shard(self, full, out, async_op: bool = True, tag=None):
+    n = out.numel()
+    out.copy_(full[self.rank * n:self.rank * n + n])
+    return Handle([])
 
 
 class Comm:
@@ -178,6 +216,19 @@ class Comm:
     def reset_counts(self) -> None:
         self.bytes_by_kind.clear()
 
+    def regroup(self, group, name: str | None = None) -> None:
+        """Issue on `group` from now on: the group of a new generation of the job's members
+        under `--on-failure continue` (elastic/membership.py), or the first group of a
+        replacement, whose Comms wait without one until it is admitted (`world`, `rank`:
+        what they will be). Records and counts are kept."""
+        self.group = group
+        self.name = name or _group_name(group)
+        self.world = dist.get_world_size(group) if group is not None else self.world
+        self.rank = dist.get_rank(group) if group is not None else self.rank
+        self.backend = str(dist.get_backend(group)) if group is not None else self.backend
+        self.polls = "nccl" in self.backend
+        records.drop_in_flight(self)
+
     def close(self) -> None:
         """Drop the process group, so nothing here keeps it alive past `px.shutdown()`."""
         self.group = None
@@ -189,6 +240,7 @@ class Comm:
         return t.numel() * t.element_size()
 
     # -- tensor collectives ----------------------------------------------------------------
+    @_guarded(lambda self, tensor, op='avg', async_op=False, tag=None: _nothing(self, async_op=async_op))
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False,
                    tag: str | None = None):
         """Reduce `tensor` over the ranks, in place ("avg" divides inside the collective, so
@@ -199,6 +251,7 @@ class Comm:
         return self._issue(rec, lambda a: dist.all_reduce(tensor, op=_OPS[op], group=self.group,
                                                           async_op=a), async_op)
 
+    @_guarded(_own_shard)
     def reduce_shard(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = True,
                      tag: str | None = None):
         """Average `full` over the ranks and leave this rank's 1/N slice in `out`.
@@ -229,6 +282,7 @@ class Comm:
             handle.wait()
         return handle
 
+    @_guarded(lambda self, output, shard, async_op=False, tag=None: _nothing(self, async_op=async_op))
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                         tag: str | None = None):
         """Concatenate every rank's `shard` into `output`, in rank order."""
@@ -256,6 +310,7 @@ class Comm:
             return None
         return handle
 
+    @_guarded(lambda self, tensor, tag=None: [tensor] * self.world)
     def all_gather_list(self, tensor: torch.Tensor, tag: str | None = None) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape everywhere), in rank order."""
         if self.group is None:
@@ -266,6 +321,7 @@ class Comm:
                     False)
         return parts
 
+    @_guarded(lambda self, tensor, src=0, async_op=False, tag=None: _nothing(self, async_op=async_op))
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False,
                   tag: str | None = None):
         """Rank `src`'s (a rank of this group) `tensor` on every rank, in place."""
@@ -281,6 +337,7 @@ class Comm:
     # do, but made here so that the record holds the bytes that really moved: one all-gather
     # of the pickles' lengths, then one of the pickles padded to the longest; both are one
     # record, whose bytes count the lengths and every rank's padded pickle.
+    @_guarded(lambda self, obj, tag=None: [obj] * self.world)
     def all_gather_object(self, obj, tag: str | None = None) -> list:
         """Every rank's picklable `obj`, in rank order."""
         if self.group is None:
@@ -298,6 +355,7 @@ class Comm:
         rec.poll()  # NCCL: the host has read the parts, so the device is done with them
         return out
 
+    @_guarded(lambda self, obj, dst=0, tag=None: [obj] * self.world if self.rank == dst else None)
     def gather_object(self, obj, dst: int = 0, tag: str | None = None) -> list | None:
         """Every rank's `obj` on rank `dst` (a rank of this group; None elsewhere)."""
         if self.group is None:
@@ -329,6 +387,7 @@ class Comm:
         dist.all_gather(sizes, size, group=self.group)
         return payload, [int(s.item()) for s in sizes]
 
+    @_guarded(_nothing)
     def barrier(self, tag: str | None = None) -> None:
         if self.group is None:
             return

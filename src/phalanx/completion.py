@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from .elastic.gate import is_loss, lost
+
 __all__ = ["Handle"]
 
 
@@ -59,11 +61,19 @@ class Handle:
         if not self._done:
             stalled = self.records[0].pending if self.records else None
             began = time.perf_counter()
-            if stalled:  # NCCL: the wait is the current stream's, timed on the device
-                self.records[0].stall = _device_interval(lambda: [w.wait() for w in self.works])
-            else:
-                for w in self.works:
-                    w.wait()
+            try:
+                if stalled:  # NCCL: the wait is the current stream's, timed on the device
+                    self.records[0].stall = _device_interval(
+                        lambda: [w.wait() for w in self.works])
+                else:
+                    for w in self.works:
+                        w.wait()
+            except Exception as exc:  # see [Note: a collective on a broken group]
+                if not is_loss(exc):
+                    raise
+                lost(exc)
+                self._done = True
+                return True
             self._saw_completion()
             if self.records:  # the exposed time, counted once for the handle's collectives
                 self.records[0].waited += time.perf_counter() - began

@@ -18,7 +18,8 @@ import datetime
 
 import torch.distributed as dist
 
-__all__ = ["set_timeout", "timeout", "group_for", "partition", "end_all", "made", "on_end"]
+__all__ = ["set_timeout", "timeout", "group_for", "partition", "end_all", "forget_all", "made",
+           "on_end"]
 
 _timeout: list = [None]   # px.init's timeout (a timedelta), once known
 _made: dict = {}          # (id(parent), purpose) -> (parent, group)
@@ -89,3 +90,9 @@ def end_all() -> None:
             dist.destroy_process_group(group)
         except (RuntimeError, ValueError):  # already gone with its parent
             pass
+
+
+def forget_all() -> None:
+    """Forget every group made here without destroying them one by one: the job's group is
+    being destroyed with all of its subgroups (a generation ends, elastic/membership.py)."""
+    _made.clear()

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import groups, records
+from . import elastic, groups, records
 from .collectives import Comm
 from .launch.env import check_slurm_tasks, read_launch_env
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
-    "default_group", "default_comm", "is_distributed",
+    "default_group", "default_comm", "job_comm", "is_distributed",
     "auto_processes", "process_count",
 ]
 
@@ -46,6 +46,7 @@ class _State:
     device: torch.device = torch.device("cpu")
     initialized: bool = False
     owns_group: bool = False  # True when init() created the group (so shutdown destroys it)
+    watch: tuple | None = None  # (timeout, hang_after) of init, for a new generation's watcher
 
 
 _state = _State()
@@ -229,6 +230,18 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         backend = "nccl" if torch.cuda.is_available() and on_gpu else "gloo"
     _state.rank, _state.world_size, _state.local_rank = env.rank, env.world_size, env.local_rank
     _state.device = _pick_device(env.local_rank, backend, requested)
+    if env.world_size > 1 and elastic.wanted(env):  # phalanx run --on-failure continue
+        _state.initialized = True
+        _state.owns_group = True
+        _state.watch = (timeout, hang_after)
+        groups.set_timeout(timeout)
+        elastic.start(env, backend, timeout, _state.device)
+        m = elastic.current()
+        m.on_regroup.append(_regrouped)
+        elastic.step_gate().on_lost.append(_stop_watching)
+        if not m.joining:
+            _watch_hangs(timeout, hang_after)
+        return
     if env.world_size > 1:
         if env.source == "slurm":
             os.environ.setdefault("MASTER_ADDR", env.master_addr)
@@ -268,6 +281,28 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
 
 
 _hang_watch = None
+
+
+def _regrouped(old, new) -> None:
+    """A new generation's group (elastic/membership.py): this rank's place in it, and a hang
+    watcher over it (the old one stopped when the old group broke)."""
+    m = elastic.current()
+    _state.rank, _state.world_size = m.rank, m.world
+    _default.clear()
+    _stop_watching()
+    if _state.watch is not None:
+        _watch_hangs(*_state.watch)
+
+
+def job_comm(**kwargs) -> Comm:
+    """A new Comm over the job's group; for a replacement not yet admitted (elastic/), one
+    that waits without a group, sized as the job, until its admission gives it one."""
+    m = elastic.current()
+    if m is not None and m.joining:
+        comm = Comm(None, device=device(), **kwargs)
+        comm.world, comm.rank, comm.waiting = _state.world_size, _state.rank, True
+        return comm
+    return Comm(default_group(), device=device(), **kwargs)
 
 
 def _ensure():
@@ -323,7 +358,7 @@ def default_comm() -> Comm:
     group = default_group()
     comm = _default.get("comm")
     if comm is None or comm.group is not group:
-        comm = _default["comm"] = Comm(group, device=device())
+        comm = _default["comm"] = job_comm()
     return comm
 
 
@@ -370,14 +405,17 @@ def shutdown() -> None:
                 fn()
             except Exception as exc:  # raised once the group is ended
                 error = error or exc
+        elastic.finish()  # phalanx run --on-failure continue: a loss after the last step
         if dist.is_available() and dist.is_initialized():
             try:
                 _barrier("px.shutdown")
+                elastic.finish()  # ... or in this very barrier
             finally:
                 _stop_watching()
                 _end_groups()
     finally:
         _stop_watching()
+        elastic.stop()
         _state.__init__()
     if error is not None:
         raise error

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from .. import runtime
+from .. import elastic, runtime
 from ..model.prepared import to_device
 from ..observe.step_report import add_data_wait
 from .sampler import DistributedSampler, check_batch_size, split_evenly
@@ -125,6 +125,10 @@ class DistributedLoader(DataLoader):
         batches = super().__iter__()
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s
+            elastic.iteration_starts()
+            if sampler is not None and sampler.restart:  # see [Note: a step redone]
+                sampler.restart = False
+                batches = super().__iter__()
             try:
                 batch = next(batches)
             except StopIteration:

@@ -49,7 +49,7 @@ import numbers
 import torch
 from torch.utils.data import Sampler
 
-from .. import runtime
+from .. import elastic, runtime
 
 __all__ = ["DistributedSampler", "split_evenly", "check_batch_size"]
 
@@ -111,10 +111,14 @@ class DistributedSampler(Sampler[int]):
             raise TypeError(f"seed must be an int, got {seed!r}")
         seed = int(seed)
         self.batch_size = check_batch_size(batch_size)
-        self.world_size = runtime.world_size() if world_size is None else int(world_size)
-        self.rank = runtime.rank() if rank is None else int(rank)
+        self._world = None if world_size is None else int(world_size)
+        self._rank = None if rank is None else int(rank)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        # One global batch for the sampler's life: after a rank is lost under `phalanx run
+        # --on-failure continue`, the survivors split the same global batches among fewer
+        # ranks (see [Note: a step redone] below).
+        self._global_batch = self.world_size * self.batch_size
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.drop_last = bool(drop_last)
@@ -123,10 +127,24 @@ class DistributedSampler(Sampler[int]):
         self._pass_start = 0     # ... where the pass in progress began
         self._steps_done = 0     # global steps of the pass in progress that reached the loop
         self._in_pass = False
+        self._committed = (0, 0)  # (epoch, position) at the last step all ranks committed
+        self.restart = False      # the loader must start its iteration again (a rewind)
+        gate = elastic.step_gate()
+        if gate is not None:
+            gate.samplers.add(self)
+
+    @property
+    def world_size(self) -> int:
+        """The ranks splitting each global batch: the job's, as it is now, unless given."""
+        return runtime.world_size() if self._world is None else self._world
+
+    @property
+    def rank(self) -> int:
+        return runtime.rank() if self._rank is None else self._rank
 
     @property
     def global_batch_size(self) -> int:
-        return self.world_size * self.batch_size
+        return self._global_batch
 
     # -- the order -------------------------------------------------------------------------
     def global_order(self, epoch: int | None = None) -> torch.Tensor:
@@ -197,6 +215,31 @@ class DistributedSampler(Sampler[int]):
         return min(self._pass_start + self._steps_done * self.global_batch_size,
                    self._end(self._pass_start))
 
+    # -- a step redone (phalanx run --on-failure continue) -----------------------------------
+    def _where(self) -> tuple[int, int]:
+        """(epoch, position), a finished epoch being the start of the next."""
+        consumed = self.position()
+        if self._in_pass and consumed >= self._end(self._pass_start):
+            return self.epoch + 1, 0
+        return self.epoch, consumed
+
+    def _commit(self) -> None:
+        """A step every rank committed: a redo goes back no further than here."""
+        self._committed = self._where()
+
+    def _resume(self, skip: bool) -> None:
+        """[Note: a step redone]
+        Under `phalanx run --on-failure continue` the steps after the last one every rank
+        committed are thrown away when a rank is lost (elastic/steps.py); the next pass starts
+        where that step left the global order (or, with `skip`, where the lost steps left it),
+        and the loader begins its iteration again, splitting each global batch over the ranks
+        there are now."""
+        if skip:
+            self._committed = self._where()
+        self.epoch, self._start = self._committed
+        self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
+        self.restart = True
+
     # -- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next pass follows.
@@ -243,6 +286,7 @@ class DistributedSampler(Sampler[int]):
                              f"{self.dataset_length} samples")
         self.epoch, self._start = int(state["epoch"]), consumed
         self._pass_start, self._steps_done, self._in_pass = consumed, 0, False
+        self._committed = (self.epoch, consumed)
 
 
 class _BatchView(Sampler[list]):

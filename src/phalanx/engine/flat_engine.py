@@ -145,6 +145,18 @@ class FlatEngine(EngineState):
         else:
             optimizer.register_step_post_hook(lambda opt, args, kwargs: fn())
 
+    def gate_steps(self, optimizer, before) -> None:
+        """Ask `before()` as every `optimizer.step()` of the user's loop begins whether the
+        step may change anything (elastic/steps.py); when not, its gradients are dropped first,
+        so the optimizer (adopted or the user's own) steps nothing."""
+        if self.optim is not None and self.optim.adopted:
+            self.optim.before_step = before
+        else:
+            def pre(opt, args, kwargs):
+                if not before():
+                    self.drop_grads()
+            optimizer.register_step_pre_hook(pre)
+
     def groups(self) -> list:
         """The process groups this engine issues on (the step report reads their records)."""
         comms = [self.comm] + ([self.gatherer.comm] if self.gatherer is not None else [])

@@ -80,6 +80,7 @@ class OptimizerAdapter:
         group_of = optimizer_groups(optimizer, module)
         self.adopted = engine.adopt
         self.after_step: list = []  # called after each optimizer.step() (engine.watch_steps)
+        self.before_step = None     # fn() -> whether the step may run (engine.gate_steps)
         # The groups as the user built them: what a single process's state_dict indexes.
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         setattr(optimizer, _ADAPTER_ATTR, self)
@@ -130,6 +131,8 @@ class OptimizerAdapter:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.before_step is not None and not self.before_step():
+            self.engine.drop_grads()  # the step is thrown away: it changes nothing
         stepped = self.engine.step_units(self._user["step"])
         if not stepped and self.engine.loss_scaler is not None:
             self.zero_grad()  # overflowed gradients are of no use to a later step

@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig
 
+from .continuing import ContinueMixin
 from .rendezvous import RENDEZVOUS, RUN_ID, StaticRendezvous
 
 __all__ = ["run_workers"]
@@ -56,14 +57,20 @@ class _Agent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
 
+class _ContinueAgent(ContinueMixin, _Agent):
+    """`--on-failure continue`: one failed worker is replaced, the others go on."""
+
+
 def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: list[str],
-                on_restart: OnRestart) -> tuple[RunResult, list]:
+                on_restart: OnRestart, on_failure=None) -> tuple[RunResult, list]:
     """Run `python worker_args...` as this node's workers until they succeed or fail for good.
 
-    Returns the last attempt's result and what `on_restart` returned for each earlier attempt.
-    Raises torch's `SignalException` when the launcher is signalled (the workers are stopped
-    first) and `DistError` when the rendezvous fails.
+    Returns the last attempt's result and what `on_restart` returned for each earlier attempt
+    (under `--on-failure continue`: what `on_failure(rank, failure)` returned for each failure
+    survived). Raises torch's `SignalException` when the launcher is signalled (the workers are
+    stopped first) and `DistError` when the rendezvous fails.
     """
+    continuing = args.on_failure == "continue"
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
@@ -71,7 +78,8 @@ def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: 
         run_id=RUN_ID,
         rdzv_backend=RENDEZVOUS,
         rdzv_endpoint=f"{args.master_addr}:{port}",
-        max_restarts=args.max_restarts,
+        # under continue the agent never restarts the group: the restarts are replacements
+        max_restarts=0 if continuing or args.on_failure == "stop" else args.max_restarts,
         # Output goes through per-rank files that the agent tails onto our stdout and stderr
         # with the rank in front; the files also keep the end of a failed rank's stderr.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
@@ -79,14 +87,18 @@ def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: 
     )
     # See [Note: static rendezvous, a fresh store per attempt].
     rendezvous = StaticRendezvous(args.master_addr, port, args.node_rank, args.nnodes,
-                                  args.join_timeout)
+                                  args.join_timeout, share_store=continuing)
     spec = _worker_spec(config, rendezvous, sys.executable, worker_args)
-    agent = _Agent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                   log_line_prefix_template=config.log_line_prefix_template,
-                   shutdown_timeout=config.shutdown_timeout, on_restart=on_restart)
+    agent = (_ContinueAgent if continuing else _Agent)(
+        spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout, on_restart=on_restart)
+    if continuing:
+        agent.setup_continue(args.max_restarts, on_failure)
     signalled = False
     try:
-        return agent.run(), agent.earlier_attempts
+        result = agent.run()
+        return result, agent.survived if continuing else agent.earlier_attempts
     except SignalException:
         signalled = True
         raise

@@ -25,6 +25,11 @@ after one message naming the first rank that failed, its exit code or signal, an
 its traceback (for a native crash, the line that names its cause). With --max-restarts K the
 node's workers are first restarted up to K times, each restart announced by one line naming
 the rank that failed and how; the final message lists the earlier attempts.
+With --on-failure continue a failed worker does not stop the others: they form a group
+without it and redo the step in flight (each change is one line, from the new rank 0), and
+the agent starts a replacement for it (while --max-restarts allows), which joins at the
+others' next px.save and goes on from their live state (phalanx/elastic/). With
+--on-failure stop the first failure ends the job, whatever --max-restarts says.
 A mistake in the command itself (no such script, -n 0, no master) is one line and exit
 status 2. The elastic agent's own log lines are hidden unless --verbose.
 """
@@ -65,7 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a node waits for the master and the other nodes before "
                              "giving up (default 30)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                        help="restart this node's workers up to K times after a failure (default 0)")
+                        help="restart this node's workers up to K times after a failure (default "
+                             "0); with --on-failure continue, start up to K replacements")
+    parser.add_argument("--on-failure", choices=("restart", "continue", "stop"),
+                        default="restart",
+                        help="what a worker's failure does: 'restart' every worker of the node "
+                             "(up to --max-restarts times; the default), 'continue' with the "
+                             "others and replace only the failed one, or 'stop' the job")
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="keep each worker's stdout, stderr and error file under DIR "
                              "(default: a temporary directory, removed at the end)")
@@ -110,6 +121,7 @@ def main(args: argparse.Namespace) -> int:
     _configure_agent_logging(args.verbose)
     if args.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the agent passes it on to workers
+    os.environ["PHALANX_ON_FAILURE"] = args.on_failure  # px.init reads it (phalanx/elastic/)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # workers' lines appear as they come
     # One run directory for every worker's px.log and trace files (observe/metrics.py), and the
@@ -137,13 +149,19 @@ def main(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
         return failures.attempt_summary(failed, log_dir)
 
+    def note_survived(rank: int, failure) -> str:  # --on-failure continue
+        return failures.attempt_summary({rank: failure}, log_dir)
+
     worker_args = ["-u", "-m", "phalanx.launch.worker"]  # see worker.py
     worker_args += (["-m"] if args.module else []) + [args.script] + list(args.script_args)
     try:
-        result, earlier = agent.run_workers(args, port, log_dir, worker_args, announce_restart)
+        result, earlier = agent.run_workers(args, port, log_dir, worker_args, announce_restart,
+                                            note_survived)
         if result.is_failed():
             print(failures.failure_report(result.failures, log_dir, earlier), file=sys.stderr)
             return 1
+        if earlier and args.on_failure == "continue":
+            print(failures.survived_line(earlier), file=sys.stderr)
     except SignalException as exc:
         print(f"phalanx run: stopped by {exc.sigval.name}; the workers were stopped",
               file=sys.stderr)
@@ -171,6 +189,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--master-port must be in 1..65535 (got {args.master_port})")
     if args.max_restarts < 0:
         raise CommandError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
+    if args.on_failure == "stop" and args.max_restarts:
+        raise CommandError("--on-failure stop ends the job at the first failure, so "
+                           f"--max-restarts {args.max_restarts} would never be used; leave one "
+                           "of them out")
     if args.join_timeout < 1:
         raise CommandError(f"--join-timeout must be at least 1 second (got {args.join_timeout})")
     if args.script is None:

@@ -15,7 +15,7 @@ import signal
 
 from ..faults.hangs import HANG_EXIT
 
-__all__ = ["failure_report", "restart_line", "attempt_summary", "native_cause"]
+__all__ = ["failure_report", "restart_line", "attempt_summary", "survived_line", "native_cause"]
 
 # Lines of a failed rank's traceback repeated in the final message (the whole traceback is
 # already on stderr, prefixed with the rank).
@@ -74,6 +74,13 @@ def attempt_summary(failures: dict, log_dir: str) -> str:
     rank, failure = _ordered(failures, log_dir)[0]
     headline, _ = _failure_detail(failure, log_dir)
     return f"rank {rank} {how_it_ended(failure.exitcode)}" + (f": {headline}" if headline else "")
+
+
+def survived_line(survived: list[str]) -> str:
+    """The last line of a `--on-failure continue` job that went on through failures."""
+    n = len(survived)
+    return (f"phalanx run: the job completed, going on through {n} failure"
+            f"{'s' if n != 1 else ''}: " + "; ".join(survived))
 
 
 def how_it_ended(exitcode: int) -> str:

@@ -27,22 +27,30 @@ class StaticRendezvous(StaticTCPRendezvous):
     serves a new store on a free port at every attempt, the address being shared through the
     agents' store under a per-attempt key: what torch's dynamic rendezvous does with
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+
+    Under `--on-failure continue` (`share_store`) the workers use the agent's store instead:
+    it must outlive any worker, rank 0's included, and there is one attempt only (a failed
+    worker is replaced in it, launch/continuing.py), so no keys of an earlier attempt remain.
     """
 
     def __init__(self, master_addr: str, master_port: int, node_rank: int, nnodes: int,
-                 timeout: int):
+                 timeout: int, share_store: bool = False):
         super().__init__(master_addr, master_port, node_rank, nnodes, RUN_ID, timeout)
         self._attempt = 0
+        self._share_store = share_store
 
     def get_backend(self) -> str:
         return RENDEZVOUS
 
     @property
     def use_agent_store(self) -> bool:
-        return False
+        return self._share_store
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = super().next_rendezvous()
+        if self._share_store:  # the workers connect to the agent's store itself
+            shared = RendezvousStoreInfo(self.master_addr, self._store.port)
+            return RendezvousInfo(info.store, info.rank, info.world_size, shared)
         attempt_store = PrefixStore(f"phalanx/attempt_{self._attempt}", info.store)
         self._attempt += 1
         workers_store = RendezvousStoreInfo.build(info.rank, attempt_store,

@@ -64,9 +64,20 @@ def run(argv: list[str]) -> tuple[int, object]:
         return 1, exc
     except BaseException as exc:
         exc = exc.with_traceback(_user_frames(exc.__traceback__))
+        if isinstance(exc, Exception):
+            _say_raised(exc)
         _record_failure(exc, f"{type(exc).__name__}: {exc}")
         _print_exception(exc)  # for Ctrl-C too: where each rank was is worth seeing
         return (128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1), exc
+
+
+def _say_raised(exc: Exception) -> None:
+    """Under `--on-failure continue`, tell the other workers that this one ends on an
+    exception (they skip the step rather than redo it: phalanx/elastic/steps.py)."""
+    elastic = sys.modules.get("phalanx.elastic")
+    if elastic is not None:
+        with contextlib.suppress(Exception):
+            elastic.raised(exc)
 
 
 def leave(code: int) -> None:

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .. import runtime
+from .. import elastic, runtime
 from ..collectives import Comm
 from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
@@ -176,7 +176,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     runtime.init()
     steps = StepCounter()  # this model's optimizer steps: see [Note: steps per model]
     if comm is None:
-        comm = Comm(runtime.default_group(), steps=steps, device=runtime.device())
+        comm = runtime.job_comm(steps=steps)
     elif comm.steps is None:
         comm.steps = steps
     if strategy == "zero3" and comm.world > 1 and uncompiled(model) is not model:
@@ -232,6 +232,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if optimizer is not None:  # the step that collective records and reports name
         engine.watch_steps(optimizer, steps.tick)
     outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
+    steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
+    if steps_gate is not None and optimizer is not None:
+        engine.gate_steps(optimizer, lambda: steps_gate.before_step(engine.comm))
     if check_replicas_every is not None and optimizer is not None:
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
@@ -246,6 +249,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                       across=engine.names_across()) if step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
+    if clock is not None and steps_gate is not None:
+        steps_gate.events.watch(clock, engine)
     if clock is not None and getattr(engine, "compression", None) is not None:
         clock.extras.append(engine.compression.step_report)
     wrapped = PreparedModule(model, engine, comm, policy,

@@ -34,6 +34,7 @@ import weakref
 
 import torch
 
+from .. import elastic
 from .._tree import map_tensors
 from .consistency import broadcast_tensors
 from .loss_scaling import OutputGate
@@ -105,6 +106,8 @@ class PreparedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         began = time.perf_counter()
         grad = torch.is_grad_enabled()
+        if grad:
+            elastic.iteration_starts()  # after a recovery, training goes on here (elastic/)
         self._engine.before_forward()
         if grad:
             self._check_trainable()

@@ -1,0 +1,119 @@
+"""Training through a failure without a restart: `phalanx run --on-failure continue`.
+
+When a worker dies (killed, crashed, its machine gone), the others notice within the step,
+form a group without it and redo the step in flight with the same global batch split over
+fewer ranks; its agent starts a replacement, which runs the script from the top and joins at
+the others' next `px.save`, loading their live state. Nobody else restarts, imports again or
+reloads anything.
+
+The package, by role:
+    gate.py        the switch every collective reads: the step in flight is lost
+    store.py       the keys the agents and workers share in the job's store
+    membership.py  generations: who is in, forming a new group ([Note: generations])
+    steps.py       the step boundary: the vote, the recovery decision, the redo
+                   ([Note: the commit vote])
+    joining.py     a replacement: waiting, admission at a px.save, loading the live state
+    events.py      one console line, a step-report event and a metrics row per change
+
+Only `phalanx run --on-failure continue` turns it on (PHALANX_ON_FAILURE=continue, read by
+`px.init`); otherwise nothing here runs and a failure ends the job as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .gate import gate
+
+__all__ = ["active", "step_gate", "current", "start", "stop", "iteration_starts",
+           "ON_FAILURE"]
+
+ON_FAILURE = "PHALANX_ON_FAILURE"
+_now: dict = {}
+
+
+def wanted(env) -> bool:
+    """Whether this process runs under `--on-failure continue` as one of several workers."""
+    return (os.environ.get(ON_FAILURE) == "continue" and env.world_size > 1
+            and env.master_addr is not None and env.master_port is not None)
+
+
+def active() -> bool:
+    return gate.active
+
+
+def current():
+    """The process's Membership (membership.py) under continue mode, else None."""
+    return _now.get("membership")
+
+
+def step_gate():
+    """The process's StepGate (steps.py) under continue mode, else None."""
+    return _now.get("steps")
+
+
+def iteration_starts() -> bool:
+    """An iteration begins (a batch is fetched, or a forward with gradients starts): where
+    training goes on after a recovery (steps.py). True if it went on here."""
+    steps = _now.get("steps")
+    return steps is not None and steps.resume_if_due()
+
+
+def start(env, backend: str, timeout, device) -> None:
+    """`px.init` under continue mode: connect to the job's store and join generation 0 (or,
+    for a replacement, wait to be admitted: joining.py)."""
+    import torch.distributed as dist
+
+    from .events import Events
+    from .membership import Membership
+    from .steps import StepGate
+
+    client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+    life = int(os.environ.get("PHALANX_JOINING", "0") or 0)
+    m = Membership(client, env.rank, env.world_size, life, backend, timeout, device)
+    steps = StepGate(m)
+    _now.update(membership=m, steps=steps, client=client)
+    gate.active = True
+    gate.cut = False
+    gate.on_loss = steps.lost
+    Events(m, steps)
+    m.start()
+
+
+def finish() -> None:
+    """`px.shutdown`, first: a loss seen after this rank's last step is recovered from here,
+    so that the survivors end together on one group (steps.py)."""
+    steps = _now.get("steps")
+    if steps is None or not gate.cut:
+        return
+    if steps.decision is None:
+        steps.decision = steps.recover(steps.calls)
+    steps.resume_due = True
+    steps.resume_if_due()
+
+
+def raised(exc: BaseException) -> None:
+    """The worker ends on `exc` (launch/worker.py): say so before the process goes, so that
+    the others skip this step's batch rather than redo it (steps.py)."""
+    m, steps = _now.get("membership"), _now.get("steps")
+    if m is None:
+        return
+    from . import store as keys
+
+    keys.write(m.store, f"raised/{m.me}.{m.life}",
+               {"call": steps.calls + 1, "message": f"{type(exc).__name__}: {exc}"[:300]})
+
+
+def stop() -> None:
+    """`px.shutdown`: nothing of continue mode outlives it."""
+    m = _now.get("membership")
+    if m is not None:
+        from . import store as keys
+
+        try:
+            keys.write(m.store, f"done/{m.me}.{m.life}", True)
+        except Exception:
+            pass
+    gate.active = gate.cut = False
+    gate.on_loss = None
+    _now.clear()

@@ -1,0 +1,97 @@
+"""Every change of members, said once: one console line (from the new rank 0), an entry in the
+next step's report (`px.step_stats`) and a row of `px.log` metrics.
+
+    phalanx: rank 2 was killed by SIGKILL at step 37; step 37 redone by 3 ranks; training
+        went on 0.84 s after the loss
+    phalanx: rank 2 joined at step 40 (replacement 1): 4 ranks again; the others spent 0.61 s
+
+The step report gets `membership/world`, `membership/left` or `membership/joined` (how
+many), `membership/step` and `membership/seconds`; `px.log` gets the same names at that step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+
+from .. import runtime
+
+__all__ = ["Events", "describe_departure"]
+
+
+def describe_departure(why: dict) -> str:
+    """'was killed by SIGKILL', 'raised RuntimeError: ...', 'finished'."""
+    if "raised" in why:
+        return f"raised {why['raised'].get('message', 'an exception')}"
+    if why.get("done"):
+        return "finished"
+    from ..launch.failures import how_it_ended
+
+    return how_it_ended(int(why.get("exitcode", 1)))
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class Events:
+    """Says each change (see the module docstring); kept by the StepGate it listens to."""
+
+    def __init__(self, membership, steps):
+        self.m = membership
+        self.pending: dict = {}     # for the next step report
+        self.clocks: "weakref.WeakSet" = weakref.WeakSet()
+        self.history: list[dict] = []
+        steps.on_resume.append(self.resumed)
+        steps.events = self
+        membership.on_regroup.append(self.regrouped)
+
+    def watch(self, clock, engine) -> None:
+        """A prepared model's step clock: its report shows each change, and it reads the new
+        group's records after one."""
+        self.clocks.add(clock)
+        clock.elastic_engine = weakref.ref(engine)
+        clock.extras.append(self.take)
+
+    def regrouped(self, old, new) -> None:
+        for clock in list(self.clocks):
+            engine = clock.elastic_engine()
+            if engine is not None:
+                clock.groups = engine.groups()
+
+    def take(self) -> dict:
+        out, self.pending = self.pending, {}
+        return out
+
+    def record(self, entry: dict, line: str) -> None:
+        self.history.append(entry)
+        self.pending = {f"membership/{k}": v for k, v in entry.items()
+                        if isinstance(v, (int, float))}
+        if runtime.rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+            from ..observe.metrics import log
+
+            log(dict(self.pending), step=entry["step"])
+
+    def resumed(self, decision) -> None:
+        """After a recovery, as training goes on (steps.py)."""
+        seconds = time.time() - decision.lost_at
+        left = sorted(r for r, why in decision.gone.items() if not why.get("done"))
+        step = decision.committed  # steps are counted from 0: the first step not committed
+        causes = ", ".join(f"rank {r} {describe_departure(decision.gone[r])}" for r in left)
+        verb = "skipped" if decision.skip else "redone"
+        line = (f"phalanx: {causes} at step {step}; step {step} {verb} "
+                f"by {len(decision.survivors)} rank{'s' if len(decision.survivors) != 1 else ''}"
+                f"; training went on {seconds:.2f} s after the loss")
+        self.record({"world": len(decision.survivors), "left": len(left), "step": step,
+                     "seconds": seconds, "skipped": int(decision.skip), "ranks": left}, line)
+
+    def joined(self, ranks: list[int], step: int, seconds: float, lives: list[int]) -> None:
+        """After replacements were admitted (joining.py)."""
+        which = ", ".join(f"replacement {n}" for n in lives)
+        line = (f"phalanx: {_ranks(ranks)} joined at step {step} ({which}): {self.m.world} "
+                f"ranks; the others spent {seconds:.2f} s admitting")
+        self.record({"world": self.m.world, "joined": len(ranks), "step": step,
+                     "seconds": seconds, "ranks": ranks}, line)

@@ -1,0 +1,41 @@
+"""The switch every collective reads under `--on-failure continue`: whether the step in flight
+is already lost.
+
+A leaf module (it imports nothing of phalanx), so that collectives.py and completion.py can
+read it. When a collective fails because a peer is gone, the `Comm` or `Handle` that saw it
+calls `lost(exc)`; from then until the survivors have formed their new group and reached the
+next step (membership.py), `gate.cut` is True and every collective returns at once without
+touching the wire: the rest of the step runs on this rank alone and is thrown away. Outside
+continue mode `gate.active` is False and an error is raised as always.
+"""
+
+from __future__ import annotations
+
+__all__ = ["gate", "lost", "is_loss"]
+
+
+class _Gate:
+    __slots__ = ("active", "cut", "on_loss")
+
+    def __init__(self):
+        self.active = False   # --on-failure continue
+        self.cut = False      # the step in flight is lost: collectives do nothing
+        self.on_loss = None   # called once with the first error (membership.py)
+
+
+gate = _Gate()
+
+
+def is_loss(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a collective, means this generation's group is broken (a peer
+    died, a connection closed, a peer's group was destroyed), as opposed to a mistake in the
+    call that would fail the same way on a new group. Only asked in continue mode."""
+    return gate.active and isinstance(exc, RuntimeError)
+
+
+def lost(exc: BaseException) -> None:
+    """A collective failed with `exc`: cut the wire for the rest of the step."""
+    first = not gate.cut
+    gate.cut = True
+    if first and gate.on_loss is not None:
+        gate.on_loss(exc)

@@ -1,0 +1,131 @@
+"""Who is in the job now, under `phalanx run --on-failure continue`: generations of members.
+
+[Note: generations]
+A generation is a set of members (each known by its launch rank, the RANK its agent gave it,
+which a replacement keeps) and the process group they form, made through the job's store
+(store.py) under the prefix `gen<g>/pg`, so a new group never meets an old one's keys.
+Generation 0 is the launch: every rank. A member's rank in the group (`px.rank()`) is its
+place among the members sorted by launch rank, so after a replacement has joined, every rank
+is again its launch rank.
+
+A generation ends when a collective fails because a member is gone (elastic/gate.py cuts the
+wire): this rank destroys its end of the group at once, so that a peer waiting on it fails too
+instead of waiting out the timeout, and the rest of its step runs alone. At its next
+`optimizer.step()` (or `px.shutdown()`) it reports to the store and waits until every member
+has either reported or is known gone (its agent wrote `left/`, or it said `done/`); then
+every survivor computes the same decision from the same reports (steps.py) and joins the next
+generation's group. The old group is never used again: its collectives in flight have failed
+or been abandoned, and each rank destroyed it.
+
+Nothing here runs outside continue mode: `px.init` makes a `Membership` only there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch.distributed as dist
+
+from .. import groups, records
+from . import store as keys
+
+__all__ = ["Membership", "MembershipError"]
+
+_POLL = 0.005  # seconds between two looks at the store while waiting for the others
+
+
+class MembershipError(RuntimeError):
+    """The job cannot go on: no member reported in time, or nobody is left to go on with."""
+
+
+class Membership:
+    """This process's view of the generations (see [Note: generations])."""
+
+    def __init__(self, client_store, rank: int, world: int, life: int, backend: str,
+                 timeout: datetime.timedelta, device):
+        self.store = keys.keyspace(client_store)
+        self.me = rank            # the launch rank: this process's name across generations
+        self.life = life          # 0: launched with the job; k: the k-th replacement of `me`
+        self.launch_world = world
+        self.backend = backend
+        self.timeout = timeout
+        self.device = device
+        self.gen = 0
+        self.members: list[tuple[int, int]] = [(r, 0) for r in range(world)]  # (rank, life)
+        self.joining = life > 0   # a replacement, not yet admitted (joining.py)
+        self.on_regroup: list = []   # called with (old, new) after a new group is formed
+        self._old_world = None
+
+    # -- the group ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current generation's group."""
+        return [r for r, _ in self.members].index(self.me)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    def start(self) -> None:
+        """Generation 0 at launch (a replacement waits to be admitted instead: joining.py)."""
+        if not self.joining:
+            self.form(0, self.members)
+
+    def form(self, gen: int, members: list[tuple[int, int]]) -> None:
+        """Make generation `gen`'s group of `members` (every member calls this, with the same
+        arguments) and move every Comm of the job's group over to it."""
+        old = self._old_world
+        self.gen, self.members = gen, sorted(members)
+        kwargs = {"device_id": self.device} if "nccl" in self.backend else {}
+        dist.init_process_group(backend=self.backend,
+                                store=dist.PrefixStore(f"gen{gen}/pg", self.store),
+                                rank=self.rank, world_size=self.world, timeout=self.timeout,
+                                **kwargs)
+        new = dist.group.WORLD
+        if gen > 0 or self.life > 0:
+            for comm in records.live():
+                if comm.group is None and getattr(comm, "waiting", False) \
+                        or (old is not None and comm.group is old):
+                    comm.waiting = False
+                    comm.regroup(new, name="world")
+            for fn in list(self.on_regroup):
+                fn(old, new)
+        self._old_world = new
+
+    def drop_group(self) -> None:
+        """Destroy this rank's end of the current group (and every group made from it): a peer
+        blocked on this rank then fails at once rather than at the timeout."""
+        if not dist.is_initialized():
+            return
+        groups.forget_all()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group already broken may fail to end cleanly: it is gone either way
+            pass
+
+    # -- waiting on the others ----------------------------------------------------------------
+    def gone(self, rank: int, life: int) -> dict | None:
+        """Why member (rank, life) is no longer in the job, or None if it still is: its agent
+        saw it end (`left`), it said it raised (`raised`), or it finished (`done`)."""
+        tag = f"{rank}.{life}"
+        left = keys.read(self.store, f"left/{tag}")
+        if left is None and not keys.has(self.store, f"done/{tag}"):
+            return None
+        why = dict(left or {"exitcode": 0, "done": True})
+        raised = keys.read(self.store, f"raised/{tag}")
+        if raised is not None:
+            why["raised"] = raised
+        return why
+
+    def wait_for(self, what: str, ready) -> None:
+        """Poll `ready()` until it is true, within the job's timeout (MembershipError)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not ready():
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"phalanx: rank {self.rank} waited {self.timeout.total_seconds():.0f} s for "
+                    f"{what}; a member that is alive but stuck holds the job (see its stack), "
+                    "or raise px.init(timeout=)")
+            time.sleep(_POLL)
+

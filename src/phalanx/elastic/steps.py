@@ -1,0 +1,183 @@
+"""The step boundary under `--on-failure continue`: the vote, the recovery, the redo.
+
+[Note: the commit vote]
+A step commits when every member has its gradients averaged. Each rank knows that of itself
+(its collectives of the step completed) but not of the others: a collective can complete on
+one rank and fail on another when a peer dies inside it (gloo fails a rank whose send to the
+dead peer fails after it has received all it needs). So every `optimizer.step()` first takes
+part in a vote: one all-reduce of one element. A rank enters it only with its own averaging
+complete, so a rank that sees the vote complete knows that every member had its gradients
+(whatever the vote then does on the others), and commits the step.
+
+A rank whose wire was cut (gate.py) reports at its next `optimizer.step()` what it knows: how
+many steps it has called (`calls`), the last one whose vote it saw complete (`last_voted`) and
+whether it entered the vote of its current one. From every survivor's report each computes the
+same decision (`decide`):
+
+- K = the largest `last_voted`: step K's vote completed somewhere, so every survivor entered
+  it with its gradients averaged; a survivor whose vote of K failed commits K now;
+- R = the largest `calls`: the survivors stand at different steps (one saw the failure in
+  step K's vote, another only in step K+1), so those behind drop every step up to R
+  unused, with no communication, until all stand at step R;
+- every step after K is thrown away, and after step R each rank resumes at its next iteration
+  (the next batch a `px.data_loader` hands out, or the next forward with gradients): its
+  samplers go back to where they stood at step K, so the next global batch is the first one
+  not committed, now split over the survivors (the sampler's one global order makes this the
+  same samples), and training goes on on the new group.
+
+When the member that left had raised an exception (it said so in the store before it ended:
+an error in one rank's step, not a death), the steps after K are skipped instead of redone:
+their batches are not served again, as if the job had skipped them.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from . import store as keys
+from .gate import gate
+from .membership import Membership, MembershipError
+
+__all__ = ["StepGate", "Decision", "decide"]
+
+
+@dataclass
+class Decision:
+    """What the survivors agreed after generation `gen` lost members (see the Note)."""
+    gen: int
+    committed: int                 # K
+    resume_after: int              # R
+    survivors: list                # (rank, life) of every member of the next generation
+    gone: dict                     # launch rank -> why (store.py's left/raised/done)
+    skip: bool                     # a member raised: the lost steps' batches are skipped
+    lost_at: float = 0.0           # time.time() when this rank saw the loss
+    formed_at: float = 0.0         # ... when the next group was formed
+    step_times: list = field(default_factory=list)
+
+
+def decide(gen: int, reports: dict, gone: dict) -> Decision:
+    """The decision every survivor computes from the same reports (launch rank -> (life,
+    report)) and departures (launch rank -> why). See [Note: the commit vote]."""
+    if not gone:
+        raise MembershipError("no member left the job")
+    committed = max(rep["last_voted"] for _, rep in reports.values())
+    for rank, (_, rep) in reports.items():
+        if rep["last_voted"] != committed and not (rep["calls"] == committed and rep["phase1"]):
+            raise MembershipError(
+                f"phalanx: the members disagree on the last step all of them averaged (rank "
+                f"{rank} committed step {rep['last_voted']}, another {committed}); this is a "
+                "bug: please report it with the console output")
+    return Decision(gen, committed, max(rep["calls"] for _, rep in reports.values()),
+                    sorted((rank, life) for rank, (life, _) in reports.items()), dict(gone),
+                    any("raised" in why for why in gone.values()))
+
+
+class StepGate:
+    """This process's steps under continue mode (one per process: every prepared optimizer's
+    `step()` passes through `before_step`)."""
+
+    def __init__(self, membership: Membership):
+        self.m = membership
+        self.calls = 0          # optimizer.step() calls made by this process
+        self.last_voted = 0     # the last call whose vote this rank saw complete
+        self.voting = 0         # the call whose vote this rank entered (its averaging done)
+        self.decision: Decision | None = None   # from the last recovery, until its resume
+        self.resume_due = False
+        self.lost_at: float | None = None
+        self.cause: BaseException | None = None
+        self.samplers: "weakref.WeakSet" = weakref.WeakSet()
+        self.on_lost: list = []     # called first when the wire is cut (the hang watcher stops)
+        self.on_resume: list = []   # called with the decision when training goes on
+        self._vote = None
+
+    # -- the wire is cut ------------------------------------------------------------------------
+    def lost(self, exc: BaseException) -> None:
+        """gate.on_loss: see [Note: generations] in membership.py."""
+        self.lost_at, self.cause = time.time(), exc
+        for fn in list(self.on_lost):
+            fn()
+        self.m.drop_group()
+
+    # -- the boundary ---------------------------------------------------------------------------
+    def before_step(self, comm) -> bool:
+        """Called as `optimizer.step()` begins; whether the step may run (False: the caller
+        drops its gradients so that the step changes nothing)."""
+        self.calls += 1
+        call = self.calls
+        if not gate.cut and self.decision is None:
+            self.voting = call
+            if self._vote is None or self._vote.device != comm.device:
+                self._vote = torch.ones(1, device=comm.device)
+            self._vote.fill_(1.0)
+            comm.all_reduce(self._vote, op="sum", tag="elastic:vote")
+            if not gate.cut:
+                self._committed(call)
+                return True
+        if self.decision is None:
+            self.decision = self.recover(call)
+        d = self.decision
+        run = call == d.committed and self.voting == call and self.last_voted < call
+        if run:
+            self._committed(call)
+        if call >= d.resume_after:
+            self.resume_due = True
+        return run
+
+    def _committed(self, call: int) -> None:
+        self.last_voted = call
+        for sampler in list(self.samplers):
+            sampler._commit()
+
+    def recover(self, call: int) -> Decision:
+        """Report, wait for every member's report or departure, decide, form the next group."""
+        m = self.m
+        gen = m.gen
+        keys.write(m.store, f"gen{gen}/report/{m.me}",
+                   {"calls": call, "last_voted": self.last_voted, "phase1": self.voting == call,
+                    "cause": f"{type(self.cause).__name__}: {self.cause}"[:500]})
+        reports: dict = {}
+        gone: dict = {}
+
+        def everyone_known() -> bool:
+            for rank, life in m.members:
+                if rank in reports or rank in gone:
+                    continue
+                rep = keys.read(m.store, f"gen{gen}/report/{rank}")
+                if rep is not None:
+                    reports[rank] = (life, rep)
+                    continue
+                why = m.gone(rank, life)
+                if why is not None:
+                    gone[rank] = why
+            return len(reports) + len(gone) == len(m.members)
+
+        m.wait_for("every member's report after a failure", everyone_known)
+        try:
+            decision = decide(gen, reports, gone)
+        except MembershipError as exc:
+            if str(exc) == "no member left the job":  # not a departure: the original error
+                raise self.cause from None
+            raise
+        decision.lost_at = self.lost_at or time.time()
+        m.form(gen + 1, decision.survivors)
+        decision.formed_at = time.time()
+        return decision
+
+    # -- going on -----------------------------------------------------------------------------
+    def resume_if_due(self) -> bool:
+        """At the start of an iteration: if the step R of the last recovery has passed, open
+        the wire again and send the samplers back (or on: skip) to the last committed step."""
+        if not self.resume_due:
+            return False
+        d = self.decision
+        self.resume_due, self.decision = False, None
+        gate.cut = False
+        for sampler in list(self.samplers):
+            sampler._resume(skip=d.skip)
+        for fn in list(self.on_resume):
+            fn(d)
+        return True
