@@ -8,6 +8,8 @@ import warnings
 
 import torch
 
+from .. import elastic
+from ..elastic.joining import join, wait_for_admission
 from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
@@ -19,11 +21,17 @@ from .removal import why_not_export_target
 from .saving import wait_for_saves
 from .state import ModelState, OptimizerState
 
-__all__ = ["load", "latest_checkpoint", "export", "export_checkpoint"]
+__all__ = ["load", "load_checkpoint", "latest_checkpoint", "export", "export_checkpoint"]
 
 
 def latest_checkpoint(directory) -> str | None:
-    """The newest complete checkpoint in `directory` (a directory of checkpoints), or None."""
+    """The newest complete checkpoint in `directory` (a directory of checkpoints), or None.
+
+    In a replacement under `phalanx run --on-failure continue`, it waits to be admitted at
+    the others' next `px.save` and returns what that save wrote (elastic/joining.py)."""
+    m = elastic.current()
+    if m is not None and m.joining:
+        return wait_for_admission(m)["path"]
     complete = complete_checkpoints(os.path.abspath(os.fspath(directory)))
     return complete[-1][1] if complete else None
 
@@ -39,7 +47,21 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     checkpoint's, and that every stateful object asked for was saved; a problem raises the same
     `CheckpointError` on every rank and leaves the model and optimizer untouched. With
     `strict=False` the tensors that match are loaded and the rest are named in a warning.
+
+    Under `phalanx run --on-failure continue`, in a replacement for a lost rank, it loads the
+    checkpoint the others save next, with them, whatever `path` says: their live state (see
+    [Note: joining at a save] in elastic/joining.py).
     """
+    m = elastic.current()
+    if m is not None and m.joining:
+        return join(m, elastic.step_gate(), lambda at: load_checkpoint(
+            at, model, optimizer, strict, stateful, restore_rng=False))
+    return load_checkpoint(path, model, optimizer, strict, stateful)
+
+
+def load_checkpoint(path, model, optimizer, strict: bool, stateful: dict,
+                    restore_rng: bool = True) -> dict:
+    """`px.load`'s work (see it); `restore_rng=False` leaves this rank's generators alone."""
     wait_for_saves()  # a background save of this very checkpoint may still be running
     model_state = ModelState(model) if model is not None else None
     comm = model_state.comm if model_state is not None else default_comm()
@@ -106,7 +128,7 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
         comm.barrier(tag="px.load: every shard loaded")
     for name, obj in stateful.items():
         obj.load_state_dict(small["stateful"][name])
-    if comm.rank < len(small["rng"]):
+    if restore_rng and comm.rank < len(small["rng"]):
         set_rng_state(small["rng"][comm.rank])
     if problems:
         warnings.warn(f"px.load({path!r}, strict=False) left out: " + "; ".join(problems),

@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import runtime
+from .. import elastic, runtime
 from ..collectives import Comm
+from ..elastic.gate import gate
+from ..elastic.joining import admit, joiners_asking
 from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
@@ -39,6 +41,15 @@ from .files import file_digest, fsync_dir, write_tensors
 from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
 from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
 from .state import ModelState, OptimizerState
+
+
+def load_live(path, model, optimizer, values) -> None:
+    """The others' side of a replacement's admission: load the checkpoint just saved, as
+    the replacement does (elastic/joining.py), keeping this rank's RNG."""
+    from .api import load_checkpoint  # noqa: PLC0415 (api imports this module)
+
+    stateful = {k: v for k, v in values.items() if is_stateful(v)}
+    load_checkpoint(path, model, optimizer, True, stateful, restore_rng=False)
 
 __all__ = ["save", "wait_for_saves"]
 
@@ -73,6 +84,9 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     [Note: saving in the background]). Returns `path`.
     """
     wait_for_saves()
+    if gate.cut:  # phalanx run --on-failure continue: see [Note: a save in a lost step]
+        _skipped(path)
+        return path
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ValueError(f"px.save(keep_last={keep_last!r}): keep_last is the number of "
@@ -96,6 +110,10 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
                          "directory)")
     if seen[0][2] is not None:
         raise CheckpointError(f"px.save({path!r}) refused: {seen[0][2]}")
+    steps = elastic.step_gate()
+    # a replacement waiting to join is admitted once this save is complete (elastic/joining.py)
+    joining = joiners_asking(comm) if steps is not None else []
+    background = background and not joining
     snapshot, error = None, None
     try:
         snapshot = _take_snapshot(path, f"{path}.partial-{token}", keep_last, model_state,
@@ -104,7 +122,14 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.save({path!r}): reading the state to save")
     if not background:
-        _write(snapshot, comm)
+        try:
+            _write(snapshot, comm)
+        except _Lost:
+            _skipped(path)
+            return path
+        if joining:
+            admit(steps.m, steps, comm, joining, path,
+                  lambda at: load_live(at, model, optimizer, values))
         return path
     # gloo: the writes gather small Python objects; see groups.py
     writer = comm.apart("checkpoint:saves", backend="gloo")
@@ -206,6 +231,10 @@ def _write(snap: _Snapshot, comm: Comm) -> None:
             shutil.rmtree(snap.partial, ignore_errors=True)
         raise
     reports = comm.gather_object(report, dst=0, tag="save:reports")
+    if gate.cut:  # a rank was lost during the save: see [Note: a save in a lost step]
+        if comm.rank == 0:
+            shutil.rmtree(snap.partial, ignore_errors=True)
+        raise _Lost
     error = None
     if comm.rank == 0:
         try:
@@ -302,6 +331,23 @@ def _remove_abandoned(parent: str, newest: str) -> None:
             pass
 
 
+# -- a save in a lost step ------------------------------------------------------------------------
+class _Lost(Exception):
+    """[Note: a save in a lost step]
+    Under `phalanx run --on-failure continue`, a save called while the step in flight is lost
+    (a rank died: elastic/gate.py), or during which a rank is lost, writes nothing: the state
+    it would hold is that of a step the survivors throw away, and the others may never take
+    part. Whatever it had written under its temporary name is removed (rank 0 completes a
+    checkpoint only after every rank's part arrived), the previous checkpoint stays as it was,
+    and a warning says so; the next `px.save` writes the live state."""
+
+
+def _skipped(path: str) -> None:
+    warnings.warn(f"px.save({path!r}) wrote nothing: a rank was lost during this step (phalanx "
+                  "run --on-failure continue); the previous checkpoint stands, and the next "
+                  "px.save writes the state the survivors go on from", stacklevel=3)
+
+
 # -- background saves ----------------------------------------------------------------------------
 class _Job:
     def __init__(self, path: str):
@@ -326,7 +372,9 @@ def wait_for_saves() -> None:
     while _running:
         job = _running.pop(0)
         job.thread.join()
-        if job.error is not None:
+        if isinstance(job.error, _Lost):
+            _skipped(job.path)
+        elif job.error is not None:
             raise job.error
 
 

@@ -122,6 +122,8 @@ class DistributedLoader(DataLoader):
 
     def __iter__(self):
         sampler, device = self.distributed_sampler, self.device
+        if sampler is not None:
+            sampler.restart = False
         batches = super().__iter__()
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s

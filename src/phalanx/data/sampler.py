@@ -287,6 +287,7 @@ class DistributedSampler(Sampler[int]):
         self.epoch, self._start = int(state["epoch"]), consumed
         self._pass_start, self._steps_done, self._in_pass = consumed, 0, False
         self._committed = (self.epoch, consumed)
+        self.restart = True  # a loader iterating now starts again from here
 
 
 class _BatchView(Sampler[list]):

@@ -56,7 +56,13 @@ def iteration_starts() -> bool:
     """An iteration begins (a batch is fetched, or a forward with gradients starts): where
     training goes on after a recovery (steps.py). True if it went on here."""
     steps = _now.get("steps")
-    return steps is not None and steps.resume_if_due()
+    if steps is None:
+        return False
+    if steps.m.joining:  # training begins before any px.load took the others' state
+        from .joining import cannot_join
+
+        cannot_join(steps.m)
+    return steps.resume_if_due()
 
 
 def start(env, backend: str, timeout, device) -> None:

@@ -83,6 +83,9 @@ class Membership:
                                 rank=self.rank, world_size=self.world, timeout=self.timeout,
                                 **kwargs)
         new = dist.group.WORLD
+        if self.rank == 0:  # for a replacement waiting to join: who may still admit it
+            keys.write(self.store, f"gen{gen}/members", self.members)
+            keys.write(self.store, "gen", gen)
         if gen > 0 or self.life > 0:
             for comm in records.live():
                 if comm.group is None and getattr(comm, "waiting", False) \

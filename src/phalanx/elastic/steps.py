@@ -93,6 +93,7 @@ class StepGate:
         self.on_lost: list = []     # called first when the wire is cut (the hang watcher stops)
         self.on_resume: list = []   # called with the decision when training goes on
         self._vote = None
+        self.events = None          # events.py's Events, once made
 
     # -- the wire is cut ------------------------------------------------------------------------
     def lost(self, exc: BaseException) -> None:
@@ -164,6 +165,10 @@ class StepGate:
             raise
         decision.lost_at = self.lost_at or time.time()
         m.form(gen + 1, decision.survivors)
+        from ..runtime import default_comm
+        from .joining import sync_engines
+
+        sync_engines(default_comm())  # a step lost before the first launch order settled
         decision.formed_at = time.time()
         return decision
 

@@ -29,6 +29,7 @@ import torch
 
 from ..collectives import Comm
 from .. import host
+from ..elastic.gate import gate
 from ..records import StepCounter
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit
@@ -157,6 +158,19 @@ class FlatEngine(EngineState):
                     self.drop_grads()
             optimizer.register_step_pre_hook(pre)
 
+    def elastic_state(self) -> dict:
+        """What a rank joining a running job takes from the others (elastic/joining.py): the
+        launch order, once settled, and the step count."""
+        return {"settled": self.world > 1 and not self.reducer.first_order_pending(),
+                "order": [b.index for b in self.reducer.buckets], "steps": self.steps.value}
+
+    def set_elastic_state(self, state: dict | None) -> None:
+        if state is None:  # no member has the order settled: the next backward settles it
+            self.reducer.rearm_first_order()
+            return
+        self.reducer.settle_order(state["order"])
+        self.steps.value = state["steps"]
+
     def groups(self) -> list:
         """The process groups this engine issues on (the step report reads their records)."""
         comms = [self.comm] + ([self.gatherer.comm] if self.gatherer is not None else [])
@@ -282,6 +296,9 @@ class FlatEngine(EngineState):
         order = torch.tensor([b.index for b in completed], dtype=torch.int64,
                              device=self.comm.device)
         self.comm.broadcast(order, src=0, tag="launch order")
+        if gate.cut:  # rank 0's order never came (elastic/): settle it at the next backward
+            self.reducer.rearm_first_order()
+            return
         if self.replicas is not None:
             self.replicas.order(order)
         by_index = {b.index: b for b in self.reducer.buckets}

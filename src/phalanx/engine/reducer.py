@@ -117,6 +117,20 @@ class GradReducer:
                 p.register_post_accumulate_grad_hook(hook)
         self._ready_order: list | None = [] if on_first_order else None
 
+    def first_order_pending(self) -> bool:
+        """Whether the next backward still has to settle the launch order."""
+        return self._ready_order is not None
+
+    def rearm_first_order(self) -> None:
+        """Settle the launch order again at the next backward (its broadcast was lost)."""
+        self._ready_order = [] if self._on_first_order is not None else None
+
+    def settle_order(self, indexes: list[int]) -> None:
+        """Take the launch order another rank settled (a rank that joined the job later)."""
+        by_index = {b.index: b for b in self.buckets}
+        self.set_buckets([by_index[i] for i in indexes])
+        self._ready_order = None
+
     def set_buckets(self, buckets: list[GradBucket]) -> None:
         """The buckets, in launch order (their `index` names them and does not change)."""
         self.buckets = buckets

@@ -22,6 +22,7 @@ import torch
 
 from .. import elastic, runtime
 from ..collectives import Comm
+from ..elastic.joining import watch_engine
 from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
@@ -233,6 +234,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         engine.watch_steps(optimizer, steps.tick)
     outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
+    if steps_gate is not None:
+        watch_engine(engine)
     if steps_gate is not None and optimizer is not None:
         engine.gate_steps(optimizer, lambda: steps_gate.before_step(engine.comm))
     if check_replicas_every is not None and optimizer is not None:

@@ -1,0 +1,172 @@
+"""A replacement joins: it waits, the others admit it at their next `px.save`, and it loads
+what that save wrote, which is their live state.
+
+[Note: joining at a save]
+A replacement runs the script from the top, as after a restart, so the script's own resume
+lines decide where it stands:
+
+    ckpt = px.latest_checkpoint("checkpoints")
+    start = px.load(ckpt, model=model, optimizer=optimizer, sampler=loader.sampler)["step"] + 1
+
+Its `px.latest_checkpoint` asks to be admitted (`join/<rank>` in the job's store) and waits.
+The others, at their next `px.save`, see the request once the checkpoint is complete and
+admit it: they name it in the next generation's members, form that group with it, and every
+member loads the checkpoint just written (the others reload their own state, which leaves it
+as it was; under a sharded strategy that is also how the shards move to the new layout).
+So the replacement's `px.load` returns exactly the values the others passed to that save
+(`step=...`), its sampler stands where theirs stand, and its next iteration is theirs: the
+script's counters agree on every rank without phalanx knowing what they count. A save is
+the one point where the others' loop state is handed over whole; a script that saves every
+K steps admits a replacement within K steps, and one that never calls `px.save` never
+admits one (the replacement leaves when the job ends, saying so).
+
+Before its admission a replacement's `px.prepare` builds the engine for the job's world but
+talks to nobody (its Comms wait without a group: runtime.job_comm), so nothing it does
+before `px.load` needs the others.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+
+from .. import records
+from . import store as keys
+from .gate import gate
+
+__all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines",
+           "watch_engine", "leave_unadmitted"]
+
+_engines: list = []   # weak references to the prepared models' engines, in prepare order
+
+
+def watch_engine(engine) -> None:
+    """A prepared model's engine, whose runtime state (launch order, step count) a new member
+    takes from the others (`sync_engines`)."""
+    _engines.append(weakref.ref(engine))
+
+
+def _live_engines() -> list:
+    alive = [ref() for ref in _engines]
+    _engines[:] = [ref for ref, e in zip(list(_engines), alive) if e is not None]
+    return [e for e in alive if e is not None]
+
+
+def sync_engines(comm) -> None:
+    """After a new group is formed: every member's engines take the launch order and step
+    count of the first member that has them settled (see [Note: launch order follows
+    readiness] in engine/reducer.py); where no member has, the next backward settles them."""
+    for engine in _live_engines():
+        mine = engine.elastic_state()
+        every = comm.all_gather_object(mine, tag="elastic:engine state")
+        source = next((s for s in every if s["settled"]), None)
+        engine.set_elastic_state(source)
+
+
+# -- the replacement ----------------------------------------------------------------------------
+def wait_for_admission(m) -> dict:
+    """Ask to join and wait until admitted (the admission: generation, members, checkpoint,
+    step counts), or until the job ends without admitting (`leave_unadmitted`)."""
+    found = keys.read(m.store, f"admitted/{m.me}.{m.life}")
+    if found is not None:
+        return found
+    keys.write(m.store, f"join/{m.me}", {"life": m.life, "time": time.time()})
+
+    def admitted_or_over():
+        if keys.has(m.store, f"admitted/{m.me}.{m.life}"):
+            return True
+        gen = keys.read(m.store, "gen", 0)
+        members = keys.read(m.store, f"gen{gen}/members", [])
+        if members and all(m.gone(rank, life) is not None for rank, life in members):
+            leave_unadmitted(m)
+        return False
+
+    deadline = time.monotonic() + max(m.timeout.total_seconds(), 24 * 3600)
+    while not admitted_or_over():
+        if time.monotonic() > deadline:
+            leave_unadmitted(m)
+        time.sleep(0.05)
+    return keys.read(m.store, f"admitted/{m.me}.{m.life}")
+
+
+def leave_unadmitted(m) -> None:
+    """No member is left to admit this replacement: end this worker, successfully."""
+    print(f"phalanx: the replacement of rank {m.me} was not admitted: the job ended before the "
+          "others' next px.save", file=sys.stderr, flush=True)
+    raise SystemExit(0)
+
+
+def cannot_join(m) -> None:
+    """A replacement begins training without having loaded the others' state: it cannot take
+    part (its weights and place in the data are its own), so it ends, successfully."""
+    print(f"phalanx: the replacement of rank {m.me} cannot join: the script trains before any "
+          "px.latest_checkpoint / px.load, which is where a replacement takes the others' "
+          "state (see docs/guides/failures.md); the job goes on without it",
+          file=sys.stderr, flush=True)
+    raise SystemExit(0)
+
+
+def join(m, steps, load) -> dict:
+    """The replacement's `px.load`: be admitted, form the group, take the engines' state, and
+    `load(path)` the checkpoint the others just saved; returns what `load` returns."""
+    admission = wait_for_admission(m)
+    m.joining = False
+    steps.calls, steps.last_voted = admission["calls"], admission["last_voted"]
+    m.form(admission["gen"], admission["members"])
+    from ..runtime import default_comm
+
+    sync_engines(default_comm())
+    return load(admission["path"])
+
+
+# -- the others ---------------------------------------------------------------------------------
+def requests(m) -> list[tuple[int, int]]:
+    """(rank, life) of every replacement asking to join, as this rank reads the store."""
+    out = []
+    members = {rank for rank, _ in m.members}
+    for rank in range(m.launch_world):
+        if rank in members:
+            continue
+        asked = keys.read(m.store, f"join/{rank}")
+        if asked is not None and m.gone(rank, asked["life"]) is None:
+            out.append((rank, asked["life"]))
+    return out
+
+
+def joiners_asking(comm) -> list[tuple[int, int]]:
+    """At the start of a `px.save` (every member calls it): the replacements asking to join,
+    as rank 0 reads them; none while a recovery is not over."""
+    from . import current, step_gate
+
+    m, steps = current(), step_gate()
+    if gate.cut or steps.decision is not None or steps.resume_due:
+        return []
+    return comm.all_gather_object(requests(m) if comm.rank == 0 else None,
+                                  tag="elastic:join requests")[0] or []
+
+
+def admit(m, steps, comm, asking, path: str, reload) -> None:
+    """At the end of a `px.save` that wrote `path` (every member calls it): admit `asking`,
+    then `reload(path)` on every member (see [Note: joining at a save])."""
+    if gate.cut:
+        return
+    began = time.time()
+    gen = m.gen + 1
+    members = sorted(m.members + asking)
+    if comm.rank == 0:
+        for rank, life in asking:
+            keys.write(m.store, f"admitted/{rank}.{life}",
+                       {"gen": gen, "members": members, "path": path, "calls": steps.calls,
+                        "last_voted": steps.last_voted})
+            m.store.delete_key(f"join/{rank}")
+    comm.barrier(tag="elastic:admitting")  # nobody leaves the group while another still uses it
+    m.drop_group()
+    m.form(gen, members)
+    from ..runtime import default_comm
+
+    sync_engines(default_comm())
+    reload(path)
+    if steps.events is not None:
+        steps.events.joined([rank for rank, _ in asking], records.current_step(),
+                            time.time() - began, [life for _, life in asking])
