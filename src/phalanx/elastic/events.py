@@ -65,11 +65,13 @@ class Events:
         out, self.pending = self.pending, {}
         return out
 
-    def record(self, entry: dict, line: str) -> None:
+    def record(self, entry: dict, line: str, speaker: bool | None = None) -> None:
+        """Keep `entry` for the next step report; the speaker (default: rank 0) prints `line`
+        and logs it."""
         self.history.append(entry)
         self.pending = {f"membership/{k}": v for k, v in entry.items()
                         if isinstance(v, (int, float))}
-        if runtime.rank() == 0:
+        if speaker if speaker is not None else runtime.rank() == 0:
             print(line, file=sys.stderr, flush=True)
             from ..observe.metrics import log
 
@@ -88,10 +90,12 @@ class Events:
         self.record({"world": len(decision.survivors), "left": len(left), "step": step,
                      "seconds": seconds, "skipped": int(decision.skip), "ranks": left}, line)
 
-    def joined(self, ranks: list[int], step: int, seconds: float, lives: list[int]) -> None:
-        """After replacements were admitted (joining.py)."""
+    def joined(self, ranks: list[int], step: int, seconds: float, lives: list[int],
+               speaker: bool) -> None:
+        """After replacements were admitted (joining.py); `speaker`: this rank was the
+        others' rank 0 (a replacement may be rank 0 now)."""
         which = ", ".join(f"replacement {n}" for n in lives)
         line = (f"phalanx: {_ranks(ranks)} joined at step {step} ({which}): {self.m.world} "
                 f"ranks; the others spent {seconds:.2f} s admitting")
         self.record({"world": self.m.world, "joined": len(ranks), "step": step,
-                     "seconds": seconds, "ranks": ranks}, line)
+                     "seconds": seconds, "ranks": ranks}, line, speaker)

@@ -34,6 +34,7 @@ import weakref
 from .. import records
 from . import store as keys
 from .gate import gate
+from .membership import debug
 
 __all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines",
            "watch_engine", "leave_unadmitted"]
@@ -61,6 +62,7 @@ def sync_engines(comm) -> None:
         mine = engine.elastic_state()
         every = comm.all_gather_object(mine, tag="elastic:engine state")
         source = next((s for s in every if s["settled"]), None)
+        debug(f"sync: mine {mine['settled']} every {[s['settled'] for s in every]} cut {gate.cut}")
         engine.set_elastic_state(source)
 
 
@@ -152,6 +154,7 @@ def admit(m, steps, comm, asking, path: str, reload) -> None:
     if gate.cut:
         return
     began = time.time()
+    speaker = comm.rank == 0
     gen = m.gen + 1
     members = sorted(m.members + asking)
     if comm.rank == 0:
@@ -167,6 +170,6 @@ def admit(m, steps, comm, asking, path: str, reload) -> None:
 
     sync_engines(default_comm())
     reload(path)
-    if steps.events is not None:
+    if steps.events is not None and not gate.cut:
         steps.events.joined([rank for rank, _ in asking], records.current_step(),
-                            time.time() - began, [life for _, life in asking])
+                            time.time() - began, [life for _, life in asking], speaker)

@@ -23,6 +23,8 @@ Nothing here runs outside continue mode: `px.init` makes a `Membership` only the
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -33,6 +35,13 @@ from . import store as keys
 __all__ = ["Membership", "MembershipError"]
 
 _POLL = 0.005  # seconds between two looks at the store while waiting for the others
+
+
+def debug(message: str) -> None:
+    """One line on stderr per transition when PHALANX_DEBUG_ELASTIC is set (for a report)."""
+    if os.environ.get("PHALANX_DEBUG_ELASTIC"):
+        print(f"phalanx elastic [rank {os.environ.get('RANK')}, life "
+              f"{os.environ.get('PHALANX_JOINING', '0')}]: {message}", file=sys.stderr, flush=True)
 
 
 class MembershipError(RuntimeError):
@@ -77,6 +86,7 @@ class Membership:
         arguments) and move every Comm of the job's group over to it."""
         old = self._old_world
         self.gen, self.members = gen, sorted(members)
+        debug(f"form gen {gen} members {self.members}")
         kwargs = {"device_id": self.device} if "nccl" in self.backend else {}
         dist.init_process_group(backend=self.backend,
                                 store=dist.PrefixStore(f"gen{gen}/pg", self.store),

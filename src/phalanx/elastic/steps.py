@@ -40,7 +40,7 @@ import torch
 
 from . import store as keys
 from .gate import gate
-from .membership import Membership, MembershipError
+from .membership import Membership, MembershipError, debug
 
 __all__ = ["StepGate", "Decision", "decide"]
 
@@ -99,6 +99,7 @@ class StepGate:
     def lost(self, exc: BaseException) -> None:
         """gate.on_loss: see [Note: generations] in membership.py."""
         self.lost_at, self.cause = time.time(), exc
+        debug(f"lost at call {self.calls}: {exc}"[:200])
         for fn in list(self.on_lost):
             fn()
         self.m.drop_group()
@@ -121,6 +122,7 @@ class StepGate:
         if self.decision is None:
             self.decision = self.recover(call)
         d = self.decision
+        debug(f"step call {call} K {d.committed} R {d.resume_after} voting {self.voting} last_voted {self.last_voted}")
         run = call == d.committed and self.voting == call and self.last_voted < call
         if run:
             self._committed(call)
@@ -134,7 +136,26 @@ class StepGate:
             sampler._commit()
 
     def recover(self, call: int) -> Decision:
-        """Report, wait for every member's report or departure, decide, form the next group."""
+        """Report, wait for every member's report or departure, decide, form the next group
+        and bring every member's engines to the same launch order (another loss meanwhile:
+        the same again, from the group just formed)."""
+        from ..runtime import default_comm
+        from .joining import sync_engines
+
+        m = self.m
+        while True:
+            decision = self._decide(call)
+            m.form(m.gen + 1, decision.survivors)
+            gate.cut = False  # open for the members' own agreement, cut again after it
+            sync_engines(default_comm())  # a step lost before the first launch order settled
+            if not gate.cut:
+                gate.cut = True  # the rest of the lost step stays on this rank alone
+                decision.formed_at = time.time()
+                return decision
+
+    def _decide(self, call: int) -> Decision:
+        """Report to the store and wait for every member's report or departure; the decision
+        (see [Note: the commit vote])."""
         m = self.m
         gen = m.gen
         keys.write(m.store, f"gen{gen}/report/{m.me}",
@@ -164,12 +185,6 @@ class StepGate:
                 raise self.cause from None
             raise
         decision.lost_at = self.lost_at or time.time()
-        m.form(gen + 1, decision.survivors)
-        from ..runtime import default_comm
-        from .joining import sync_engines
-
-        sync_engines(default_comm())  # a step lost before the first launch order settled
-        decision.formed_at = time.time()
         return decision
 
     # -- going on -----------------------------------------------------------------------------
