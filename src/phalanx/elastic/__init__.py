@@ -52,6 +52,28 @@ def step_gate():
     return _now.get("steps")
 
 
+def check_options(strategy: str, precision: str, staleness: int, compression, diloco) -> None:
+    """`px.prepare` under `--on-failure continue`: refuse, on every rank and before any
+    collective, what a step redone on another group cannot yet carry over exactly."""
+    if not gate.active:
+        return
+    fix = ("; run it under --on-failure restart (every worker restarts from the last "
+           "checkpoint), or train with strategy='ddp'")
+    if strategy != "ddp" or diloco is not None:
+        raise ValueError(f"phalanx run --on-failure continue: strategy={strategy if diloco is None else 'DiLoCo'!r} "
+                         "is not supported yet: a lost rank takes its shard of the model state "
+                         "with it, and the survivors' layout would change" + fix)
+    if precision == "fp16":
+        raise ValueError("phalanx run --on-failure continue: precision='fp16' is not supported "
+                         "yet: the loss scale each rank sends depends on the number of ranks; "
+                         "use precision='bf16'" + fix)
+    if staleness or compression is not None:
+        what = "staleness=1" if staleness else "compression=PowerSGD"
+        raise ValueError(f"phalanx run --on-failure continue: {what} is not supported yet: its "
+                         "state spans steps, and a lost step would leave the ranks' states "
+                         "apart" + fix)
+
+
 def iteration_starts() -> bool:
     """An iteration begins (a batch is fetched, or a forward with gradients starts): where
     training goes on after a recovery (steps.py). True if it went on here."""
@@ -102,7 +124,7 @@ def raised(exc: BaseException) -> None:
     """The worker ends on `exc` (launch/worker.py): say so before the process goes, so that
     the others skip this step's batch rather than redo it (steps.py)."""
     m, steps = _now.get("membership"), _now.get("steps")
-    if m is None:
+    if m is None or m.joining or m.admitting:  # not in a step: a replacement's own failure
         return
     from . import store as keys
 

@@ -115,11 +115,15 @@ def join(m, steps, load) -> dict:
     admission = wait_for_admission(m)
     m.joining = False
     steps.calls, steps.last_voted = admission["calls"], admission["last_voted"]
-    m.form(admission["gen"], admission["members"])
-    from ..runtime import default_comm
+    m.admitting = True  # an error from here on is not one of a training step (steps.py)
+    try:
+        if m.form(admission["gen"], admission["members"]):
+            from ..runtime import default_comm
 
-    sync_engines(default_comm())
-    return load(admission["path"])
+            sync_engines(default_comm())
+        return load(admission["path"])  # lost meanwhile: read alone, then the recovery
+    finally:
+        m.admitting = False
 
 
 # -- the others ---------------------------------------------------------------------------------
@@ -150,25 +154,45 @@ def joiners_asking(comm) -> list[tuple[int, int]]:
 
 def admit(m, steps, comm, asking, path: str, reload) -> None:
     """At the end of a `px.save` that wrote `path` (every member calls it): admit `asking`,
-    then `reload(path)` on every member (see [Note: joining at a save])."""
-    if gate.cut:
-        return
-    began = time.time()
-    speaker = comm.rank == 0
+    then `reload(path)` on every member (see [Note: joining at a save]).
+
+    Whether the admission happens is rank 0's word in the store (`admit<g>`: the next
+    generation's members, or None when the save was cut short), read by every member, so a
+    member whose last collective failed still forms the same group as the others; a member
+    lost meanwhile makes that group fail to form, and the next step recovers from it."""
     gen = m.gen + 1
-    members = sorted(m.members + asking)
+    key = f"admit{m.gen}"
     if comm.rank == 0:
-        for rank, life in asking:
+        members = None if gate.cut else sorted(m.members + asking)
+        for rank, life in asking if members else ():
             keys.write(m.store, f"admitted/{rank}.{life}",
                        {"gen": gen, "members": members, "path": path, "calls": steps.calls,
                         "last_voted": steps.last_voted})
             m.store.delete_key(f"join/{rank}")
-    comm.barrier(tag="elastic:admitting")  # nobody leaves the group while another still uses it
-    m.drop_group()
-    m.form(gen, members)
-    from ..runtime import default_comm
+        keys.write(m.store, key, members)
+    first = m.members[0]
+    word: list = []
 
-    sync_engines(default_comm())
+    def said() -> bool:
+        if keys.has(m.store, key):
+            word.append(keys.read(m.store, key))
+            return True
+        if m.gone(*first) is not None:
+            word.append(None)
+            return True
+        return False
+
+    m.wait_for("rank 0's word on the admission", said)
+    members = word[0]
+    if members is None:
+        gate.cut = True  # rank 0 was lost, or saw the save cut short: the next step recovers
+        return
+    began, speaker = time.time(), comm.rank == 0
+    m.drop_group()
+    if m.form(gen, members):
+        from ..runtime import default_comm
+
+        sync_engines(default_comm())
     reload(path)
     if steps.events is not None and not gate.cut:
         steps.events.joined([rank for rank, _ in asking], records.current_step(),

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import groups, records
 from . import store as keys
+from .gate import gate
 
 __all__ = ["Membership", "MembershipError"]
 
@@ -42,6 +43,10 @@ def debug(message: str) -> None:
     if os.environ.get("PHALANX_DEBUG_ELASTIC"):
         print(f"phalanx elastic [rank {os.environ.get('RANK')}, life "
               f"{os.environ.get('PHALANX_JOINING', '0')}]: {message}", file=sys.stderr, flush=True)
+
+
+class _Lost(Exception):
+    """A member was lost while a group was being formed."""
 
 
 class MembershipError(RuntimeError):
@@ -63,6 +68,7 @@ class Membership:
         self.gen = 0
         self.members: list[tuple[int, int]] = [(r, 0) for r in range(world)]  # (rank, life)
         self.joining = life > 0   # a replacement, not yet admitted (joining.py)
+        self.admitting = False    # a replacement between its admission and its first step
         self.on_regroup: list = []   # called with (old, new) after a new group is formed
         self._old_world = None
 
@@ -81,17 +87,26 @@ class Membership:
         if not self.joining:
             self.form(0, self.members)
 
-    def form(self, gen: int, members: list[tuple[int, int]]) -> None:
+    def form(self, gen: int, members: list[tuple[int, int]]) -> bool:
         """Make generation `gen`'s group of `members` (every member calls this, with the same
-        arguments) and move every Comm of the job's group over to it."""
+        arguments) and move every Comm of the job's group over to it. False when a member was
+        lost before the group was made: the wire is then cut (gate.py), and the next step
+        boundary recovers from generation `gen` as from any loss."""
         old = self._old_world
         self.gen, self.members = gen, sorted(members)
         debug(f"form gen {gen} members {self.members}")
-        kwargs = {"device_id": self.device} if "nccl" in self.backend else {}
-        dist.init_process_group(backend=self.backend,
-                                store=dist.PrefixStore(f"gen{gen}/pg", self.store),
-                                rank=self.rank, world_size=self.world, timeout=self.timeout,
-                                **kwargs)
+        try:
+            self._arrive(gen)
+            kwargs = {"device_id": self.device} if "nccl" in self.backend else {}
+            dist.init_process_group(backend=self.backend,
+                                    store=dist.PrefixStore(f"gen{gen}/pg", self.store),
+                                    rank=self.rank, world_size=self.world,
+                                    timeout=self.timeout, **kwargs)
+        except (RuntimeError, _Lost) as exc:
+            debug(f"gen {gen} not formed: {exc}"[:200])
+            self.drop_group()
+            gate.cut = True
+            return False
         new = dist.group.WORLD
         if self.rank == 0:  # for a replacement waiting to join: who may still admit it
             keys.write(self.store, f"gen{gen}/members", self.members)
@@ -105,6 +120,23 @@ class Membership:
             for fn in list(self.on_regroup):
                 fn(old, new)
         self._old_world = new
+        return True
+
+    def _arrive(self, gen: int) -> None:
+        """Wait until every member of `gen` has come to make its group, or raise `_Lost` for
+        one that is gone first (torch's group would wait for it until the timeout)."""
+        keys.write(self.store, f"gen{gen}/arrived/{self.me}", True)
+        pending = set(self.members)
+
+        def arrived() -> bool:
+            for rank, life in list(pending):
+                if keys.has(self.store, f"gen{gen}/arrived/{rank}"):
+                    pending.discard((rank, life))
+                elif self.gone(rank, life) is not None:
+                    raise _Lost(f"rank {rank} was lost before generation {gen} was formed")
+            return not pending
+
+        self.wait_for(f"every member of generation {gen}", arrived)
 
     def drop_group(self) -> None:
         """Destroy this rank's end of the current group (and every group made from it): a peer

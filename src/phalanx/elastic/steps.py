@@ -145,7 +145,8 @@ class StepGate:
         m = self.m
         while True:
             decision = self._decide(call)
-            m.form(m.gen + 1, decision.survivors)
+            if not m.form(m.gen + 1, decision.survivors):
+                continue  # lost again before the group was made: from that generation on
             gate.cut = False  # open for the members' own agreement, cut again after it
             sync_engines(default_comm())  # a step lost before the first launch order settled
             if not gate.cut:

@@ -162,6 +162,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     staleness = check_staleness(staleness, strategy, precision)
     check_compression(compression, strategy, precision, comm_dtype)
     _check_combination(diloco, staleness, compression, shard_size)
+    elastic.check_options(strategy, precision, staleness, compression, diloco)
     if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                          and output_dtype.is_floating_point):
         raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "

@@ -1,0 +1,146 @@
+"""Train through failures under `phalanx run --on-failure continue`: the script the tests of
+tests/test_keep_going.py start, written as a user would (an epoch loop over px.data_loader,
+a px.save after every step, the README's resume lines), plus ways to fail on purpose.
+
+    keep_going.py OUT CKPT_DIR [--strategy ddp] [--precision fp32] [--epochs 3] [--sleep S]
+        [--kill RANK@STEP,...] [--raise RANK@STEP] [--die-in-save RANK@STEP]
+        [--die-joining] [--die-admitting RANK] [--skip STEP] [--no-resume]
+
+float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
+it evenly and any world size trains on the same samples. Only the first worker of a rank
+(life 0) fails on purpose; its replacement runs normally. `--skip S` leaves out the batch
+of step S (the reference for `--raise`). Rank 0 writes the final weights (one flat tensor)
+to OUT. Every worker prints `START rank=R pid=P life=L` and `END rank=R pid=P life=L
+world=W`.
+"""
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+
+import phalanx as px
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("ckpt")
+parser.add_argument("--strategy", default="ddp")
+parser.add_argument("--precision", default="fp32")
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--kill", default="")
+parser.add_argument("--raise", dest="raise_at", default=None)
+parser.add_argument("--die-in-save", default=None)
+parser.add_argument("--die-joining", action="store_true")
+parser.add_argument("--die-admitting", type=int, default=None)
+parser.add_argument("--skip", type=int, default=None)
+parser.add_argument("--no-resume", action="store_true")
+args = parser.parse_args()
+
+px.init()
+rank = int(os.environ.get("RANK", "0"))  # the launch rank: a replacement keeps it
+life = int(os.environ.get("PHALANX_JOINING", "0"))
+print(f"START rank={rank} pid={os.getpid()} life={life}", flush=True)
+
+
+def at(text):
+    return {tuple(map(int, item.split("@"))) for item in text.split(",") if item} if text else set()
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+kills, raises, saves = at(args.kill), at(args.raise_at), at(args.die_in_save)
+where = {"step": 0, "now": 0}  # steps taken (the loop's count), the step in progress
+if life == 0 and saves:  # killed while writing its file of that step's checkpoint
+    import phalanx.checkpoint.saving as saving
+
+    write = saving.write_tensors
+
+    def write_or_die(*a, **k):
+        if (rank, where["now"]) in saves:
+            die()
+        return write(*a, **k)
+    saving.write_tensors = write_or_die
+if life == 1 and args.die_joining:  # the replacement dies while loading the others' state
+    import phalanx.checkpoint.api as api
+
+    api.load_checkpoint = lambda *a, **k: die()
+if life == 0 and args.die_admitting == rank:  # dies while admitting a replacement
+    import phalanx.elastic as elastic
+    import phalanx.elastic.joining as joining
+
+    sync = joining.sync_engines
+
+    def sync_or_die(comm):
+        if any(other > 0 for _, other in elastic.current().members):
+            die()
+        return sync(comm)
+    joining.sync_engines = sync_or_die
+
+
+class Boom(torch.autograd.Function):
+    """Raises in backward on one rank at one step (as an out-of-memory error would)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if life == 0 and (rank, where["now"]) in raises:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return grad
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 32)
+        self.b = torch.nn.Linear(32, 32)
+        self.c = torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.c(Boom.apply(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+
+torch.manual_seed(0)
+torch.set_default_dtype(torch.float64)
+g = torch.Generator().manual_seed(1)
+data = torch.utils.data.TensorDataset(torch.randn(240, 8, generator=g),
+                                      torch.randn(240, 1, generator=g))
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+model, optimizer = px.prepare(model, optimizer, strategy=args.strategy,
+                              precision=args.precision)
+loader = px.data_loader(data, batch_size=12 // int(os.environ.get("WORLD_SIZE", "1")))
+start = 0
+if not args.no_resume:
+    ckpt = px.latest_checkpoint(args.ckpt)
+    if ckpt is not None:
+        saved = px.load(ckpt, model=model, optimizer=optimizer, sampler=loader.sampler)
+        start, where["step"] = saved["epoch"], saved["step"]
+for epoch in range(start, args.epochs):
+    loader.sampler.set_epoch(epoch)
+    for x, y in loader:
+        step = where["now"] = where["step"]
+        if life == 0 and (rank, step) in kills:
+            die()
+        where["step"] += 1
+        if step == args.skip:
+            continue
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(args.sleep)  # room for a kill from outside to land anywhere in a step
+        px.save(os.path.join(args.ckpt, f"step{where['step']:05d}"), model=model,
+                optimizer=optimizer, sampler=loader.sampler, epoch=epoch,
+                step=where["step"], keep_last=2)
+weights = torch.cat([p.detach().reshape(-1) for p in px.unwrap(model).parameters()])
+if px.rank() == 0:
+    torch.save(weights, args.out)
+print(f"END rank={rank} pid={os.getpid()} life={life} world={px.world_size()}", flush=True)
+px.shutdown()

@@ -1,0 +1,225 @@
+"""`phalanx run --on-failure continue`: training goes on through a failure without a restart.
+
+Every job is a real `phalanx run` of tests/launch_scripts/keep_going.py (float64, an epoch loop
+over px.data_loader, a px.save after every step, the README's resume lines), with a timeout.
+The reference is the same script in a world of one. A rank killed at any moment must leave the
+survivors (the same processes, start to end) with the uninterrupted run's weights, the step in
+flight redone over fewer ranks; its replacement joins at a save and the job ends at full size.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.elastic.membership import MembershipError
+from phalanx.elastic.steps import decide
+
+from test_launch import phalanx, processes_running
+
+SCRIPT = Path(__file__).parent / "launch_scripts" / "keep_going.py"
+TIMEOUT = 240
+
+
+def _reference(tmp_path, *extra) -> torch.Tensor:
+    """The same training in a world of one (plain python), cached per extra arguments."""
+    out = tmp_path / f"reference{'-'.join(map(str, extra))}.pt"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    subprocess.run([sys.executable, str(SCRIPT), str(out), str(tmp_path / "ref-ckpt"),
+                    *map(str, extra)], check=True, env=env, timeout=TIMEOUT,
+                   capture_output=True)
+    return torch.load(out)
+
+
+def _lines(stdout: str, tag: str) -> list[dict]:
+    return [dict(field.split("=") for field in fields.split())
+            for fields in re.findall(rf"^\[rank\d+\]: {tag} (.*)$", stdout, re.M)]
+
+
+def _job(tmp_path, *extra, n=3, restarts=3, kill_from_outside=0, seed=0):
+    """Run the script under `--on-failure continue`; `kill_from_outside` random workers are
+    SIGKILLed at random moments once training runs. Returns (weights, stdout, stderr); the
+    checkpoint directory is `_job.ckpt`."""
+    token = f"keep-going-{random.Random().getrandbits(64):x}"
+    ckpt, out = tmp_path / f"ckpt-{token}", tmp_path / "out.pt"
+    _job.ckpt = ckpt
+    cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(n), "--on-failure", "continue",
+           "--max-restarts", str(restarts), str(SCRIPT), str(out), str(ckpt), *map(str, extra)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rng = random.Random(seed)
+    try:
+        for _ in range(kill_from_outside):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # training, with no replacement starting
+                latest = [p for p in ckpt.glob("step*") if ".partial" not in p.name]
+                workers = [int(line.split(":")[0]) for line in processes_running(str(ckpt))
+                           if "phalanx.launch.worker" in line]
+                if latest and len(workers) == n:
+                    break
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.4))  # anywhere in a step: forward ... save
+            os.kill(rng.choice(workers), signal.SIGKILL)
+            time.sleep(0.5)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert processes_running(str(ckpt)) == []
+    return torch.load(out), stdout, stderr
+
+
+def _survivors_kept_their_processes(stdout: str, n: int) -> None:
+    """Every first worker that ended, ended in the process it started in, and nobody else of
+    its rank started but replacements (life > 0)."""
+    starts, ends = _lines(stdout, "START"), _lines(stdout, "END")
+    first = {s["rank"]: s["pid"] for s in starts if s["life"] == "0"}
+    assert sorted(first) == [str(r) for r in range(n)], stdout
+    for end in ends:
+        if end["life"] == "0":
+            assert end["pid"] == first[end["rank"]], stdout
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert (a - b).abs().max().item() < 1e-10, (a - b).abs().max().item()
+
+
+def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_joins(tmp_path):
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--kill", "1@7", "--sleep", "0.1")
+    _close(weights, reference)
+    _survivors_kept_their_processes(stdout, 3)
+    assert "phalanx: rank 1 was killed by SIGKILL at step 7; step 7 redone by 2 ranks" in stderr
+    assert re.search(r"phalanx: rank 1 joined at step \d+ \(replacement 1\): 3 ranks", stderr)
+    ends = _lines(stdout, "END")
+    assert sorted(e["rank"] for e in ends) == ["0", "1", "2"] and \
+        {e["world"] for e in ends} == {"3"}, stdout  # full size again, the replacement in
+    assert "going on through 1 failure: rank 1 was killed by SIGKILL" in stderr
+
+
+@pytest.mark.parametrize("kill", [
+    "0@0",                                       # rank 0 (the line's speaker), the first step
+    "2@19",                                      # the last step of an epoch
+    pytest.param("1@3,2@25", marks=pytest.mark.slow),   # two failures in one job
+])
+def test_kills_at_chosen_steps_end_as_the_uninterrupted_run(tmp_path, kill):
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--kill", kill, "--sleep", "0.05")
+    _close(weights, reference)
+    _survivors_kept_their_processes(stdout, 3)
+    assert stderr.count("was killed by SIGKILL at step") == kill.count("@"), stderr
+
+
+def test_two_failures_and_no_replacements_leave_one_rank_training_alone(tmp_path):
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--kill", "0@4,2@9", restarts=0)
+    _close(weights, reference)
+    ends = _lines(stdout, "END")
+    assert [(e["rank"], e["world"]) for e in ends] == [("1", "1")], stdout
+    assert "step 9 redone by 1 rank" in stderr
+
+
+@pytest.mark.parametrize("runs", [1, pytest.param(10, marks=pytest.mark.slow)])
+def test_a_rank_killed_at_random_moments_from_outside(tmp_path, runs):
+    """The issue's test: SIGKILL at a random moment of a random step (forward, backward, the
+    vote, the optimizer, the save), from outside the job; 10 times under PHALANX_SLOW=1."""
+    reference = _reference(tmp_path)
+    for seed in range(runs):
+        weights, stdout, stderr = _job(tmp_path, "--sleep", "0.05", kill_from_outside=1,
+                                       seed=seed)
+        _close(weights, reference)
+        _survivors_kept_their_processes(stdout, 3)
+        assert stderr.count("was killed by SIGKILL at step") == 1, stderr
+
+
+def test_a_rank_killed_while_saving_leaves_no_checkpoint_behind_and_training_exact(tmp_path):
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--die-in-save", "2@6", "--sleep", "0.05")
+    _close(weights, reference)
+    # step 6 committed before its save: the step lost is the next one
+    assert "rank 2 was killed by SIGKILL at step 7; step 7 redone by 2 ranks" in stderr
+    assert "wrote nothing: a rank was lost during this step" in stderr
+    left = sorted(p.name for p in _job.ckpt.iterdir())
+    assert all(px.latest_checkpoint(_job.ckpt) and (_job.ckpt / name / "manifest.json").exists()
+               for name in left), left  # complete checkpoints only, nothing half written
+
+
+@pytest.mark.parametrize("fault", [
+    ["--die-joining"],            # the replacement dies while loading the others' state
+    ["--die-admitting", "2"],     # one of the others dies while admitting it
+])
+def test_a_failure_during_the_catch_up(tmp_path, fault):
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--kill", "1@3", "--sleep", "0.08", *fault)
+    _close(weights, reference)
+    assert stderr.count("was killed by SIGKILL at step") == 2, stderr
+
+
+def test_an_exception_in_one_ranks_backward_skips_that_batch_on_every_rank(tmp_path):
+    skipped = _reference(tmp_path, "--skip", 7)
+    weights, stdout, stderr = _job(tmp_path, "--raise", "2@7", "--sleep", "0.05")
+    _close(weights, skipped)
+    assert "phalanx: rank 2 raised RuntimeError: CUDA out of memory (simulated) at step 7; " \
+           "step 7 skipped by 2 ranks" in stderr
+    assert "[rank2]: RuntimeError: CUDA out of memory (simulated)" in stderr  # its traceback
+
+
+def test_a_replacement_without_resume_lines_cannot_join_and_the_job_goes_on(tmp_path):
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--kill", "2@3", "--no-resume", "--sleep", "0.05")
+    _close(weights, reference)
+    assert "the replacement of rank 2 cannot join: the script trains before any" in stderr
+
+
+def test_unsupported_options_are_refused_on_every_rank(tmp_path):
+    result = phalanx("run", "-n", 2, "--on-failure", "continue", SCRIPT, tmp_path / "o.pt",
+                     tmp_path / "ck", "--strategy", "zero2")
+    assert result.returncode == 1
+    assert "--on-failure continue: strategy='zero2' is not supported yet" in result.stderr
+    assert result.stderr.count("is not supported yet") >= 2  # every rank said it
+
+
+def test_stop_ends_at_the_first_failure_and_refuses_restarts(tmp_path):
+    result = phalanx("run", "-n", 2, "--on-failure", "stop", "--max-restarts", 2, SCRIPT,
+                     tmp_path / "o.pt", tmp_path / "ck")
+    assert result.returncode == 2 and "--on-failure stop ends the job at the first" in result.stderr
+    result = phalanx("run", "-n", 2, "--on-failure", "stop", SCRIPT, tmp_path / "o.pt",
+                     tmp_path / "ck", "--kill", "1@2")
+    assert result.returncode == 1
+    assert "phalanx run: error: rank 1 was killed by SIGKILL" in result.stderr
+
+
+# -- the decision, on reports made up here --------------------------------------------------
+def _report(calls, last_voted, phase1=False):
+    return {"calls": calls, "last_voted": last_voted, "phase1": phase1, "cause": ""}
+
+
+def test_the_decision_commits_a_step_whose_vote_completed_anywhere():
+    # rank 0 saw step 5's vote complete and failed in step 6; rank 2 failed inside the vote
+    # of step 5: step 5 commits everywhere, both drop step 6, the one behind drops it unused
+    d = decide(0, {0: (0, _report(6, 5)), 2: (0, _report(5, 4, phase1=True))},
+               {1: {"exitcode": -9}})
+    assert (d.committed, d.resume_after, d.survivors, d.skip) == (5, 6, [(0, 0), (2, 0)], False)
+    # nobody saw step 5's vote complete: step 4 is the last, step 5 is redone
+    d = decide(0, {0: (0, _report(5, 4, phase1=True)), 2: (0, _report(5, 4))},
+               {1: {"exitcode": -9}})
+    assert (d.committed, d.resume_after) == (4, 5)
+    d = decide(0, {0: (0, _report(5, 4))}, {1: {"exitcode": 1, "raised": {"message": "x"}}})
+    assert d.skip
+
+
+def test_the_decision_refuses_reports_that_cannot_happen():
+    with pytest.raises(MembershipError, match="disagree on the last step"):
+        decide(0, {0: (0, _report(6, 5)), 2: (0, _report(4, 3))}, {1: {"exitcode": -9}})
+    with pytest.raises(MembershipError, match="no member left"):
+        decide(0, {0: (0, _report(3, 2))}, {})
