@@ -223,3 +223,20 @@ def test_the_decision_refuses_reports_that_cannot_happen():
         decide(0, {0: (0, _report(6, 5)), 2: (0, _report(4, 3))}, {1: {"exitcode": -9}})
     with pytest.raises(MembershipError, match="no member left"):
         decide(0, {0: (0, _report(3, 2))}, {})
+
+
+def test_a_step_redone_after_a_load_at_the_end_of_an_epoch_begins_the_next_epoch():
+    """A checkpoint saved after an epoch's last step holds the position at its end; a step
+    lost right after loading it (a replacement admitted there) is the next epoch's first, and
+    the redo must not go back to the finished epoch (that skipped a whole epoch once)."""
+    sampler = px.DistributedSampler(list(range(24)), batch_size=4, rank=0, world_size=1)
+    passes = list(sampler.batches())
+    sampler._steps_done = len(passes)  # the loop received every batch of epoch 0
+    state = sampler.state_dict()
+    assert (state["epoch"], state["consumed"]) == (0, 24)
+    sampler.load_state_dict(state)
+    sampler.set_epoch(1)
+    first = next(iter(sampler.batches()))
+    sampler._resume(skip=False)
+    assert (sampler.epoch, sampler._start) == (1, 0)
+    assert next(iter(sampler.batches())) == first

@@ -217,11 +217,12 @@ class DistributedSampler(Sampler[int]):
 
     # -- a step redone (phalanx run --on-failure continue) -----------------------------------
     def _where(self) -> tuple[int, int]:
-        """(epoch, position), a finished epoch being the start of the next."""
-        consumed = self.position()
-        if self._in_pass and consumed >= self._end(self._pass_start):
-            return self.epoch + 1, 0
-        return self.epoch, consumed
+        return self._next_from(self.epoch, self.position())
+
+    def _next_from(self, epoch: int, consumed: int) -> tuple[int, int]:
+        """(epoch, position) where the next step begins: a position with no step left in its
+        epoch is the start of the next epoch."""
+        return (epoch + 1, 0) if self._end(consumed) <= consumed else (epoch, consumed)
 
     def _commit(self) -> None:
         """A step every rank committed: a redo goes back no further than here."""
@@ -286,7 +287,7 @@ class DistributedSampler(Sampler[int]):
                              f"{self.dataset_length} samples")
         self.epoch, self._start = int(state["epoch"]), consumed
         self._pass_start, self._steps_done, self._in_pass = consumed, 0, False
-        self._committed = (self.epoch, consumed)
+        self._committed = self._next_from(self.epoch, consumed)
         self.restart = True  # a loader iterating now starts again from here
 
 
