@@ -31,15 +31,20 @@ SCRIPT = Path(__file__).parent / "launch_scripts" / "keep_going.py"
 TIMEOUT = 240
 
 
+_references: dict = {}
+
+
 def _reference(tmp_path, *extra) -> torch.Tensor:
-    """The same training in a world of one (plain python), cached per extra arguments."""
-    out = tmp_path / f"reference{'-'.join(map(str, extra))}.pt"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    subprocess.run([sys.executable, str(SCRIPT), str(out), str(tmp_path / "ref-ckpt"),
-                    *map(str, extra)], check=True, env=env, timeout=TIMEOUT,
-                   capture_output=True)
-    return torch.load(out)
+    """The same training in a world of one (plain python), run once per extra arguments."""
+    key = tuple(map(str, extra))
+    if key not in _references:
+        out = tmp_path / f"reference{'-'.join(key)}.pt"
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+        subprocess.run([sys.executable, str(SCRIPT), str(out), str(tmp_path / "ref-ckpt"), *key],
+                       check=True, env=env, timeout=TIMEOUT, capture_output=True)
+        _references[key] = torch.load(out)
+    return _references[key]
 
 
 def _lines(stdout: str, tag: str) -> list[dict]:
@@ -107,10 +112,11 @@ def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_join
     assert "going on through 1 failure: rank 1 was killed by SIGKILL" in stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", [
-    "0@0",                                       # rank 0 (the line's speaker), the first step
-    "2@19",                                      # the last step of an epoch
-    pytest.param("1@3,2@25", marks=pytest.mark.slow),   # two failures in one job
+    "0@0",        # rank 0 (the line's speaker), the first step
+    "2@19",       # the last step of an epoch
+    "1@3,2@25",   # two failures in one job
 ])
 def test_kills_at_chosen_steps_end_as_the_uninterrupted_run(tmp_path, kill):
     reference = _reference(tmp_path)
@@ -120,6 +126,7 @@ def test_kills_at_chosen_steps_end_as_the_uninterrupted_run(tmp_path, kill):
     assert stderr.count("was killed by SIGKILL at step") == kill.count("@"), stderr
 
 
+@pytest.mark.slow
 def test_two_failures_and_no_replacements_leave_one_rank_training_alone(tmp_path):
     reference = _reference(tmp_path)
     weights, stdout, stderr = _job(tmp_path, "--kill", "0@4,2@9", restarts=0)
@@ -129,7 +136,8 @@ def test_two_failures_and_no_replacements_leave_one_rank_training_alone(tmp_path
     assert "step 9 redone by 1 rank" in stderr
 
 
-@pytest.mark.parametrize("runs", [1, pytest.param(10, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("runs", [10])
 def test_a_rank_killed_at_random_moments_from_outside(tmp_path, runs):
     """The issue's test: SIGKILL at a random moment of a random step (forward, backward, the
     vote, the optimizer, the save), from outside the job; 10 times under PHALANX_SLOW=1."""
@@ -155,7 +163,7 @@ def test_a_rank_killed_while_saving_leaves_no_checkpoint_behind_and_training_exa
 
 
 @pytest.mark.parametrize("fault", [
-    ["--die-joining"],            # the replacement dies while loading the others' state
+    pytest.param(["--die-joining"], marks=pytest.mark.slow),  # the replacement, loading
     ["--die-admitting", "2"],     # one of the others dies while admitting it
 ])
 def test_a_failure_during_the_catch_up(tmp_path, fault):
@@ -174,6 +182,7 @@ def test_an_exception_in_one_ranks_backward_skips_that_batch_on_every_rank(tmp_p
     assert "[rank2]: RuntimeError: CUDA out of memory (simulated)" in stderr  # its traceback
 
 
+@pytest.mark.slow
 def test_a_replacement_without_resume_lines_cannot_join_and_the_job_goes_on(tmp_path):
     reference = _reference(tmp_path)
     weights, stdout, stderr = _job(tmp_path, "--kill", "2@3", "--no-resume", "--sleep", "0.05")
@@ -189,6 +198,7 @@ def test_unsupported_options_are_refused_on_every_rank(tmp_path):
     assert result.stderr.count("is not supported yet") >= 2  # every rank said it
 
 
+@pytest.mark.slow
 def test_stop_ends_at_the_first_failure_and_refuses_restarts(tmp_path):
     result = phalanx("run", "-n", 2, "--on-failure", "stop", "--max-restarts", 2, SCRIPT,
                      tmp_path / "o.pt", tmp_path / "ck")

@@ -1,0 +1,174 @@
+"""How long a failure stops training: `phalanx run --on-failure continue` against `restart`.
+
+    .venv/bin/python benchmarks/keep_going.py                 # 3 ranks, 3 rounds of each mode
+    .venv/bin/python benchmarks/keep_going.py --rounds 5 --ranks 4
+
+The job: the 12.6M-parameter MLP of benchmarks/ddp.py (6 blocks of Linear 512 -> 2048 -> 512,
+fp32, AdamW) under ddp, 16 x 512 per rank of a fixed global batch drawn through
+px.data_loader, a px.save every `--save-every` steps (background=False), the README's resume
+lines. Each round starts the job, waits `--warmup` steps, SIGKILLs rank 1 at a moment drawn
+inside a step, and reads every rank's per-step timestamps (`TICK`, printed after each
+`optimizer.step()`). Modes alternate within a round, so both see the same machine.
+
+- continue (`--on-failure continue --max-restarts 1`): seconds from the kill to the first
+  step committed after it (the survivors' redo of the step in flight), and to the first step
+  committed at full size again (the replacement admitted at a save);
+- restart (`--on-failure restart --max-restarts 1`): seconds from the kill to the first step
+  completed by the restarted workers.
+- For both, the global steps trained twice: committed before the kill and trained again after
+  it (restart: those since the last checkpoint; continue: none, the step in flight was never
+  committed).
+
+Prints one row per round and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+
+def worker(args) -> None:
+    import torch
+
+    import phalanx as px
+    import phalanx.elastic as elastic
+
+    sys.path.insert(0, str(HERE.parent))
+    from ddp import make
+
+    px.init()
+    torch.manual_seed(0)
+    rank, life = int(os.environ["RANK"]), int(os.environ.get("PHALANX_JOINING", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model = make("mlp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = px.prepare(model, optimizer, strategy="ddp")
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(args.steps * 48, 512, generator=g))
+    per_rank = 48 // int(os.environ["WORLD_SIZE"])
+    loader = px.data_loader(data, batch_size=per_rank, shuffle=False)
+    step = 0
+    ckpt = px.latest_checkpoint(args.ckpt)
+    if ckpt is not None:
+        step = px.load(ckpt, model=model, optimizer=optimizer, sampler=loader.sampler)["step"]
+    for (x,) in loader:
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        gate = elastic.step_gate()  # whether this step committed (a lost one is dropped)
+        done = gate is None or gate.last_voted == gate.calls
+        print(f"TICK rank={rank} life={life} restart={restart} step={step} done={int(done)} "
+              f"at={loader.sampler.position() // 48} world={px.world_size()} "
+              f"t={time.time():.4f}", flush=True)
+        if step % args.save_every == 0:
+            px.save(os.path.join(args.ckpt, f"step{step:05d}"), model=model,
+                    optimizer=optimizer, sampler=loader.sampler, step=step, keep_last=2)
+    px.shutdown()
+
+
+def one_run(mode: str, args, rng) -> dict:
+    ckpt = Path(tempfile.mkdtemp(prefix="keep-going-"))
+    cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--on-failure", mode,
+           "--max-restarts", "1", str(HERE), "--worker", "--ckpt", str(ckpt),
+           "--steps", str(args.steps), "--save-every", str(args.save_every)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ticks: list[dict] = []
+    killed_at = None
+    try:
+        for line in proc.stdout:
+            m = re.search(r"TICK (.*)$", line)
+            if not m:
+                continue
+            tick = dict(re.findall(r"(\w+)=([\w.]+)", m.group(1)))
+            if len(tick) != 8:  # a line cut by another's output
+                continue
+            ticks.append(tick)
+            if killed_at is None and tick["rank"] == "1" and int(tick["step"]) >= args.warmup:
+                gap = statistics.median(_gaps(ticks))
+                time.sleep(rng.uniform(0.0, gap))  # a moment drawn inside the next step
+                pid = _worker_pid(ckpt, rank=1)
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.time()
+        proc.wait(timeout=600)
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read()
+    # after the kill, a step on the group without the killed rank (continue), or by the
+    # restarted workers (restart); then the first at full size again
+    after = [t for t in ticks if float(t["t"]) > killed_at and t["done"] == "1"
+             and (int(t["world"]) < args.ranks or t["restart"] != "0")]
+    first = min(after, key=lambda t: float(t["t"]))
+    full = [float(t["t"]) for t in ticks if float(t["t"]) >= float(first["t"])
+            and t["done"] == "1" and int(t["world"]) == args.ranks]
+    # global steps committed before the kill, and the first one committed after it: what
+    # lies between was trained twice (lost to the failure)
+    before = max(int(t["at"]) for t in ticks if float(t["t"]) <= killed_at and t["done"] == "1")
+    return {"mode": mode, "went_on_s": float(first["t"]) - killed_at,
+            "full_size_s": (min(full) - killed_at) if full else float("nan"),
+            "lost": before - (int(first["at"]) - 1), "step_s": statistics.median(_gaps(ticks)),
+            "ok": proc.returncode == 0, "stderr": stderr}
+
+
+def _gaps(ticks) -> list[float]:
+    mine = [float(t["t"]) for t in ticks if t["rank"] == "0"]
+    return [b - a for a, b in zip(mine, mine[1:])] or [0.1]
+
+
+def _worker_pid(token: Path, rank: int) -> int:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(token) in cmd and "--worker" in cmd and f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise RuntimeError("no worker of rank 1 found")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--ckpt")
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=15)
+    parser.add_argument("--save-every", type=int, default=10)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    rng = random.Random(0)
+    rows = []
+    for r in range(args.rounds):
+        for mode in ("continue", "restart"):
+            row = one_run(mode, args, rng)
+            rows.append(row)
+            print(f"round {r} {mode:8s} went on after {row['went_on_s']:.2f} s, full size after "
+                  f"{row['full_size_s']:.2f} s, steps trained again {row['lost']}, step "
+                  f"{row['step_s']:.3f} s, exit ok {row['ok']}", flush=True)
+            if not row["ok"]:
+                print(row["stderr"][-3000:])
+    for mode in ("continue", "restart"):
+        mine = [r for r in rows if r["mode"] == mode]
+        print(f"median {mode:8s}: went on after "
+              f"{statistics.median(r['went_on_s'] for r in mine):.2f} s, full size after "
+              f"{statistics.median(r['full_size_s'] for r in mine):.2f} s, steps trained again "
+              f"{statistics.median(r['lost'] for r in mine)}")
+
+
+if __name__ == "__main__":
+    main()
