@@ -122,9 +122,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.save({path!r}): reading the state to save")
     if not background:
-        try:
-            _write(snapshot, comm)
-        except _Lost:
+        if not _write(snapshot, comm):
             _skipped(path)
             return path
         if joining:
@@ -212,8 +210,9 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
 
 
 # -- the write ----------------------------------------------------------------------------------
-def _write(snap: _Snapshot, comm: Comm) -> None:
-    """Every rank writes its file; rank 0 completes the checkpoint; every rank raises alike."""
+def _write(snap: _Snapshot, comm: Comm) -> bool:
+    """Every rank writes its file; rank 0 completes the checkpoint; every rank raises alike.
+    False: nothing was written, a rank being lost meanwhile ([Note: a save in a lost step])."""
     own_file = f"rank{comm.rank:05d}.safetensors"
     report, error = None, None
     try:
@@ -234,7 +233,7 @@ def _write(snap: _Snapshot, comm: Comm) -> None:
     if gate.cut:  # a rank was lost during the save: see [Note: a save in a lost step]
         if comm.rank == 0:
             shutil.rmtree(snap.partial, ignore_errors=True)
-        raise _Lost
+        return False
     error = None
     if comm.rank == 0:
         try:
@@ -243,6 +242,7 @@ def _write(snap: _Snapshot, comm: Comm) -> None:
             error = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(snap.partial, ignore_errors=True)
     agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint")
+    return True
 
 
 def _complete(snap: _Snapshot, reports: list) -> None:
@@ -332,17 +332,14 @@ def _remove_abandoned(parent: str, newest: str) -> None:
 
 
 # -- a save in a lost step ------------------------------------------------------------------------
-class _Lost(Exception):
+def _skipped(path: str) -> None:
     """[Note: a save in a lost step]
     Under `phalanx run --on-failure continue`, a save called while the step in flight is lost
     (a rank died: elastic/gate.py), or during which a rank is lost, writes nothing: the state
     it would hold is that of a step the survivors throw away, and the others may never take
     part. Whatever it had written under its temporary name is removed (rank 0 completes a
     checkpoint only after every rank's part arrived), the previous checkpoint stays as it was,
-    and a warning says so; the next `px.save` writes the live state."""
-
-
-def _skipped(path: str) -> None:
+    and this warning says so; the next `px.save` writes the live state."""
     warnings.warn(f"px.save({path!r}) wrote nothing: a rank was lost during this step (phalanx "
                   "run --on-failure continue); the previous checkpoint stands, and the next "
                   "px.save writes the state the survivors go on from", stacklevel=3)
@@ -355,11 +352,12 @@ class _Job:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.seconds: float | None = None
+        self.written = True
 
     def run(self, snap: _Snapshot, comm: Comm) -> None:
         start = time.perf_counter()
         try:
-            _write(snap, comm)
+            self.written = _write(snap, comm)
         except BaseException as exc:  # kept for the caller's next wait
             self.error = exc
         self.seconds = time.perf_counter() - start
@@ -372,10 +370,10 @@ def wait_for_saves() -> None:
     while _running:
         job = _running.pop(0)
         job.thread.join()
-        if isinstance(job.error, _Lost):
-            _skipped(job.path)
-        elif job.error is not None:
+        if job.error is not None:
             raise job.error
+        if not job.written:
+            _skipped(job.path)
 
 
 runtime.before_shutdown(wait_for_saves)

@@ -45,10 +45,6 @@ def debug(message: str) -> None:
               f"{os.environ.get('PHALANX_JOINING', '0')}]: {message}", file=sys.stderr, flush=True)
 
 
-class _Lost(Exception):
-    """A member was lost while a group was being formed."""
-
-
 class MembershipError(RuntimeError):
     """The job cannot go on: no member reported in time, or nobody is left to go on with."""
 
@@ -96,14 +92,17 @@ class Membership:
         self.gen, self.members = gen, sorted(members)
         debug(f"form gen {gen} members {self.members}")
         try:
-            self._arrive(gen)
-            kwargs = {"device_id": self.device} if "nccl" in self.backend else {}
-            dist.init_process_group(backend=self.backend,
-                                    store=dist.PrefixStore(f"gen{gen}/pg", self.store),
-                                    rank=self.rank, world_size=self.world,
-                                    timeout=self.timeout, **kwargs)
-        except (RuntimeError, _Lost) as exc:
-            debug(f"gen {gen} not formed: {exc}"[:200])
+            missing = self._arrive(gen)
+            if missing is None:
+                kwargs = {"device_id": self.device} if "nccl" in self.backend else {}
+                dist.init_process_group(backend=self.backend,
+                                        store=dist.PrefixStore(f"gen{gen}/pg", self.store),
+                                        rank=self.rank, world_size=self.world,
+                                        timeout=self.timeout, **kwargs)
+        except RuntimeError as exc:  # a member lost while the group connected
+            missing = str(exc)
+        if missing is not None:
+            debug(f"gen {gen} not formed: {missing}"[:200])
             self.drop_group()
             gate.cut = True
             return False
@@ -122,21 +121,24 @@ class Membership:
         self._old_world = new
         return True
 
-    def _arrive(self, gen: int) -> None:
-        """Wait until every member of `gen` has come to make its group, or raise `_Lost` for
-        one that is gone first (torch's group would wait for it until the timeout)."""
+    def _arrive(self, gen: int) -> str | None:
+        """Wait until every member of `gen` has come to make its group (None), or one is gone
+        first (what happened; torch's group would wait for it until the timeout)."""
         keys.write(self.store, f"gen{gen}/arrived/{self.me}", True)
         pending = set(self.members)
+        lost: list = []
 
         def arrived() -> bool:
             for rank, life in list(pending):
                 if keys.has(self.store, f"gen{gen}/arrived/{rank}"):
                     pending.discard((rank, life))
                 elif self.gone(rank, life) is not None:
-                    raise _Lost(f"rank {rank} was lost before generation {gen} was formed")
+                    lost.append(f"rank {rank} was lost before generation {gen} was formed")
+                    return True
             return not pending
 
         self.wait_for(f"every member of generation {gen}", arrived)
+        return lost[0] if lost else None
 
     def drop_group(self) -> None:
         """Destroy this rank's end of the current group (and every group made from it): a peer
