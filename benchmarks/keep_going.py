@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/keep_going.py                 # 3 ranks, 3 rounds of each mode
     .venv/bin/python benchmarks/keep_going.py --rounds 5 --ranks 4
+    .venv/bin/python benchmarks/keep_going.py --part overhead   # no failure: the vote's cost
 
 The job: the 12.6M-parameter MLP of benchmarks/ddp.py (6 blocks of Linear 512 -> 2048 -> 512,
 fp32, AdamW) under ddp, 16 x 512 per rank of a fixed global batch drawn through
@@ -113,9 +114,10 @@ def one_run(mode: str, args, rng) -> dict:
     first = min(after, key=lambda t: float(t["t"]))
     full = [float(t["t"]) for t in ticks if float(t["t"]) >= float(first["t"])
             and t["done"] == "1" and int(t["world"]) == args.ranks]
-    # global steps committed before the kill, and the first one committed after it: what
-    # lies between was trained twice (lost to the failure)
-    before = max(int(t["at"]) for t in ticks if float(t["t"]) <= killed_at and t["done"] == "1")
+    # the last global step the first group committed (after the kill too: a step whose vote
+    # had passed), and the first one committed after it: what lies between was trained twice
+    before = max(int(t["at"]) for t in ticks if t["done"] == "1" and t["restart"] == "0"
+                 and int(t["world"]) == args.ranks and float(t["t"]) < float(first["t"]))
     return {"mode": mode, "went_on_s": float(first["t"]) - killed_at,
             "full_size_s": (min(full) - killed_at) if full else float("nan"),
             "lost": before - (int(first["at"]) - 1), "step_s": statistics.median(_gaps(ticks)),
@@ -139,6 +141,25 @@ def _worker_pid(token: Path, rank: int) -> int:
     raise RuntimeError("no worker of rank 1 found")
 
 
+def overhead(args) -> None:
+    """What continue mode costs a step with no failure (its vote: one all-reduce of one
+    element per optimizer.step), against the same job under restart, alternating."""
+    times = {"continue": [], "restart": []}
+    for r in range(args.rounds):
+        for mode in ("continue", "restart"):
+            ckpt = Path(tempfile.mkdtemp(prefix="keep-going-"))
+            cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--on-failure",
+                   mode, str(HERE), "--worker", "--ckpt", str(ckpt), "--steps", str(args.steps),
+                   "--save-every", str(10**9)]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+            ticks = [dict(re.findall(r"(\w+)=([\w.]+)", m)) for m in re.findall(r"TICK (.*)$", out, re.M)]
+            gaps = _gaps([t for t in ticks if len(t) == 8][args.warmup:])
+            times[mode].append(statistics.median(gaps))
+            print(f"round {r} {mode:8s} median step {times[mode][-1] * 1e3:.1f} ms", flush=True)
+    a, b = statistics.median(times["continue"]), statistics.median(times["restart"])
+    print(f"median step: continue {a * 1e3:.1f} ms, restart {b * 1e3:.1f} ms, ratio {a / b:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
@@ -148,10 +169,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--part", choices=("failure", "overhead"), default="failure")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     rng = random.Random(0)
+    if args.part == "overhead":
+        return overhead(args)
     rows = []
     for r in range(args.rounds):
         for mode in ("continue", "restart"):
