@@ -73,6 +73,7 @@ class Handle:
                     raise
                 lost(exc)
                 self._done = True
+                self.works = []  # their hold on the broken group's connections ends here
                 return True
             self._saw_completion()
             if self.records:  # the exposed time, counted once for the handle's collectives

@@ -98,7 +98,11 @@ class StepGate:
     # -- the wire is cut ------------------------------------------------------------------------
     def lost(self, exc: BaseException) -> None:
         """gate.on_loss: see [Note: generations] in membership.py."""
-        self.lost_at, self.cause = time.time(), exc
+        # Kept without its traceback: the frames would keep the failed collective's work, and
+        # with it the old group's connections, open, and a peer waiting on this rank would
+        # then wait for the timeout instead of failing at once (seen: 200 s, then the hang
+        # report ended that peer).
+        self.lost_at, self.cause = time.time(), exc.with_traceback(None)
         debug(f"lost at call {self.calls}: {exc}"[:200])
         for fn in list(self.on_lost):
             fn()
