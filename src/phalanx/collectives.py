@@ -62,9 +62,9 @@ def _guarded(cut):
     def wrap(method):
         @functools.wraps(method)
         def guarded(self, *args, **kwargs):
-            if not gate.active or self.group is None:
+            if not gate.active or (self.group is None and not self.waiting):
                 return method(self, *args, **kwargs)
-            if gate.cut:
+            if gate.cut or self.group is None:  # lost, or waiting for a group (elastic/)
                 return cut(self, *args, **kwargs)
             try:
                 return method(self, *args, **kwargs)
@@ -104,6 +104,10 @@ class Comm:
         self.group = group
         self.name = name or _group_name(group)
         self.steps = steps
+        # elastic/: a Comm of the job's group between two generations (or of a replacement
+        # not yet admitted) waits without a group for the next; `regroups` counts its groups
+        self.waiting = False
+        self.regroups = 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.backend = str(dist.get_backend(group)) if group is not None else "none"
@@ -222,6 +226,7 @@ class Comm:
         replacement, whose Comms wait without one until it is admitted (`world`, `rank`:
         what they will be). Records and counts are kept."""
         self.group = group
+        self.regroups += 1
         self.name = name or _group_name(group)
         self.world = dist.get_world_size(group) if group is not None else self.world
         self.rank = dist.get_rank(group) if group is not None else self.rank

@@ -94,5 +94,8 @@ def end_all() -> None:
 
 def forget_all() -> None:
     """Forget every group made here without destroying them one by one: the job's group is
-    being destroyed with all of its subgroups (a generation ends, elastic/membership.py)."""
+    being destroyed with all of its subgroups (a generation ends, elastic/membership.py).
+    What `on_end` registered stops first, as at `end_all`."""
+    for fn in list(_on_end):
+        fn()
     _made.clear()

@@ -283,7 +283,7 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
 _hang_watch = None
 
 
-def _regrouped(old, new) -> None:
+def _regrouped(group) -> None:
     """A new generation's group (elastic/membership.py): this rank's place in it, and a hang
     watcher over it (the old one stopped when the old group broke)."""
     m = elastic.current()

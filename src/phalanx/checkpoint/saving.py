@@ -125,6 +125,9 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         if not _write(snapshot, comm):
             _skipped(path)
             return path
+        if steps is not None:
+            steps.saved(path, model, optimizer, {k: v for k, v in values.items()
+                                                 if is_stateful(v)})
         if joining:
             admit(steps.m, steps, comm, joining, path,
                   lambda at: load_live(at, model, optimizer, values))

@@ -52,21 +52,24 @@ def step_gate():
     return _now.get("steps")
 
 
-def check_options(strategy: str, precision: str, staleness: int, compression, diloco) -> None:
+def check_options(strategy: str, precision: str, staleness: int, compression, diloco,
+                  shard_size) -> None:
     """`px.prepare` under `--on-failure continue`: refuse, on every rank and before any
     collective, what a step redone on another group cannot yet carry over exactly."""
     if not gate.active:
         return
-    fix = ("; run it under --on-failure restart (every worker restarts from the last "
-           "checkpoint), or train with strategy='ddp'")
-    if strategy != "ddp" or diloco is not None:
-        raise ValueError(f"phalanx run --on-failure continue: strategy={strategy if diloco is None else 'DiLoCo'!r} "
-                         "is not supported yet: a lost rank takes its shard of the model state "
-                         "with it, and the survivors' layout would change" + fix)
+    fix = "; run it under --on-failure restart (every worker restarts from the last checkpoint)"
+    if diloco is not None:
+        raise ValueError("phalanx run --on-failure continue: strategy=DiLoCo is not supported "
+                         "yet: its inner steps carry state from one sync to the next" + fix)
     if precision == "fp16":
         raise ValueError("phalanx run --on-failure continue: precision='fp16' is not supported "
                          "yet: the loss scale each rank sends depends on the number of ranks; "
                          "use precision='bf16'" + fix)
+    if shard_size is not None:
+        raise ValueError("phalanx run --on-failure continue: shard_size is not supported yet: "
+                         "the groups it makes must divide the ranks there are, which a failure "
+                         "changes; leave it out" + fix)
     if staleness or compression is not None:
         what = "staleness=1" if staleness else "compression=PowerSGD"
         raise ValueError(f"phalanx run --on-failure continue: {what} is not supported yet: its "

@@ -47,6 +47,7 @@ class Events:
         steps.on_resume.append(self.resumed)
         steps.events = self
         membership.on_regroup.append(self.regrouped)
+        membership.on_drop.append(self.dropped)
 
     def watch(self, clock, engine) -> None:
         """A prepared model's step clock: its report shows each change, and it reads the new
@@ -55,11 +56,15 @@ class Events:
         clock.elastic_engine = weakref.ref(engine)
         clock.extras.append(self.take)
 
-    def regrouped(self, old, new) -> None:
+    def regrouped(self, group) -> None:
         for clock in list(self.clocks):
             engine = clock.elastic_engine()
             if engine is not None:
                 clock.groups = engine.groups()
+
+    def dropped(self) -> None:
+        for clock in list(self.clocks):
+            clock.groups = []  # see Membership.drop_group
 
     def take(self) -> dict:
         out, self.pending = self.pending, {}

@@ -36,34 +36,50 @@ from . import store as keys
 from .gate import gate
 from .membership import debug
 
-__all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines",
-           "watch_engine", "leave_unadmitted"]
+__all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines", "settle",
+           "watch_model", "live_models", "leave_unadmitted"]
 
-_engines: list = []   # weak references to the prepared models' engines, in prepare order
-
-
-def watch_engine(engine) -> None:
-    """A prepared model's engine, whose runtime state (launch order, step count) a new member
-    takes from the others (`sync_engines`)."""
-    _engines.append(weakref.ref(engine))
+_models: list = []   # weak references to the prepared models, in prepare order
 
 
-def _live_engines() -> list:
-    alive = [ref() for ref in _engines]
-    _engines[:] = [ref for ref, e in zip(list(_engines), alive) if e is not None]
-    return [e for e in alive if e is not None]
+def watch_model(prepared) -> None:
+    """A prepared model whose engine follows the members: its runtime state (launch order,
+    step count) a new member takes from the others (`sync_engines`), its layout rebuilt
+    where sharded (`settle`)."""
+    _models.append(weakref.ref(prepared))
+
+
+def live_models() -> list:
+    alive = [ref() for ref in _models]
+    _models[:] = [ref for ref, m in zip(list(_models), alive) if m is not None]
+    return [m for m in alive if m is not None]
 
 
 def sync_engines(comm) -> None:
     """After a new group is formed: every member's engines take the launch order and step
     count of the first member that has them settled (see [Note: launch order follows
     readiness] in engine/reducer.py); where no member has, the next backward settles them."""
-    for engine in _live_engines():
+    for prepared in live_models():
+        engine = prepared._engine
         mine = engine.elastic_state()
         every = comm.all_gather_object(mine, tag="elastic:engine state")
         source = next((s for s in every if s["settled"]), None)
         debug(f"sync: mine {mine['settled']} every {[s['settled'] for s in every]} cut {gate.cut}")
         engine.set_elastic_state(source)
+
+
+def settle() -> list:
+    """After a new group is formed (every member calls it): sharded engines laid out for
+    another group are built again for this one (model/relayout.py), then the engines agree
+    (`sync_engines`). Returns the prepared models rebuilt: their state is to be loaded."""
+    from ..model.relayout import needs_relayout, relayout
+    from ..runtime import default_comm
+
+    rebuilt = [m for m in live_models() if needs_relayout(m)]
+    for prepared in rebuilt:
+        relayout(prepared)
+    sync_engines(default_comm())
+    return rebuilt
 
 
 # -- the replacement ----------------------------------------------------------------------------
@@ -118,9 +134,7 @@ def join(m, steps, load) -> dict:
     m.admitting = True  # an error from here on is not one of a training step (steps.py)
     try:
         if m.form(admission["gen"], admission["members"]):
-            from ..runtime import default_comm
-
-            sync_engines(default_comm())
+            settle()
         return load(admission["path"])  # lost meanwhile: read alone, then the recovery
     finally:
         m.admitting = False
@@ -190,9 +204,7 @@ def admit(m, steps, comm, asking, path: str, reload) -> None:
     began, speaker = time.time(), comm.rank == 0
     m.drop_group()
     if m.form(gen, members):
-        from ..runtime import default_comm
-
-        sync_engines(default_comm())
+        settle()
     reload(path)
     if steps.events is not None and not gate.cut:
         steps.events.joined([rank for rank, _ in asking], records.current_step(),

@@ -65,8 +65,8 @@ class Membership:
         self.members: list[tuple[int, int]] = [(r, 0) for r in range(world)]  # (rank, life)
         self.joining = life > 0   # a replacement, not yet admitted (joining.py)
         self.admitting = False    # a replacement between its admission and its first step
-        self.on_regroup: list = []   # called with (old, new) after a new group is formed
-        self._old_world = None
+        self.on_regroup: list = []   # called with the new group after one is formed
+        self.on_drop: list = []      # called as the group is dropped: let go of it
 
     # -- the group ---------------------------------------------------------------------------
     @property
@@ -88,7 +88,6 @@ class Membership:
         arguments) and move every Comm of the job's group over to it. False when a member was
         lost before the group was made: the wire is then cut (gate.py), and the next step
         boundary recovers from generation `gen` as from any loss."""
-        old = self._old_world
         self.gen, self.members = gen, sorted(members)
         debug(f"form gen {gen} members {self.members}")
         try:
@@ -112,13 +111,11 @@ class Membership:
             keys.write(self.store, "gen", gen)
         if gen > 0 or self.life > 0:
             for comm in records.live():
-                if comm.group is None and getattr(comm, "waiting", False) \
-                        or (old is not None and comm.group is old):
+                if comm.group is None and getattr(comm, "waiting", False):
                     comm.waiting = False
                     comm.regroup(new, name="world")
             for fn in list(self.on_regroup):
-                fn(old, new)
-        self._old_world = new
+                fn(new)
         return True
 
     def _arrive(self, gen: int) -> str | None:
@@ -142,9 +139,22 @@ class Membership:
 
     def drop_group(self) -> None:
         """Destroy this rank's end of the current group (and every group made from it): a peer
-        blocked on this rank then fails at once rather than at the timeout."""
+        blocked on this rank then fails at once rather than at the timeout.
+
+        Gloo closes a group's connections only when nothing holds the group any more, so every
+        holder lets go first: each Comm (those of the job's group wait, without one, for the
+        next generation's; those of groups made apart from it end with it), the step clocks
+        (`on_drop`), the shard services (groups.py's end hooks). A group left alive here kept
+        a peer blocked in a collective on this rank until its hang report, 200 s later."""
         if not dist.is_initialized():
             return
+        for comm in records.live():
+            if comm.group is not None:
+                comm.waiting = comm.name == "world"
+                comm.group = None
+                records.drop_in_flight(comm)
+        for fn in list(self.on_drop):
+            fn()
         groups.forget_all()
         try:
             dist.destroy_process_group()

@@ -54,6 +54,8 @@ class Decision:
     survivors: list                # (rank, life) of every member of the next generation
     gone: dict                     # launch rank -> why (store.py's left/raised/done)
     skip: bool                     # a member raised: the lost steps' batches are skipped
+    reports: dict = field(default_factory=dict)   # launch rank -> (life, report)
+    checkpoint: str | None = None  # what sharded engines loaded (see _reload)
     lost_at: float = 0.0           # time.time() when this rank saw the loss
     formed_at: float = 0.0         # ... when the next group was formed
     step_times: list = field(default_factory=list)
@@ -73,7 +75,7 @@ def decide(gen: int, reports: dict, gone: dict) -> Decision:
                 "bug: please report it with the console output")
     return Decision(gen, committed, max(rep["calls"] for _, rep in reports.values()),
                     sorted((rank, life) for rank, (life, _) in reports.items()), dict(gone),
-                    any("raised" in why for why in gone.values()))
+                    any("raised" in why for why in gone.values()), dict(reports))
 
 
 class StepGate:
@@ -94,6 +96,7 @@ class StepGate:
         self.on_resume: list = []   # called with the decision when training goes on
         self._vote = None
         self.events = None          # events.py's Events, once made
+        self.last_save = None       # (path, model, optimizer, stateful) of the last px.save
 
     # -- the wire is cut ------------------------------------------------------------------------
     def lost(self, exc: BaseException) -> None:
@@ -143,8 +146,7 @@ class StepGate:
         """Report, wait for every member's report or departure, decide, form the next group
         and bring every member's engines to the same launch order (another loss meanwhile:
         the same again, from the group just formed)."""
-        from ..runtime import default_comm
-        from .joining import sync_engines
+        from .joining import settle
 
         m = self.m
         while True:
@@ -152,7 +154,9 @@ class StepGate:
             if not m.form(m.gen + 1, decision.survivors):
                 continue  # lost again before the group was made: from that generation on
             gate.cut = False  # open for the members' own agreement, cut again after it
-            sync_engines(default_comm())  # a step lost before the first launch order settled
+            rebuilt = settle()  # sharded engines laid out again; the launch order agreed
+            if rebuilt and not gate.cut:
+                self._reload(rebuilt, decision)
             if not gate.cut:
                 gate.cut = True  # the rest of the lost step stays on this rank alone
                 decision.formed_at = time.time()
@@ -165,7 +169,8 @@ class StepGate:
         gen = m.gen
         keys.write(m.store, f"gen{gen}/report/{m.me}",
                    {"calls": call, "last_voted": self.last_voted, "phase1": self.voting == call,
-                    "cause": f"{type(self.cause).__name__}: {self.cause}"[:500]})
+                    "cause": f"{type(self.cause).__name__}: {self.cause}"[:500],
+                    "saved": self.last_save[0] if self.last_save is not None else None})
         reports: dict = {}
         gone: dict = {}
 
@@ -191,6 +196,43 @@ class StepGate:
             raise
         decision.lost_at = self.lost_at or time.time()
         return decision
+
+    def saved(self, path: str, model, optimizer, stateful: dict) -> None:
+        """A `px.save` completed: where a sharded engine takes the state back from after a
+        loss (see [Note: a sharded engine after a loss])."""
+        self.last_save = (path, model, optimizer, stateful)
+
+    def _reload(self, rebuilt: list, decision: Decision) -> None:
+        """[Note: a sharded engine after a loss]
+        Under zero1/2/3 a lost rank takes its shard of the optimizer state (and under zero3 of
+        the parameters) with it; nobody else holds it. So every survivor's engine, built again
+        for the new group (model/relayout.py), loads the newest checkpoint any survivor saw
+        complete, and the samplers go back to where it stands: the steps after it are redone,
+        and when the script saves after every step that is only the step in flight, exactly as
+        under ddp. A job that has saved nothing yet cannot go on."""
+        from ..checkpoint.api import load_checkpoint
+        from ..checkpoint.reader import CheckpointError, read_manifest
+        from ..model.prepare import prepared_or_none
+
+        newest = None
+        for path in sorted({rep["saved"] for _, rep in decision.reports.values()
+                            if rep.get("saved")}):
+            try:
+                at = read_manifest(path)["saved_at"]
+            except (CheckpointError, OSError, KeyError):
+                continue
+            newest = max(newest or (at, path), (at, path))
+        save = self.last_save
+        if newest is None or save is None or any(prepared_or_none(save[1]) is not m
+                                                 for m in rebuilt):
+            raise MembershipError(
+                "phalanx: a rank was lost under a sharded strategy (zero1/zero2/zero3), and its "
+                "shard of the model's state is nowhere but in a checkpoint: the job has none "
+                "of this model yet. Call px.save(..., model=model, optimizer=optimizer, "
+                "sampler=loader.sampler) every few steps (after every step, only the step in "
+                "flight is redone)")
+        decision.checkpoint = newest[1]
+        load_checkpoint(newest[1], save[1], save[2], True, save[3], restore_rng=False)
 
     # -- going on -----------------------------------------------------------------------------
     def resume_if_due(self) -> bool:

@@ -55,6 +55,7 @@ class FlatEngine(EngineState):
                  block_classes: tuple[type, ...] | None = None, staleness: int = 0,
                  replicas=None, compression=None):
         self.comm = comm
+        self.built_at = comm.regroups  # the Comm's group this layout is for (laid_out_for)
         self.replicas = replicas  # shard_size: the average across groups (hybrid.py)
         self.policy = policy
         self.precision = precision
@@ -157,6 +158,30 @@ class FlatEngine(EngineState):
                 if not before():
                     self.drop_grads()
             optimizer.register_step_pre_hook(pre)
+
+    def laid_out_for(self, comm) -> bool:
+        """Whether this engine's layout is the one `comm`'s group calls for (same size, same
+        place, and the groups made from it: zero3's gathers, the shard service); a sharded
+        engine that is not is rebuilt (model/relayout.py)."""
+        return self.built_at == comm.regroups and (self.world, self.rank) == (comm.world, comm.rank)
+
+    def release(self) -> None:
+        """Stop being the engine of its model, for a rebuilt one (model/relayout.py): the
+        optimizer given back, the gathers' hooks taken off, the reducer's hooks disarmed, this
+        engine no longer served to peers, and every trainable parameter standalone again in
+        its own dtype (its values are loaded next)."""
+        if self.optim is not None:
+            self.optim.release()
+        if self.gatherer is not None:
+            self.gatherer.release()
+        self.reducer.disarm()
+        if self.remote is not None:
+            self.remote.retire(self.remote_id)
+        with torch.no_grad():
+            for unit in self.units:
+                for p in unit.params:
+                    p.data = torch.zeros(p.shape, dtype=unit.master_dtype, device=p.device)
+                    p.grad = None
 
     def elastic_state(self) -> dict:
         """What a rank joining a running job takes from the others (elastic/joining.py): the

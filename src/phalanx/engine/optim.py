@@ -119,6 +119,19 @@ class OptimizerAdapter:
         if loaded is not None:
             self.load_state_dict(loaded)
 
+    def release(self) -> None:
+        """Give the optimizer back as the user built it: its groups' parameters, its own
+        methods, no state (an engine rebuilt for another layout adopts it again and loads its
+        state: elastic/, model/relayout.py)."""
+        optimizer = self.optimizer
+        if self.adopted:
+            for group, params in zip(optimizer.param_groups, self.original):
+                group["params"] = list(params)
+            for name, method in self._user.items():
+                optimizer.__dict__[name] = method
+            optimizer.state.clear()
+        optimizer.__dict__.pop(_ADAPTER_ATTR, None)
+
     # -- step -----------------------------------------------------------------------------
     def step(self, closure=None):
         for param_group in self.optimizer.param_groups:

@@ -106,6 +106,7 @@ class GradReducer:
         self._max_in_flight = max_in_flight
         self._may_wait = may_wait
         self.sync = True
+        self._disarmed = False
         self.set_buckets(buckets)
         # The hook holds the reducer weakly: a hook is kept by the parameter in C++, where the
         # garbage collector cannot see a cycle back to the parameter, so a bound method here
@@ -116,6 +117,11 @@ class GradReducer:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(hook)
         self._ready_order: list | None = [] if on_first_order else None
+
+    def disarm(self) -> None:
+        """Let the parameters' hooks do nothing from now on (the engine is being replaced:
+        the hooks stay on the parameters, holding this reducer weakly)."""
+        self._disarmed = True
 
     def first_order_pending(self) -> bool:
         """Whether the next backward still has to settle the launch order."""
@@ -283,7 +289,7 @@ def _weak_hook(reducer: "GradReducer") -> Callable:
 
     def on_grad_ready(param: torch.Tensor) -> None:
         alive = ref()
-        if alive is not None:
+        if alive is not None and not alive._disarmed:
             alive._on_grad_ready(param)
 
     return on_grad_ready

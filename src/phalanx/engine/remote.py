@@ -62,7 +62,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import groups, records
+from .. import elastic, groups, records
 
 __all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
 
@@ -104,6 +104,9 @@ class ShardService:
         # shard_size: one service per shard group, each with keys of its own (hybrid.py)
         key = _KEY if world == dist.get_world_size() else \
             f"{_KEY}/ranks {','.join(map(str, self.global_ranks))}"
+        members = elastic.current()  # --on-failure continue: each generation its own keys
+        if members is not None:
+            key = f"{key}/gen{members.gen}"
         attempt = (self._asking_store.add(f"{key}/joined", 1) - 1) // world
         self.prefix = f"{key}/{attempt}"
         self.parent = group
@@ -150,15 +153,16 @@ class ShardService:
         let go of every engine."""
         self._held.clear()
         self._retired = []
-        if not self._thread.is_alive():
-            return
         try:
-            ticket = self._asking_store.add(f"{self.prefix}/{self.rank}/tickets", 1)
-            self._asking_store.set(f"{self.prefix}/{self.rank}/request/{ticket}", _STOP)
+            if self._thread.is_alive():
+                ticket = self._asking_store.add(f"{self.prefix}/{self.rank}/tickets", 1)
+                self._asking_store.set(f"{self.prefix}/{self.rank}/request/{ticket}", _STOP)
+                if self._thread is not threading.current_thread():
+                    self._thread.join(timeout=5)
         except Exception:  # noqa: BLE001 - the store is gone: the thread ends by itself
-            return
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            pass
+        finally:
+            self.group = self.parent = None  # nothing here keeps an ended group alive
 
     # -- asking ---------------------------------------------------------------------------
     def ask(self, peers: list[int], engine_id: int, kind: str, arg, step: int, what: str):

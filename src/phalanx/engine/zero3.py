@@ -146,16 +146,17 @@ class UnitGatherer:
         self.roots = [_Root(i, name, units_here)
                       for i, (name, units_here) in enumerate(by_root.items())]
         root_of = {}
+        hooks = self._hooks = []  # removed by `release` (elastic/: a rebuilt engine)
         for root in self.roots:
-            modules[root.name].register_forward_pre_hook(self._before(root))
-            modules[root.name].register_forward_hook(self._after(root))
+            hooks.append(modules[root.name].register_forward_pre_hook(self._before(root)))
+            hooks.append(modules[root.name].register_forward_hook(self._after(root)))
             root_of.update({id(u): root.name for u in root.units})
-        module.register_forward_hook(self._forward_done)  # after the roots' own hooks
+        hooks.append(module.register_forward_hook(self._forward_done))  # after the roots' own
         # Whether the model's (outermost) forward records a graph: a reentrant activation
         # checkpoint runs its blocks under no_grad inside a training forward, and those gather
         # collectively like the rest of it (see [Note: a forward without gradients]).
         self._grad_forward = True
-        module.register_forward_pre_hook(self._model_forward_starts, prepend=True)
+        hooks.append(module.register_forward_pre_hook(self._model_forward_starts, prepend=True))
         # A module inside a root, called on its own, would compute on freed storage: it gets
         # an error that says so instead (a check of a flag per call).
         unit_of = {id(p): u for u in self.units for p in u.params}
@@ -164,8 +165,8 @@ class UnitGatherer:
             mine = {id(unit_of[id(p)]) for p in sub._parameters.values()
                     if p is not None and id(p) in unit_of}
             if any(root_of[k] != name for k in mine):
-                sub.register_forward_pre_hook(self._guard(
-                    name, sorted({index_of[root_of[k]] for k in mine})))
+                hooks.append(sub.register_forward_pre_hook(self._guard(
+                    name, sorted({index_of[root_of[k]] for k in mine}))))
         self._active: set[int] = set()        # roots whose forward is running
         self._recomputed: list[int] = []      # roots kept after a recomputation in backward
         self._callback_queued = False  # the end-of-backward free is queued
@@ -183,6 +184,12 @@ class UnitGatherer:
         # unit -> its whole buffer read from the peers (engine/remote.py): how a forward
         # without gradients gathers, with no collective, so that one rank may run it alone
         self.fetch = None
+
+    def release(self) -> None:
+        """Take this gatherer's hooks off the model (its engine is being replaced)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def oversized(self) -> list[tuple[str, int]]:
         """Roots bigger than the bound on their own: (name, bytes)."""

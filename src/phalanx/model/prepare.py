@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 from .. import elastic, runtime
 from ..collectives import Comm
-from ..elastic.joining import watch_engine
+from ..elastic.joining import watch_model
 from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
@@ -162,7 +164,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     staleness = check_staleness(staleness, strategy, precision)
     check_compression(compression, strategy, precision, comm_dtype)
     _check_combination(diloco, staleness, compression, shard_size)
-    elastic.check_options(strategy, precision, staleness, compression, diloco)
+    elastic.check_options(strategy, precision, staleness, compression, diloco, shard_size)
     if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                          and output_dtype.is_floating_point):
         raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "
@@ -220,29 +222,15 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     # what a full build draws into, before the cast (for fill_shards below)
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
     cast_model(model, policy)
-    # the whole world, or a group of it; a world of one under DiLoCo (model/diloco.py)
-    shard_comm, replicas = layout(comm if diloco is None else inner_comm(comm), shard_size)
-    engine = build_engine(model, optimizer, shard_comm, strategy, policy, bucket_mb,
-                          gather_options if strategy == "zero3" else None, block_classes,
-                          staleness=staleness, replicas=replicas, compression=compression)
+    recipe = Recipe(strategy, policy, bucket_mb, gather_options if strategy == "zero3" else None,
+                    block_classes, staleness, compression, shard_size, on_nonfinite,
+                    check_replicas_every, steps, inner=diloco is not None)
+    engine = attach_engine(model, optimizer, comm, recipe)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.master_pieces(), comm, dtypes)
-    if on_nonfinite is not None:
-        engine.nonfinite = NonFiniteWatch(on_nonfinite, engine.comm)  # DiLoCo: this rank's
-    engine.steps = steps
-    if optimizer is not None:  # the step that collective records and reports name
-        engine.watch_steps(optimizer, steps.tick)
     outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
-    if steps_gate is not None:
-        watch_engine(engine)
-    if steps_gate is not None and optimizer is not None:
-        engine.gate_steps(optimizer, lambda: steps_gate.before_step(engine.comm))
-    if check_replicas_every is not None and optimizer is not None:
-        names = [name for name, _ in model.named_parameters()]
-        engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
-                                                   check_replicas_every).after_step)
     note_run({"strategy": strategy, "precision": precision, "world": comm.world,
               "backend": comm.backend, "device": str(runtime.device()),
               "bucket_mb": float(bucket_mb), "comm_dtype": COMM_DTYPES[comm_dtype],
@@ -262,7 +250,54 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                              original_dtypes=original_dtypes, clock=clock,
                              device=runtime.device())
     wrapped._diloco = outer  # the outer state a checkpoint holds (checkpoint/diloco.py)
+    wrapped._recipe = recipe  # to build the engine again for another layout (relayout.py)
+    wrapped._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+    if steps_gate is not None:
+        watch_model(wrapped)
     return wrapped, optimizer
+
+
+@dataclass
+class Recipe:
+    """What builds a prepared model's engine, kept so that it can be built again for another
+    layout of the same options (model/relayout.py: a generation of other members under
+    `phalanx run --on-failure continue`)."""
+    strategy: str
+    policy: object
+    bucket_mb: float
+    gather_options: dict | None
+    block_classes: tuple | None
+    staleness: int
+    compression: object
+    shard_size: object
+    on_nonfinite: str | None
+    check_replicas_every: int | None
+    steps: StepCounter
+    inner: bool = False  # DiLoCo: the engine runs over a world of one (model/diloco.py)
+
+
+def attach_engine(model, optimizer, comm, recipe: Recipe):
+    """Build `model`'s engine over `comm` and hang on it what watches its steps: the
+    non-finite check, the step counter, continue mode's step gate, the replica check."""
+    # the whole world, or a group of it; a world of one under DiLoCo (model/diloco.py)
+    shard_comm, replicas = layout(inner_comm(comm) if recipe.inner else comm, recipe.shard_size)
+    engine = build_engine(model, optimizer, shard_comm, recipe.strategy, recipe.policy,
+                          recipe.bucket_mb, recipe.gather_options, recipe.block_classes,
+                          staleness=recipe.staleness, replicas=replicas,
+                          compression=recipe.compression)
+    if recipe.on_nonfinite is not None:
+        engine.nonfinite = NonFiniteWatch(recipe.on_nonfinite, engine.comm)  # DiLoCo: own
+    engine.steps = recipe.steps
+    if optimizer is not None:  # the step that collective records and reports name
+        engine.watch_steps(optimizer, recipe.steps.tick)
+    steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
+    if steps_gate is not None and optimizer is not None:
+        engine.gate_steps(optimizer, lambda: steps_gate.before_step(engine.comm))
+    if recipe.check_replicas_every is not None and optimizer is not None:
+        names = [name for name, _ in model.named_parameters()]
+        engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
+                                                   recipe.check_replicas_every).after_step)
+    return engine
 
 
 def _warn_oversized(engine, max_gathered_mb) -> None:
