@@ -21,6 +21,7 @@ from .faults.replica_check import ReplicasDiffer
 from .launch.spawn import SpawnError, spawn
 from .engine.remote import PeerError
 from .engine.powersgd_config import PowerSGD
+from .elastic import session as _elastic_session  # noqa: F401 (continue mode's start: elastic/)
 
 __version__ = "0.1.0"
 

@@ -28,7 +28,6 @@ algorithm, which the planner accounts for.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import zlib
 from collections import defaultdict, deque
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from . import groups, pickled, records
 from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
 from .completion import Handle
-from .elastic.gate import gate, is_loss, lost
+from .elastic.cut import guarded as _guarded, own_shard as _own_shard, nothing as _nothing
 from .records import CollectiveRecord
 
 __all__ = ["Comm", "Handle", "CollectiveMismatch"]
@@ -49,42 +48,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 _OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN}
-
-
-def _guarded(cut):
-    """[Note: a collective on a broken group]
-    Under `--on-failure continue` (phalanx/elastic/) a collective that fails because a peer is
-    gone does not raise: it cuts the wire for the rest of the step (elastic/gate.py) and
-    returns what `cut(self, *args, **kwargs)` gives, the result of a collective that moved
-    nothing (this rank's own values); so does every collective while the wire is cut. The step
-    is thrown away at `optimizer.step()`, where the survivors agree on what happened.
-    Outside continue mode, and on a Comm over no group, the method runs as written."""
-    def wrap(method):
-        @functools.wraps(method)
-        def guarded(self, *args, **kwargs):
-            if not gate.active or (self.group is None and not self.waiting):
-                return method(self, *args, **kwargs)
-            if gate.cut or self.group is None:  # lost, or waiting for a group (elastic/)
-                return cut(self, *args, **kwargs)
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as exc:
-                if not is_loss(exc):
-                    raise
-                lost(exc)
-                return cut(self, *args, **kwargs)
-        return guarded
-    return wrap
-
-
-def _nothing(self, *args, async_op: bool = False, **kwargs):
-    return Handle([]) if async_op else None
-
-
-def _own_shard(self, full, out, async_op: bool = True, tag=None):
-    n = out.numel()
-    out.copy_(full[self.rank * n:self.rank * n + n])
-    return Handle([])
 
 
 class Comm:

@@ -9,7 +9,6 @@ import warnings
 import torch
 
 from .. import elastic
-from ..elastic.joining import join, wait_for_admission
 from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
@@ -31,7 +30,7 @@ def latest_checkpoint(directory) -> str | None:
     the others' next `px.save` and returns what that save wrote (elastic/joining.py)."""
     m = elastic.current()
     if m is not None and m.joining:
-        return wait_for_admission(m)["path"]
+        return elastic.step_gate().admission_path()
     complete = complete_checkpoints(os.path.abspath(os.fspath(directory)))
     return complete[-1][1] if complete else None
 
@@ -54,7 +53,7 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     """
     m = elastic.current()
     if m is not None and m.joining:
-        return join(m, elastic.step_gate(), lambda at: load_checkpoint(
+        return elastic.step_gate().join(lambda at: load_checkpoint(
             at, model, optimizer, strict, stateful, restore_rng=False))
     return load_checkpoint(path, model, optimizer, strict, stateful)
 

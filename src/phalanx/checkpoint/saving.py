@@ -31,7 +31,6 @@ import torch
 from .. import elastic, runtime
 from ..collectives import Comm
 from ..elastic.gate import gate
-from ..elastic.joining import admit, joiners_asking
 from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
@@ -42,14 +41,6 @@ from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
 from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
 from .state import ModelState, OptimizerState
 
-
-def load_live(path, model, optimizer, values) -> None:
-    """The others' side of a replacement's admission: load the checkpoint just saved, as
-    the replacement does (elastic/joining.py), keeping this rank's RNG."""
-    from .api import load_checkpoint  # noqa: PLC0415 (api imports this module)
-
-    stateful = {k: v for k, v in values.items() if is_stateful(v)}
-    load_checkpoint(path, model, optimizer, True, stateful, restore_rng=False)
 
 __all__ = ["save", "wait_for_saves"]
 
@@ -112,7 +103,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         raise CheckpointError(f"px.save({path!r}) refused: {seen[0][2]}")
     steps = elastic.step_gate()
     # a replacement waiting to join is admitted once this save is complete (elastic/joining.py)
-    joining = joiners_asking(comm) if steps is not None else []
+    joining = steps.joiners_asking(comm) if steps is not None else []
     background = background and not joining
     snapshot, error = None, None
     try:
@@ -129,8 +120,8 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
             steps.saved(path, model, optimizer, {k: v for k, v in values.items()
                                                  if is_stateful(v)})
         if joining:
-            admit(steps.m, steps, comm, joining, path,
-                  lambda at: load_live(at, model, optimizer, values))
+            steps.admit(comm, joining, path, model, optimizer,
+                        {k: v for k, v in values.items() if is_stateful(v)})
         return path
     # gloo: the writes gather small Python objects; see groups.py
     writer = comm.apart("checkpoint:saves", backend="gloo")

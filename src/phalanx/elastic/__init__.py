@@ -6,7 +6,9 @@ fewer ranks; its agent starts a replacement, which runs the script from the top 
 the others' next `px.save`, loading their live state. Nobody else restarts, imports again or
 reloads anything.
 
-The package, by role:
+The package, by role (this file and the first two are what the rest of phalanx reads; the
+others sit above every other part of phalanx, which reaches them only through the objects this
+file holds, so no import runs back up):
     gate.py        the switch every collective reads: the step in flight is lost
     store.py       the keys the agents and workers share in the job's store
     membership.py  generations: who is in, forming a new group ([Note: generations])
@@ -14,6 +16,7 @@ The package, by role:
                    ([Note: the commit vote])
     joining.py     a replacement: waiting, admission at a px.save, loading the live state
     events.py      one console line, a step-report event and a metrics row per change
+    session.py     `start`: the above made for this process (phalanx/__init__ imports it)
 
 Only `phalanx run --on-failure continue` turns it on (PHALANX_ON_FAILURE=continue, read by
 `px.init`); otherwise nothing here runs and a failure ends the job as before.
@@ -22,11 +25,12 @@ Only `phalanx run --on-failure continue` turns it on (PHALANX_ON_FAILURE=continu
 from __future__ import annotations
 
 import os
+import weakref
 
 from .gate import gate
 
-__all__ = ["active", "step_gate", "current", "start", "stop", "iteration_starts",
-           "ON_FAILURE"]
+__all__ = ["active", "step_gate", "current", "start", "finish", "stop", "raised",
+           "iteration_starts", "watch_model", "models", "check_options", "ON_FAILURE"]
 
 ON_FAILURE = "PHALANX_ON_FAILURE"
 _now: dict = {}
@@ -81,46 +85,39 @@ def iteration_starts() -> bool:
     """An iteration begins (a batch is fetched, or a forward with gradients starts): where
     training goes on after a recovery (steps.py). True if it went on here."""
     steps = _now.get("steps")
-    if steps is None:
-        return False
-    if steps.m.joining:  # training begins before any px.load took the others' state
-        from .joining import cannot_join
+    return steps is not None and steps.iteration_starts()
 
-        cannot_join(steps.m)
-    return steps.resume_if_due()
+
+def watch_model(prepared) -> None:
+    """A prepared model whose engine follows the members (joining.py: its launch order and
+    step count agreed, its layout rebuilt where sharded)."""
+    if gate.active:
+        _now.setdefault("models", []).append(weakref.ref(prepared))
+
+
+def models() -> list:
+    """The prepared models `watch_model` was given that still exist, in prepare order."""
+    refs = _now.get("models", [])
+    alive = [(ref, ref()) for ref in refs]
+    refs[:] = [ref for ref, m in alive if m is not None]
+    return [m for _, m in alive if m is not None]
+
+
+_starter: list = []   # session.start, put here by session.py when phalanx is imported
 
 
 def start(env, backend: str, timeout, device) -> None:
-    """`px.init` under continue mode: connect to the job's store and join generation 0 (or,
-    for a replacement, wait to be admitted: joining.py)."""
-    import torch.distributed as dist
-
-    from .events import Events
-    from .membership import Membership
-    from .steps import StepGate
-
-    client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
-    life = int(os.environ.get("PHALANX_JOINING", "0") or 0)
-    m = Membership(client, env.rank, env.world_size, life, backend, timeout, device)
-    steps = StepGate(m)
-    _now.update(membership=m, steps=steps, client=client)
-    gate.active = True
-    gate.cut = False
-    gate.on_loss = steps.lost
-    Events(m, steps)
-    m.start()
+    """`px.init` under continue mode: connect to the job's store and join generation 0 (a
+    replacement waits to be admitted instead). See session.py."""
+    _starter[0](env, backend, timeout, device)
 
 
 def finish() -> None:
     """`px.shutdown`, first: a loss seen after this rank's last step is recovered from here,
     so that the survivors end together on one group (steps.py)."""
     steps = _now.get("steps")
-    if steps is None or not gate.cut:
-        return
-    if steps.decision is None:
-        steps.decision = steps.recover(steps.calls)
-    steps.resume_due = True
-    steps.resume_if_due()
+    if steps is not None and gate.cut:
+        steps.finish()
 
 
 def raised(exc: BaseException) -> None:

@@ -37,22 +37,13 @@ from .gate import gate
 from .membership import debug
 
 __all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines", "settle",
-           "watch_model", "live_models", "leave_unadmitted"]
-
-_models: list = []   # weak references to the prepared models, in prepare order
-
-
-def watch_model(prepared) -> None:
-    """A prepared model whose engine follows the members: its runtime state (launch order,
-    step count) a new member takes from the others (`sync_engines`), its layout rebuilt
-    where sharded (`settle`)."""
-    _models.append(weakref.ref(prepared))
-
+           "live_models", "leave_unadmitted", "cannot_join"]
 
 def live_models() -> list:
-    alive = [ref() for ref in _models]
-    _models[:] = [ref for ref, m in zip(list(_models), alive) if m is not None]
-    return [m for m in alive if m is not None]
+    """The prepared models of this process (elastic.watch_model), in prepare order."""
+    from . import models
+
+    return models()
 
 
 def sync_engines(comm) -> None:
@@ -154,12 +145,10 @@ def requests(m) -> list[tuple[int, int]]:
     return out
 
 
-def joiners_asking(comm) -> list[tuple[int, int]]:
+def joiners_asking(steps, comm) -> list[tuple[int, int]]:
     """At the start of a `px.save` (every member calls it): the replacements asking to join,
     as rank 0 reads them; none while a recovery is not over."""
-    from . import current, step_gate
-
-    m, steps = current(), step_gate()
+    m = steps.m
     if gate.cut or steps.decision is not None or steps.resume_due:
         return []
     return comm.all_gather_object(requests(m) if comm.rank == 0 else None,

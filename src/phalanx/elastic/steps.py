@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import store as keys
+from . import joining, store as keys
 from .gate import gate
 from .membership import Membership, MembershipError, debug
 
@@ -146,15 +146,13 @@ class StepGate:
         """Report, wait for every member's report or departure, decide, form the next group
         and bring every member's engines to the same launch order (another loss meanwhile:
         the same again, from the group just formed)."""
-        from .joining import settle
-
         m = self.m
         while True:
             decision = self._decide(call)
             if not m.form(m.gen + 1, decision.survivors):
                 continue  # lost again before the group was made: from that generation on
             gate.cut = False  # open for the members' own agreement, cut again after it
-            rebuilt = settle()  # sharded engines laid out again; the launch order agreed
+            rebuilt = joining.settle()  # sharded engines laid out again; launch order agreed
             if rebuilt and not gate.cut:
                 self._reload(rebuilt, decision)
             if not gate.cut:
@@ -233,6 +231,36 @@ class StepGate:
                 "flight is redone)")
         decision.checkpoint = newest[1]
         load_checkpoint(newest[1], save[1], save[2], True, save[3], restore_rng=False)
+
+    # -- what the rest of phalanx calls (through elastic/__init__.py) ----------------------------
+    def iteration_starts(self) -> bool:
+        if self.m.joining:  # training begins before any px.load took the others' state
+            joining.cannot_join(self.m)
+        return self.resume_if_due()
+
+    def finish(self) -> None:
+        """See elastic.finish."""
+        if self.decision is None:
+            self.decision = self.recover(self.calls)
+        self.resume_due = True
+        self.resume_if_due()
+
+    def joiners_asking(self, comm) -> list:
+        return joining.joiners_asking(self, comm)
+
+    def admit(self, comm, asking, path: str, model, optimizer, stateful: dict) -> None:
+        """At the end of a `px.save` of `path`: admit `asking`, every member loading `path`
+        (the others keep their own RNG) as the replacements do (joining.py)."""
+        from ..checkpoint.api import load_checkpoint
+
+        joining.admit(self.m, self, comm, asking, path, lambda at: load_checkpoint(
+            at, model, optimizer, True, stateful, restore_rng=False))
+
+    def join(self, load) -> dict:
+        return joining.join(self.m, self, load)
+
+    def admission_path(self) -> str:
+        return joining.wait_for_admission(self.m)["path"]
 
     # -- going on -----------------------------------------------------------------------------
     def resume_if_due(self) -> bool:

@@ -15,8 +15,8 @@ Per step, for every policy of policy.py:
              rank while the next unit steps.
 
 Under fp32 ddp the parameters are their own masters (flat.py) and the user's optimizer is left
-untouched: `optimizer.step()` reads the bucket views directly. Everything else, from the
-hooks to the unused-parameter rule and the launch order, is the same code.
+untouched: `optimizer.step()` reads the bucket views directly. Everything else, from the hooks
+to the unused-parameter rule and the launch order, is the same code (and generations.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..collectives import Comm
 from .. import host
+from ..collectives import Comm
 from ..elastic.gate import gate
 from ..records import StepCounter
 from .buckets import BufferPool, GradBucket
@@ -41,13 +41,14 @@ from .policy import SHARD, ShardPolicy
 from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
 from .remote import service_for
+from .generations import AcrossGenerations
 from .state import EngineState
 from .units import borrows, module_units, step_run_bytes, step_runs
 
 __all__ = ["FlatEngine"]
 
 
-class FlatEngine(EngineState):
+class FlatEngine(EngineState, AcrossGenerations):
     """Implements the `Engine` protocol (engine/__init__.py) for every strategy of policy.py."""
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
@@ -97,8 +98,7 @@ class FlatEngine(EngineState):
                                pool=self.pool, reshards=self.reshards,
                                shard_grads=self.shard_grads)
                       for i, run in enumerate(runs)]
-        # See [Note: staleness=1] in delayed.py
-        self.delayed = DelayedGrads(self) if staleness else None
+        self.delayed = DelayedGrads(self) if staleness else None  # [Note: staleness=1]
         self.compression = PowerSGDReducer(compression, self.units, self.params) \
             if compression is not None and self.units else None
         self.gatherer = None
@@ -146,55 +146,6 @@ class FlatEngine(EngineState):
             self.optim.after_step.append(fn)
         else:
             optimizer.register_step_post_hook(lambda opt, args, kwargs: fn())
-
-    def gate_steps(self, optimizer, before) -> None:
-        """Ask `before()` as every `optimizer.step()` of the user's loop begins whether the
-        step may change anything (elastic/steps.py); when not, its gradients are dropped first,
-        so the optimizer (adopted or the user's own) steps nothing."""
-        if self.optim is not None and self.optim.adopted:
-            self.optim.before_step = before
-        else:
-            def pre(opt, args, kwargs):
-                if not before():
-                    self.drop_grads()
-            optimizer.register_step_pre_hook(pre)
-
-    def laid_out_for(self, comm) -> bool:
-        """Whether this engine's layout is the one `comm`'s group calls for (same size, same
-        place, and the groups made from it: zero3's gathers, the shard service); a sharded
-        engine that is not is rebuilt (model/relayout.py)."""
-        return self.built_at == comm.regroups and (self.world, self.rank) == (comm.world, comm.rank)
-
-    def release(self) -> None:
-        """Stop being the engine of its model, for a rebuilt one (model/relayout.py): the
-        optimizer given back, the gathers' hooks taken off, the reducer's hooks disarmed, this
-        engine no longer served to peers, and every trainable parameter standalone again in
-        its own dtype (its values are loaded next)."""
-        if self.optim is not None:
-            self.optim.release()
-        if self.gatherer is not None:
-            self.gatherer.release()
-        self.reducer.disarm()
-        if self.remote is not None:
-            self.remote.retire(self.remote_id)
-        with torch.no_grad():
-            for unit in self.units:
-                for p in unit.params:
-                    p.data = torch.zeros(p.shape, dtype=unit.master_dtype, device=p.device)
-                    p.grad = None
-
-    def elastic_state(self) -> dict:
-        """What a rank joining a running job takes from the others (elastic/joining.py): the
-        launch order, once settled, and the step count."""
-        return {"settled": self.world > 1 and not self.reducer.first_order_pending(),
-                "order": [b.index for b in self.reducer.buckets], "steps": self.steps.value}
-
-    def set_elastic_state(self, state: dict | None) -> None:
-        if state is None:  # no member has the order settled: the next backward settles it
-            self.reducer.rearm_first_order()
-            return
-        self.reducer.settle_order(state["order"])
-        self.steps.value = state["steps"]
 
     def groups(self) -> list:
         """The process groups this engine issues on (the step report reads their records)."""
@@ -326,8 +277,7 @@ class FlatEngine(EngineState):
             return
         if self.replicas is not None:
             self.replicas.order(order)
-        by_index = {b.index: b for b in self.reducer.buckets}
-        self.reducer.set_buckets([by_index[i] for i in order.tolist()])
+        self.reducer.settle_order(order.tolist())
 
     # -- backward ----------------------------------------------------------------------------
     def _launch(self, bucket: GradBucket):

@@ -132,7 +132,8 @@ class GradReducer:
         self._ready_order = [] if self._on_first_order is not None else None
 
     def settle_order(self, indexes: list[int]) -> None:
-        """Take the launch order another rank settled (a rank that joined the job later)."""
+        """Launch in the order of `indexes`, the one rank 0 settled (also for a rank that joins
+        the job later: elastic/joining.py)."""
         by_index = {b.index: b for b in self.buckets}
         self.set_buckets([by_index[i] for i in indexes])
         self._ready_order = None

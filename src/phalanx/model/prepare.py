@@ -24,7 +24,6 @@ import torch
 
 from .. import elastic, runtime
 from ..collectives import Comm
-from ..elastic.joining import watch_model
 from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
@@ -252,8 +251,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     wrapped._diloco = outer  # the outer state a checkpoint holds (checkpoint/diloco.py)
     wrapped._recipe = recipe  # to build the engine again for another layout (relayout.py)
     wrapped._optimizer = weakref.ref(optimizer) if optimizer is not None else None
-    if steps_gate is not None:
-        watch_model(wrapped)
+    elastic.watch_model(wrapped)  # phalanx run --on-failure continue only
     return wrapped, optimizer
 
 

@@ -1,0 +1,48 @@
+"""What a collective does on a broken group under `--on-failure continue`: the wrapper every
+`Comm` method wears (collectives.py), and what each returns when nothing may touch the wire.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..completion import Handle
+from .gate import gate, is_loss, lost
+
+__all__ = ["guarded", "nothing", "own_shard"]
+
+
+def guarded(cut):
+    """[Note: a collective on a broken group]
+    Under `--on-failure continue` (phalanx/elastic/) a collective that fails because a peer is
+    gone does not raise: it cuts the wire for the rest of the step (elastic/gate.py) and
+    returns what `cut(self, *args, **kwargs)` gives, the result of a collective that moved
+    nothing (this rank's own values); so does every collective while the wire is cut. The step
+    is thrown away at `optimizer.step()`, where the survivors agree on what happened.
+    Outside continue mode, and on a Comm over no group, the method runs as written."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            if not gate.active or (self.group is None and not self.waiting):
+                return method(self, *args, **kwargs)
+            if gate.cut or self.group is None:  # lost, or waiting for a group (elastic/)
+                return cut(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                if not is_loss(exc):
+                    raise
+                lost(exc)
+                return cut(self, *args, **kwargs)
+        return guarded
+    return wrap
+
+
+def nothing(self, *args, async_op: bool = False, **kwargs):
+    return Handle([]) if async_op else None
+
+
+def own_shard(self, full, out, async_op: bool = True, tag=None):
+    n = out.numel()
+    out.copy_(full[self.rank * n:self.rank * n + n])
+    return Handle([])
