@@ -77,12 +77,8 @@ class Comm:
         # Where this group's tensors live: NCCL's GPU (read once, not per call from whichever
         # thread calls), else the CPU, or the GPU px.init(device=...) gives gloo ranks.
         self.device = torch.device(device) if device is not None else _default_device(self)
-        prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer or ())
-        gloo = self.backend == "gloo"
-        self.uses_reduce_scatter = ("reduce_scatter" in prefer
-                                    or (not gloo and "all_reduce" not in prefer))
-        self.gathers_by_broadcast = ("broadcast" in prefer
-                                     or (gloo and "all_gather" not in prefer))
+        self.prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer or ())
+        self._choose_primitives()
         self.records: deque[CollectiveRecord] = deque(maxlen=history)
         self.bytes_by_kind: dict[str, int] = defaultdict(int)
         self.seq = 0
@@ -91,6 +87,14 @@ class Comm:
         self.polls = "nccl" in self.backend
         self.in_flight: list[CollectiveRecord] = []  # polled records not yet seen complete
         records.register(self)
+
+    def _choose_primitives(self) -> None:
+        """See the module docstring: by `prefer`, else by the backend."""
+        prefer, gloo = self.prefer, self.backend == "gloo"
+        self.uses_reduce_scatter = ("reduce_scatter" in prefer
+                                    or (not gloo and "all_reduce" not in prefer))
+        self.gathers_by_broadcast = ("broadcast" in prefer
+                                     or (gloo and "all_gather" not in prefer))
 
     def apart(self, purpose: str, backend: str | None = None) -> "Comm":
         """A Comm over the same ranks, with the same choice of primitives, on a process group
@@ -195,6 +199,7 @@ class Comm:
         self.rank = dist.get_rank(group) if group is not None else self.rank
         self.backend = str(dist.get_backend(group)) if group is not None else self.backend
         self.polls = "nccl" in self.backend
+        self._choose_primitives()  # a replacement's Comm had no backend while it waited
         records.drop_in_flight(self)
 
     def close(self) -> None:

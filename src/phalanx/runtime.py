@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch

@@ -139,7 +139,9 @@ for epoch in range(start, args.epochs):
         px.save(os.path.join(args.ckpt, f"step{where['step']:05d}"), model=model,
                 optimizer=optimizer, sampler=loader.sampler, epoch=epoch,
                 step=where["step"], keep_last=2)
-weights = torch.cat([p.detach().reshape(-1) for p in px.unwrap(model).parameters()])
+# the full values, as one process holds them (under zero3 the parameters exist only while
+# their unit computes; state_dict() reads the peers' shards)
+weights = torch.cat([v.reshape(-1) for v in px.unwrap(model).state_dict().values()])
 if px.rank() == 0:
     torch.save(weights, args.out)
 print(f"END rank={rank} pid={os.getpid()} life={life} world={px.world_size()}", flush=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import sys
 import time
-import weakref
 
 from .. import records
 from . import store as keys

@@ -1,0 +1,70 @@
+"""The step of the flat engine: every unit with a reduced gradient steps its master pieces
+through the user's optimizer, a run of units at a time, and publishes the update.
+
+A mixin of `FlatEngine` (flat_engine.py), whose attributes it reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flat import FlatUnit
+from .units import step_runs
+
+__all__ = ["Stepping"]
+
+
+class Stepping:
+    def step_units(self, step_one):
+        """Run `step_one()` (the user's optimizer step) over the master pieces of every unit
+        that has a reduced gradient, those pieces holding their gradient in the master dtype,
+        and publish each unit's update, a run of units at a time (see [Note: fp32 gradients a
+        few units at a time] in units.py)."""
+        with self.lock:  # see [Note: reading a peer's shards] in remote.py
+            try:
+                if self.delayed is not None:
+                    self.delayed.take()
+                return self._step_units(step_one)
+            finally:
+                self.version += 1
+                if self.delayed is not None:
+                    self.delayed.stepped()
+
+    def _step_units(self, step_one) -> bool:
+        ready = [u for u in self.units if u.reduced is not None]
+        if not ready:
+            return False
+        unscale = 1.0
+        if self.loss_scaler is not None:
+            found = self._overflow if self._overflow is not None else \
+                self.loss_scaler.found_inf([u.reduced for u in ready], self.comm)
+            self._overflow = None
+            unscale = 1.0 / self.loss_scaler.scale
+            self.loss_scaler.update(found)
+            if found:
+                return False
+        works = []
+        for run in self._step_runs(ready, unscale):
+            for unit in run:
+                unit.sync_master_from_cache()  # See [Note: the shard is the truth] in flat.py
+                grad = unit.reduced
+                if grad.dtype != unit.master_dtype or unscale != 1.0:
+                    grad = grad.to(unit.master_dtype).mul_(unscale)
+                unit.set_piece_grads(grad)
+            step_one()
+            for unit in run:
+                unit.set_piece_grads(None)
+                if not self.reshards:  # zero3 gathers at the next forward (zero3.py)
+                    works.append(unit.unshard(self.comm))  # on the wire while the next steps
+        for work in works:
+            if work is not None:
+                work.wait()
+        return True
+
+    def _step_runs(self, ready: list[FlatUnit], unscale: float) -> list[list[FlatUnit]]:
+        """The units stepped together (see [Note: fp32 gradients a few units at a time] in
+        units.py)."""
+        if all(u.reduced.dtype == u.master_dtype for u in ready) and unscale == 1.0:
+            return [ready]
+        sizes = [u.reduced.numel() * torch.finfo(u.master_dtype).bits // 8 for u in ready]
+        return [[ready[i] for i in run] for run in step_runs(sizes, self.step_chunk_bytes)]
