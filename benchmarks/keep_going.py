@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/keep_going.py                 # 3 ranks, 3 rounds of each mode
     .venv/bin/python benchmarks/keep_going.py --rounds 5 --ranks 4
     .venv/bin/python benchmarks/keep_going.py --part overhead   # no failure: the vote's cost
+    .venv/bin/python benchmarks/keep_going.py --strategy zero2  # a sharded job: it reloads
 
 The job: the 12.6M-parameter MLP of benchmarks/ddp.py (6 blocks of Linear 512 -> 2048 -> 512,
-fp32, AdamW) under ddp, 16 x 512 per rank of a fixed global batch drawn through
+fp32, AdamW) under ddp (or `--strategy`), 16 x 512 per rank of a fixed global batch drawn through
 px.data_loader, a px.save every `--save-every` steps (background=False), the README's resume
 lines. Each round starts the job, waits `--warmup` steps, SIGKILLs rank 1 at a moment drawn
 inside a step, and reads every rank's per-step timestamps (`TICK`, printed after each
@@ -55,7 +56,7 @@ def worker(args) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     model = make("mlp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = px.prepare(model, optimizer, strategy="ddp")
+    model, optimizer = px.prepare(model, optimizer, strategy=args.strategy)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(args.steps * 48, 512, generator=g))
     per_rank = 48 // int(os.environ["WORLD_SIZE"])
@@ -84,7 +85,8 @@ def one_run(mode: str, args, rng) -> dict:
     ckpt = Path(tempfile.mkdtemp(prefix="keep-going-"))
     cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--on-failure", mode,
            "--max-restarts", "1", str(HERE), "--worker", "--ckpt", str(ckpt),
-           "--steps", str(args.steps), "--save-every", str(args.save_every)]
+           "--steps", str(args.steps), "--save-every", str(args.save_every),
+           "--strategy", args.strategy]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ticks: list[dict] = []
     killed_at = None
@@ -150,7 +152,7 @@ def overhead(args) -> None:
             ckpt = Path(tempfile.mkdtemp(prefix="keep-going-"))
             cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--on-failure",
                    mode, str(HERE), "--worker", "--ckpt", str(ckpt), "--steps", str(args.steps),
-                   "--save-every", str(10**9)]
+                   "--save-every", str(10**9), "--strategy", args.strategy]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
             ticks = [dict(re.findall(r"(\w+)=([\w.]+)", m)) for m in re.findall(r"TICK (.*)$", out, re.M)]
             gaps = _gaps([t for t in ticks if len(t) == 8][args.warmup:])
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--part", choices=("failure", "overhead"), default="failure")
+    parser.add_argument("--strategy", default="ddp")
     args = parser.parse_args()
     if args.worker:
         return worker(args)

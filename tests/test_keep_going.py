@@ -61,7 +61,10 @@ def _job(tmp_path, *extra, n=3, restarts=3, kill_from_outside=0, seed=0):
     _job.ckpt = ckpt
     cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(n), "--on-failure", "continue",
            "--max-restarts", str(restarts), str(SCRIPT), str(out), str(ckpt), *map(str, extra)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, PHALANX_RUN_DIR=str(tmp_path / f"run-{token}"))
+    _job.run_dir = Path(env["PHALANX_RUN_DIR"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     rng = random.Random(seed)
     try:
         for _ in range(kill_from_outside):
@@ -99,9 +102,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert (a - b).abs().max().item() < 1e-10, (a - b).abs().max().item()
 
 
-def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_joins(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.slow),
+                                      "zero3"])
+def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_joins(
+        tmp_path, strategy):
     reference = _reference(tmp_path)
-    weights, stdout, stderr = _job(tmp_path, "--kill", "1@7", "--sleep", "0.1")
+    weights, stdout, stderr = _job(tmp_path, "--kill", "1@7", "--sleep", "0.1",
+                                   "--strategy", strategy)
     _close(weights, reference)
     _survivors_kept_their_processes(stdout, 3)
     assert "phalanx: rank 1 was killed by SIGKILL at step 7; step 7 redone by 2 ranks" in stderr
@@ -110,9 +117,40 @@ def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_join
     assert sorted(e["rank"] for e in ends) == ["0", "1", "2"] and \
         {e["world"] for e in ends} == {"3"}, stdout  # full size again, the replacement in
     assert "going on through 1 failure: rank 1 was killed by SIGKILL" in stderr
+    # each change is an entry in the next step's report on every rank, and a metrics row
+    events = _lines(stdout, "EVENT")
+    left = [e for e in events if "membership/left" in e]
+    joined = [e for e in events if "membership/joined" in e]
+    assert {(e["membership/world"], e["membership/step"]) for e in left} == {("2", "7")}, stdout
+    assert len(left) == 2 and len(joined) == 2, stdout  # on each of the two that went on
+    metrics = (_job.run_dir / "metrics.csv").read_text()
+    assert re.search(r"^7,membership/left,1,", metrics, re.M), metrics
+    assert "membership/joined" in metrics
 
 
 @pytest.mark.slow
+def test_a_sharded_job_saving_every_few_steps_goes_back_to_its_last_checkpoint(tmp_path):
+    """zero3, a save every 4 steps, rank 2 killed in step 10: the survivors load step 8's
+    checkpoint (the lost shard is nowhere else) and train steps 8 and 9 again, on the same
+    samples: the weights still end as the uninterrupted run's."""
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--kill", "2@10", "--strategy", "zero3",
+                                   "--save-every", 4, restarts=0)
+    _close(weights, reference)
+    assert "rank 2 was killed by SIGKILL at step 10; step 10 redone by 2 ranks" in stderr
+
+
+def test_a_sharded_job_that_saved_nothing_cannot_go_on_and_says_why(tmp_path):
+    token = f"keep-going-{random.Random().getrandbits(64):x}"
+    result = phalanx("run", "-n", 3, "--on-failure", "continue", SCRIPT, tmp_path / "o.pt",
+                     tmp_path / token, "--strategy", "zero2", "--kill", "1@3",
+                     "--save-every", 1000, timeout=TIMEOUT)
+    assert result.returncode == 1
+    assert "its shard of the model's state is nowhere but in a checkpoint: the job has none" \
+        in result.stderr
+    assert processes_running(token) == []
+
+
 @pytest.mark.parametrize("kill", [
     "0@0",        # rank 0 (the line's speaker), the first step
     "2@19",       # the last step of an epoch
@@ -137,14 +175,14 @@ def test_two_failures_and_no_replacements_leave_one_rank_training_alone(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runs", [10])
-def test_a_rank_killed_at_random_moments_from_outside(tmp_path, runs):
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_a_rank_killed_at_random_moments_from_outside(tmp_path, strategy):
     """The issue's test: SIGKILL at a random moment of a random step (forward, backward, the
-    vote, the optimizer, the save), from outside the job; 10 times under PHALANX_SLOW=1."""
+    vote, the optimizer, the save), from outside the job, 10 times per strategy."""
     reference = _reference(tmp_path)
-    for seed in range(runs):
-        weights, stdout, stderr = _job(tmp_path, "--sleep", "0.05", kill_from_outside=1,
-                                       seed=seed)
+    for seed in range(10):
+        weights, stdout, stderr = _job(tmp_path, "--sleep", "0.05", "--strategy", strategy,
+                                       kill_from_outside=1, seed=seed)
         _close(weights, reference)
         _survivors_kept_their_processes(stdout, 3)
         assert stderr.count("was killed by SIGKILL at step") == 1, stderr
@@ -192,9 +230,9 @@ def test_a_replacement_without_resume_lines_cannot_join_and_the_job_goes_on(tmp_
 
 def test_unsupported_options_are_refused_on_every_rank(tmp_path):
     result = phalanx("run", "-n", 2, "--on-failure", "continue", SCRIPT, tmp_path / "o.pt",
-                     tmp_path / "ck", "--strategy", "zero2")
+                     tmp_path / "ck", "--precision", "fp16")
     assert result.returncode == 1
-    assert "--on-failure continue: strategy='zero2' is not supported yet" in result.stderr
+    assert "--on-failure continue: precision='fp16' is not supported yet" in result.stderr
     assert result.stderr.count("is not supported yet") >= 2  # every rank said it
 
 

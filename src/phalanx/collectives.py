@@ -39,6 +39,7 @@ from . import groups, pickled, records
 from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
 from .completion import Handle
 from .elastic.cut import guarded as _guarded, own_shard as _own_shard, nothing as _nothing
+from .elastic.gate import gate
 from .records import CollectiveRecord
 
 __all__ = ["Comm", "Handle", "CollectiveMismatch"]
@@ -166,7 +167,8 @@ class Comm:
         work: a Handle when `async_op`, else None once the collective is waited for. gloo's
         blocking call returns when the collective is done; NCCL's at enqueue, so there a blocking
         collective is issued async and waited for as a handle (see [Note: completion on NCCL])."""
-        waits_here = not async_op and self.polls
+        # NCCL, and continue mode (see [Note: waiting on a group the others may have left])
+        waits_here = not async_op and (self.polls or gate.active)
         with _label(rec):
             work = call(async_op or waits_here)
         self._track(rec, work)
@@ -357,7 +359,7 @@ class Comm:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(self.world)]
-        dist.all_gather(sizes, size, group=self.group)
+        Handle([dist.all_gather(sizes, size, group=self.group, async_op=True)]).wait()
         return payload, [int(s.item()) for s in sizes]
 
     @_guarded(_nothing)

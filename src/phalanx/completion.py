@@ -16,11 +16,12 @@ How long compute stalled behind it is the time between two CUDA events around th
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
 
-from .elastic.gate import is_loss, lost
+from .elastic.gate import gate, is_loss, lost
 
 __all__ = ["Handle"]
 
@@ -65,6 +66,9 @@ class Handle:
                 if stalled:  # NCCL: the wait is the current stream's, timed on the device
                     self.records[0].stall = _device_interval(
                         lambda: [w.wait() for w in self.works])
+                elif gate.active:  # see [Note: waiting on a group the others may have left]
+                    for w in self.works:
+                        _wait_or_give_up(w)
                 else:
                     for w in self.works:
                         w.wait()
@@ -82,6 +86,31 @@ class Handle:
             if self._then is not None:
                 self._then()
         return True
+
+
+_SLICE = datetime.timedelta(milliseconds=100)
+
+
+def _wait_or_give_up(work) -> None:
+    """[Note: waiting on a group the others may have left]
+    Under `--on-failure continue` a wait is made in slices of 100 ms. Between two, a wait
+    that the step has already lost (the wire was cut: elastic/gate.py) or that the others have
+    given up on (they went on after losing a rank and asked this one, through its hang watcher,
+    to report: `gate.poked`) is abandoned as a failed collective. gloo fails a collective when a
+    peer's connection closes, but a peer that left the group cannot always close it at once
+    (torch._dynamo, imported by any optimizer, keeps references to every process group), and a
+    rank waiting only on that peer would otherwise wait for the timeout."""
+    while True:
+        if gate.cut:
+            return
+        if gate.poked:
+            raise RuntimeError("the other ranks went on without this one after a rank was lost")
+        try:
+            work.wait(timeout=_SLICE)
+            return
+        except RuntimeError as exc:
+            if "timed out" not in str(exc):
+                raise
 
 
 def _device_interval(fn):

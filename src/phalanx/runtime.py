@@ -234,6 +234,9 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
     except (ValueError, RuntimeError, AttributeError):  # a group made without a store
         return
     _hang_watch = HangWatch(store, _state.rank, _state.world_size, threshold)
+    steps = elastic.step_gate()
+    if steps is not None:  # see [Note: a member left behind] in elastic/steps.py
+        _hang_watch.on_tick = steps.watch_tick
 
 
 _hang_watch = None

@@ -1,10 +1,11 @@
 """Train through failures under `phalanx run --on-failure continue`: the script the tests of
 tests/test_keep_going.py start, written as a user would (an epoch loop over px.data_loader,
-a px.save after every step, the README's resume lines), plus ways to fail on purpose.
+a px.save after every step (or every K), the README's resume lines), plus ways to fail on
+purpose.
 
     keep_going.py OUT CKPT_DIR [--strategy ddp] [--precision fp32] [--epochs 3] [--sleep S]
         [--kill RANK@STEP,...] [--raise RANK@STEP] [--die-in-save RANK@STEP]
-        [--die-joining] [--die-admitting RANK] [--skip STEP] [--no-resume]
+        [--die-joining] [--die-admitting RANK] [--skip STEP] [--no-resume] [--save-every K]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
 it evenly and any world size trains on the same samples. Only the first worker of a rank
@@ -37,6 +38,7 @@ parser.add_argument("--die-joining", action="store_true")
 parser.add_argument("--die-admitting", type=int, default=None)
 parser.add_argument("--skip", type=int, default=None)
 parser.add_argument("--no-resume", action="store_true")
+parser.add_argument("--save-every", type=int, default=1)
 args = parser.parse_args()
 
 px.init()
@@ -135,10 +137,14 @@ for epoch in range(start, args.epochs):
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
+        event = {k: v for k, v in px.step_stats(model).items() if k.startswith("membership/")}
+        if event:  # the step report of the step after a change of members says so
+            print(f"EVENT {' '.join(f'{k}={v}' for k, v in sorted(event.items()))}", flush=True)
         time.sleep(args.sleep)  # room for a kill from outside to land anywhere in a step
-        px.save(os.path.join(args.ckpt, f"step{where['step']:05d}"), model=model,
-                optimizer=optimizer, sampler=loader.sampler, epoch=epoch,
-                step=where["step"], keep_last=2)
+        if where["step"] % args.save_every == 0:
+            px.save(os.path.join(args.ckpt, f"step{where['step']:05d}"), model=model,
+                    optimizer=optimizer, sampler=loader.sampler, epoch=epoch,
+                    step=where["step"], keep_last=2)
 # the full values, as one process holds them (under zero3 the parameters exist only while
 # their unit computes; state_dict() reads the peers' shards)
 weights = torch.cat([v.reshape(-1) for v in px.unwrap(model).state_dict().values()])

@@ -126,6 +126,9 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     # gloo: the writes gather small Python objects; see groups.py
     writer = comm.apart("checkpoint:saves", backend="gloo")
     job = _Job(path)
+    if steps is not None:  # once written, where a sharded engine reloads from (elastic/)
+        job.on_written = lambda: steps.saved(path, model, optimizer, {
+            k: v for k, v in values.items() if is_stateful(v)})
     thread = threading.Thread(target=job.run, args=(snapshot, writer), name="phalanx-save")
     job.thread = thread
     _running.append(job)
@@ -347,11 +350,14 @@ class _Job:
         self.error: BaseException | None = None
         self.seconds: float | None = None
         self.written = True
+        self.on_written = None  # called once the checkpoint is complete
 
     def run(self, snap: _Snapshot, comm: Comm) -> None:
         start = time.perf_counter()
         try:
             self.written = _write(snap, comm)
+            if self.written and self.on_written is not None:
+                self.on_written()
         except BaseException as exc:  # kept for the caller's next wait
             self.error = exc
         self.seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ many), `membership/step` and `membership/seconds`; `px.log` gets the same names 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import weakref
@@ -89,9 +90,10 @@ class Events:
         step = decision.committed  # steps are counted from 0: the first step not committed
         causes = ", ".join(f"rank {r} {describe_departure(decision.gone[r])}" for r in left)
         verb = "skipped" if decision.skip else "redone"
+        since = f" from {os.path.basename(decision.checkpoint)}" if decision.checkpoint else ""
         line = (f"phalanx: {causes} at step {step}; step {step} {verb} "
                 f"by {len(decision.survivors)} rank{'s' if len(decision.survivors) != 1 else ''}"
-                f"; training went on {seconds:.2f} s after the loss")
+                f"{since}; training went on {seconds:.2f} s after the loss")
         self.record({"world": len(decision.survivors), "left": len(left), "step": step,
                      "seconds": seconds, "skipped": int(decision.skip), "ranks": left}, line)
 

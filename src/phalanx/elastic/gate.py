@@ -15,11 +15,12 @@ __all__ = ["gate", "lost", "is_loss"]
 
 
 class _Gate:
-    __slots__ = ("active", "cut", "on_loss")
+    __slots__ = ("active", "cut", "poked", "on_loss")
 
     def __init__(self):
         self.active = False   # --on-failure continue
         self.cut = False      # the step in flight is lost: collectives do nothing
+        self.poked = False    # the others went on and asked this rank to report (steps.py)
         self.on_loss = None   # called once with the first error (membership.py)
 
 

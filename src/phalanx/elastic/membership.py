@@ -158,8 +158,8 @@ class Membership:
         groups.forget_all()
         try:
             dist.destroy_process_group()
-        except Exception:  # a group already broken may fail to end cleanly: it is gone either way
-            pass
+        except Exception as exc:  # a group broken may fail to end cleanly: it is gone either way
+            debug(f"destroying the group: {exc}"[:200])
 
     # -- waiting on the others ----------------------------------------------------------------
     def gone(self, rank: int, life: int) -> dict | None:

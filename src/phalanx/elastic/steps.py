@@ -32,6 +32,8 @@ their batches are not served again, as if the job had skipped them.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -42,7 +44,10 @@ from . import joining, store as keys
 from .gate import gate
 from .membership import Membership, MembershipError, debug
 
-__all__ = ["StepGate", "Decision", "decide"]
+__all__ = ["StepGate", "Decision", "decide", "POKE_AFTER", "LEFT_BEHIND"]
+
+POKE_AFTER = 2.0   # seconds the others wait for a member's report before asking it
+LEFT_BEHIND = 125  # the exit status of a member that could not report (watch_tick)
 
 
 @dataclass
@@ -185,7 +190,17 @@ class StepGate:
                     gone[rank] = why
             return len(reports) + len(gone) == len(m.members)
 
-        m.wait_for("every member's report after a failure", everyone_known)
+        began = time.monotonic()
+
+        def everyone_known_or_poked() -> bool:
+            known = everyone_known()
+            if not known and time.monotonic() - began > POKE_AFTER:
+                for rank, life in m.members:
+                    if rank not in reports and rank not in gone:
+                        keys.write(m.store, f"gen{gen}/poke/{rank}.{life}", True)
+            return known
+
+        m.wait_for("every member's report after a failure", everyone_known_or_poked)
         try:
             decision = decide(gen, reports, gone)
         except MembershipError as exc:
@@ -232,6 +247,40 @@ class StepGate:
         decision.checkpoint = newest[1]
         load_checkpoint(newest[1], save[1], save[2], True, save[3], restore_rng=False)
 
+    def watch_tick(self, oldest_in_flight: dict) -> None:
+        """[Note: a member left behind]
+        A member can stay blocked in a collective of a generation the others have already left:
+        gloo fails a collective when a peer's connection closes, and a peer that gave the group
+        up does not always close its end at once (something it cannot see still holds the
+        group). The others then wait for its report. After `POKE_AFTER` seconds they ask it,
+        through the store, to report; its hang watcher (this function, every tick) sees the
+        request, and if the main thread is in a collective that has waited longer than that,
+        the main thread's wait gives up at its next 100 ms slice (`gate.poked`: [Note: waiting
+        on a group the others may have left] in completion.py), the step is lost on this rank
+        too, and it reports as any survivor. A wait that cannot give up (a collective called
+        through torch.distributed directly) leaves the rank stuck: then it says so and leaves,
+        so that the others go on without it (its replacement joins as any). A member only slow
+        to reach its step is not in a collective, and reports when it gets there."""
+        m = self.m
+        if gate.cut or not keys.has(m.store, f"gen{m.gen}/poke/{m.me}.{m.life}"):
+            return
+        now = time.perf_counter()
+        stuck = [(name, rec) for name, rec in oldest_in_flight.items()
+                 if rec is not None and now - rec.started > POKE_AFTER]
+        if not stuck:
+            return
+        name, rec = stuck[0]
+        if not gate.poked:  # the main thread's wait gives up at its next slice (completion.py)
+            gate.poked = True
+            return
+        if now - rec.started < 4 * POKE_AFTER:
+            return
+        print(f"phalanx: rank {m.rank} was still waiting in {rec.kind} #{rec.group_seq} "
+              f"({rec.tag}) on group {name!r} when the others went on after losing a rank; it "
+              "leaves so that they do not wait for it (its replacement joins as any)",
+              file=sys.stderr, flush=True)
+        os._exit(LEFT_BEHIND)
+
     # -- what the rest of phalanx calls (through elastic/__init__.py) ----------------------------
     def iteration_starts(self) -> bool:
         if self.m.joining:  # training begins before any px.load took the others' state
@@ -270,7 +319,7 @@ class StepGate:
             return False
         d = self.decision
         self.resume_due, self.decision = False, None
-        gate.cut = False
+        gate.cut = gate.poked = False
         for sampler in list(self.samplers):
             sampler._resume(skip=d.skip)
         for fn in list(self.on_resume):

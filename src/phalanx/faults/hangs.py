@@ -208,6 +208,7 @@ class HangWatch:
         attempt = (self.store.add(f"{_KEY}/joined", 1) - 1) // world
         self.prefix = f"{_KEY}/{attempt}"
         self.members: dict[str, list[int]] = {}  # a group of some ranks only -> its ranks
+        self.on_tick = None  # fn(name -> oldest collective in flight or None), every tick
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-hang-watch", daemon=True)
         self._thread.start()
@@ -272,7 +273,10 @@ class HangWatch:
             self._answer_and_end(reporter=False)
             return
         now = time.perf_counter()
-        for recs in self._groups().values():
+        groups = self._groups()
+        if self.on_tick is not None:  # elastic/: the others may have gone on without this rank
+            self.on_tick({name: _oldest_in_flight(recs) for name, recs in groups.items()})
+        for recs in groups.values():
             oldest = _oldest_in_flight(recs)
             if oldest is not None and now - oldest.started > self.threshold:
                 first = self.store.add(flag, 1) == 1
