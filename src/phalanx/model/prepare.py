@@ -200,7 +200,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     model.to(runtime.device())
     if sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
-        model = convert_sync_batchnorm(model, group=comm.group)
+        # under continue mode the job's group, whatever it is at each forward (elastic/)
+        model = convert_sync_batchnorm(model, group=None if elastic.active() else comm.group)
     if optimizer is not None:
         optimizer_groups(optimizer, model)
     options = {"strategy": strategy, "precision": precision, "bucket_mb": float(bucket_mb),
