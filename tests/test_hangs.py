@@ -51,6 +51,7 @@ def test_a_sleeping_rank_is_named_with_the_collective_the_others_wait_in():
     assert took < THRESHOLD + 25, took
 
 
+@pytest.mark.slow  # the report's groups: test_zero3_observed.py names the gathers' group
 def test_under_shard_size_the_report_names_the_group_and_its_ranks():
     """4 ranks as 2 groups of 2 (zero2, shard_size=2), rank 3 asleep: rank 2 waits for it in
     their group, ranks 0 and 1 for ranks 2 and 3 across groups. The report names the group

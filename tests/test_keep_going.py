@@ -140,6 +140,7 @@ def test_a_sharded_job_saving_every_few_steps_goes_back_to_its_last_checkpoint(t
     assert "rank 2 was killed by SIGKILL at step 10; step 10 redone by 2 ranks" in stderr
 
 
+@pytest.mark.slow
 def test_a_sharded_job_that_saved_nothing_cannot_go_on_and_says_why(tmp_path):
     token = f"keep-going-{random.Random().getrandbits(64):x}"
     result = phalanx("run", "-n", 3, "--on-failure", "continue", SCRIPT, tmp_path / "o.pt",
@@ -151,6 +152,7 @@ def test_a_sharded_job_that_saved_nothing_cannot_go_on_and_says_why(tmp_path):
     assert processes_running(token) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", [
     "0@0",        # rank 0 (the line's speaker), the first step
     "2@19",       # the last step of an epoch
@@ -188,6 +190,7 @@ def test_a_rank_killed_at_random_moments_from_outside(tmp_path, strategy):
         assert stderr.count("was killed by SIGKILL at step") == 1, stderr
 
 
+@pytest.mark.slow
 def test_a_rank_killed_while_saving_leaves_no_checkpoint_behind_and_training_exact(tmp_path):
     reference = _reference(tmp_path)
     weights, stdout, stderr = _job(tmp_path, "--die-in-save", "2@6", "--sleep", "0.05")
@@ -213,7 +216,7 @@ def test_a_failure_during_the_catch_up(tmp_path, fault):
 
 def test_an_exception_in_one_ranks_backward_skips_that_batch_on_every_rank(tmp_path):
     skipped = _reference(tmp_path, "--skip", 7)
-    weights, stdout, stderr = _job(tmp_path, "--raise", "2@7", "--sleep", "0.05")
+    weights, stdout, stderr = _job(tmp_path, "--raise", "2@7", "--sleep", "0.05", restarts=0)
     _close(weights, skipped)
     assert "phalanx: rank 2 raised RuntimeError: CUDA out of memory (simulated) at step 7; " \
            "step 7 skipped by 2 ranks" in stderr
@@ -228,6 +231,7 @@ def test_a_replacement_without_resume_lines_cannot_join_and_the_job_goes_on(tmp_
     assert "the replacement of rank 2 cannot join: the script trains before any" in stderr
 
 
+@pytest.mark.slow
 def test_unsupported_options_are_refused_on_every_rank(tmp_path):
     result = phalanx("run", "-n", 2, "--on-failure", "continue", SCRIPT, tmp_path / "o.pt",
                      tmp_path / "ck", "--precision", "fp16")

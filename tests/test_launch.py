@@ -357,6 +357,7 @@ def test_a_run_killed_at_random_moments_ends_as_an_uninterrupted_one(tmp_path):
         assert torch.equal(resumed[key], value), key  # bit for bit
 
 
+@pytest.mark.slow  # the save's atomicity: test_checkpoint_safety.py; continue mode's: test_keep_going
 def test_a_rank_killed_inside_save_resumes_from_the_previous_checkpoint(tmp_path):
     clean, _, _, _ = _resume_run(tmp_path, "clean")
     resumed, starts, _, stderr = _resume_run(tmp_path, "killed", die_in_save=5)

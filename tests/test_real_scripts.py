@@ -78,8 +78,10 @@ def test_px_verbs_work_on_a_model_compiled_before_prepare(strategy):
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow),
-                                      pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
+# every strategy slow: one rank alone is tested in test_one_rank_alone.py, the nanoGPT script
+# compiled before prepare in the default suite below
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow)
+                                      for s in ("zero1", "zero2", "zero3")])
 def test_nanogpt_saving_and_evaluating_on_rank_zero_alone_trains_as_one_process(tmp_path,
                                                                                  strategy):
     """nanoGPT evaluates, generates and saves `raw_model.state_dict()` and
