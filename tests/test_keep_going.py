@@ -214,9 +214,12 @@ def test_a_failure_during_the_catch_up(tmp_path, fault):
     assert stderr.count("was killed by SIGKILL at step") == 2, stderr
 
 
-def test_an_exception_in_one_ranks_backward_skips_that_batch_on_every_rank(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.slow),
+                                      pytest.param("zero3", marks=pytest.mark.slow)])
+def test_an_exception_in_one_ranks_backward_skips_that_batch_on_every_rank(tmp_path, strategy):
     skipped = _reference(tmp_path, "--skip", 7)
-    weights, stdout, stderr = _job(tmp_path, "--raise", "2@7", "--sleep", "0.05", restarts=0)
+    weights, stdout, stderr = _job(tmp_path, "--raise", "2@7", "--sleep", "0.05",
+                                   "--strategy", strategy, restarts=0)
     _close(weights, skipped)
     assert "phalanx: rank 2 raised RuntimeError: CUDA out of memory (simulated) at step 7; " \
            "step 7 skipped by 2 ranks" in stderr
