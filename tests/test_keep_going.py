@@ -141,6 +141,17 @@ def test_a_sharded_job_saving_every_few_steps_goes_back_to_its_last_checkpoint(t
 
 
 @pytest.mark.slow
+def test_a_sharded_job_saving_every_few_steps_skips_a_raising_step_after_its_replay(tmp_path):
+    """zero2, a save every 4 steps, rank 2 raises in step 10: the survivors load step 8's
+    checkpoint, train steps 8 and 9 again and leave out step 10's batch."""
+    skipped = _reference(tmp_path, "--skip", 10)
+    weights, stdout, stderr = _job(tmp_path, "--raise", "2@10", "--strategy", "zero2",
+                                   "--save-every", 4, restarts=0)
+    _close(weights, skipped)
+    assert "step 10 skipped by 2 ranks" in stderr
+
+
+@pytest.mark.slow
 def test_a_sharded_job_that_saved_nothing_cannot_go_on_and_says_why(tmp_path):
     token = f"keep-going-{random.Random().getrandbits(64):x}"
     result = phalanx("run", "-n", 3, "--on-failure", "continue", SCRIPT, tmp_path / "o.pt",
@@ -295,3 +306,30 @@ def test_a_step_redone_after_a_load_at_the_end_of_an_epoch_begins_the_next_epoch
     sampler._resume(skip=False)
     assert (sampler.epoch, sampler._start) == (1, 0)
     assert next(iter(sampler.batches())) == first
+
+
+def test_a_replay_from_an_older_checkpoint_leaves_out_the_skipped_batch_where_it_fell():
+    """A sharded engine goes back to its checkpoint (step 1 here) after a rank raised in
+    step 3: steps 1 and 2 are trained again and step 3's batch is left out when the replay
+    reaches it; the position saved after the replay counts the batch left out."""
+    sampler = px.DistributedSampler(list(range(24)), batch_size=4, rank=0, world_size=1,
+                                    shuffle=False)
+    batches = iter(sampler.batches())
+    for _ in range(3):
+        next(batches)
+        sampler._batch_consumed()
+    checkpoint = {"epoch": 0, "consumed": 4}  # saved after step 0
+    sampler._commit()                         # step 2 committed everywhere: position 12
+    next(batches)
+    sampler._batch_consumed()                 # step 3, lost: a rank raised
+    sampler._rewind(checkpoint)
+    sampler._resume(skip=True)
+    replay = list(sampler.batches())
+    assert replay == [[4, 5, 6, 7], [8, 9, 10, 11], [16, 17, 18, 19], [20, 21, 22, 23]]
+    assert sampler.num_steps() == 4 and len(sampler) == 16
+    sampler._steps_done = 2
+    assert sampler.state_dict()["consumed"] == 16
+    sampler._steps_done = 4
+    sampler._pass_finished()
+    assert (sampler.epoch, sampler.position()) == (1, 0) and list(sampler.batches())[2] == \
+        [8, 9, 10, 11]  # the next epoch is whole

@@ -128,6 +128,8 @@ class DistributedSampler(Sampler[int]):
         self._steps_done = 0     # global steps of the pass in progress that reached the loop
         self._in_pass = False
         self._committed = (0, 0)  # (epoch, position) at the last step all ranks committed
+        self._redo_from = None    # where a sharded engine's reload sent training back
+        self._left_out: list = []  # (epoch, from, to): global order skipped after a replay
         self.restart = False      # the loader must start its iteration again (a rewind)
         gate = elastic.step_gate()
         if gate is not None:
@@ -163,14 +165,29 @@ class DistributedSampler(Sampler[int]):
             return start + (n - start) // self.global_batch_size * self.global_batch_size
         return n
 
+    def _skipped(self, start: int, upto: int) -> int:
+        """Samples of this epoch's order from `start` to before `upto` left out (see
+        [Note: a step redone])."""
+        return sum(to - frm for epoch, frm, to in self._left_out
+                   if epoch == self.epoch and start <= frm < upto)
+
+    def _after_skips(self, start: int, pos: int) -> int:
+        """`pos` moved past every part left out that a pass from `start` reached by then."""
+        for epoch, frm, to in sorted(self._left_out):
+            if epoch == self.epoch and start <= frm <= pos:
+                pos += to - frm
+        return pos
+
     def num_steps(self) -> int:
         """Global steps (batches per rank) in the next pass; the same on every rank."""
-        remaining = self._end(self._start) - self._start
+        end = self._end(self._start)
+        remaining = end - self._start - self._skipped(self._start, end)
         return -(-remaining // self.global_batch_size)
 
     def __len__(self) -> int:
         """Indices this rank yields in the next pass."""
-        remaining = self._end(self._start) - self._start
+        end = self._end(self._start)
+        remaining = end - self._start - self._skipped(self._start, end)
         full, tail = divmod(remaining, self.global_batch_size)
         lo, hi = split_evenly(tail, self.world_size, self.rank)
         return full * self.batch_size + hi - lo
@@ -180,14 +197,19 @@ class DistributedSampler(Sampler[int]):
 
         Starting the generator marks the beginning of a pass; the caller reports progress.
         """
-        start = self._start
+        start = pos = self._start
         order = self.global_order()
         end = self._end(start)
+        jumps = {frm: to for epoch, frm, to in self._left_out if epoch == self.epoch}
         self._pass_start, self._steps_done, self._in_pass = start, 0, True
-        for pos in range(start, end, self.global_batch_size):
+        while pos < end:
+            if pos in jumps and pos >= start:
+                pos = jumps[pos]
+                continue
             size = min(self.global_batch_size, end - pos)
             lo, hi = split_evenly(size, self.world_size, self.rank)
             yield order[pos + lo:pos + hi].tolist()
+            pos += self.global_batch_size
 
     def __iter__(self):
         for batch in self._pass():
@@ -204,6 +226,7 @@ class DistributedSampler(Sampler[int]):
         self._steps_done += 1
 
     def _pass_finished(self) -> None:
+        self._left_out = [j for j in self._left_out if j[0] > self.epoch]
         self.epoch += 1
         self._start = self._pass_start = self._steps_done = 0
         self._in_pass = False
@@ -212,8 +235,9 @@ class DistributedSampler(Sampler[int]):
         """Samples of the current epoch's global order consumed so far (by all ranks)."""
         if not self._in_pass:
             return self._start
-        return min(self._pass_start + self._steps_done * self.global_batch_size,
-                   self._end(self._pass_start))
+        pos = self._after_skips(self._pass_start,
+                                self._pass_start + self._steps_done * self.global_batch_size)
+        return min(pos, self._end(self._pass_start))
 
     # -- a step redone (phalanx run --on-failure continue) -----------------------------------
     def _where(self) -> tuple[int, int]:
@@ -234,12 +258,35 @@ class DistributedSampler(Sampler[int]):
         committed are thrown away when a rank is lost (elastic/steps.py); the next pass starts
         where that step left the global order (or, with `skip`, where the lost steps left it),
         and the loader begins its iteration again, splitting each global batch over the ranks
-        there are now."""
-        if skip:
-            self._committed = self._where()
-        self.epoch, self._start = self._committed
+        there are now.
+
+        A sharded engine goes back further, to its newest checkpoint (`_redo_from`, set by
+        `_rewind` instead of a load: the order the lost steps consumed is still needed). Then
+        the steps from there to the last committed one are trained again, and with `skip` the
+        lost steps' part of the order is left out when the replay reaches it (`_left_out`):
+        the result is the same as skipping those batches where they fell."""
+        lost_end = self._where()
+        start = self._committed if self._redo_from is None else self._redo_from
+        self._redo_from = None
+        if skip and start == self._committed:
+            start = lost_end
+        elif skip and lost_end != self._committed:
+            (e0, p0), (e1, p1) = self._committed, lost_end
+            if e0 == e1:
+                self._left_out.append((e0, p0, p1))
+            else:  # the lost steps ran over the end of an epoch
+                self._left_out.append((e0, p0, self.dataset_length))
+                if p1:
+                    self._left_out.append((e1, 0, p1))
+        self._committed = start
+        self.epoch, self._start = start
         self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
         self.restart = True
+
+    def _rewind(self, state: dict) -> None:
+        """A sharded engine reloaded the checkpoint holding `state` after a loss: training goes
+        back there at the next resume (see `_resume`)."""
+        self._redo_from = self._next_from(int(state["epoch"]), int(state["consumed"]))
 
     # -- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -251,6 +298,7 @@ class DistributedSampler(Sampler[int]):
         epoch = int(epoch)
         if epoch != self.epoch:
             self.epoch, self._start, self._in_pass = epoch, 0, False
+            self._left_out = [j for j in self._left_out if j[0] >= epoch]
 
     def state_dict(self) -> dict:
         """Epoch and samples consumed: enough to resume at the next sample at any world size.
@@ -288,6 +336,7 @@ class DistributedSampler(Sampler[int]):
         self.epoch, self._start = int(state["epoch"]), consumed
         self._pass_start, self._steps_done, self._in_pass = consumed, 0, False
         self._committed = self._next_from(self.epoch, consumed)
+        self._redo_from, self._left_out = None, []
         self.restart = True  # a loader iterating now starts again from here
 
 

@@ -83,6 +83,18 @@ def decide(gen: int, reports: dict, gone: dict) -> Decision:
                     any("raised" in why for why in gone.values()), dict(reports))
 
 
+class _Rewind:
+    """A sampler as a sharded engine's reload loads it: it is sent back to the checkpoint at
+    the next resume, keeping what the lost steps consumed (sampler.py's [Note: a step
+    redone])."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler._rewind(state)
+
+
 class StepGate:
     """This process's steps under continue mode (one per process: every prepared optimizer's
     `step()` passes through `before_step`)."""
@@ -225,6 +237,7 @@ class StepGate:
         under ddp. A job that has saved nothing yet cannot go on."""
         from ..checkpoint.api import load_checkpoint
         from ..checkpoint.reader import CheckpointError, read_manifest
+        from ..data.sampler import DistributedSampler
         from ..model.prepare import prepared_or_none
 
         newest = None
@@ -245,7 +258,9 @@ class StepGate:
                 "sampler=loader.sampler) every few steps (after every step, only the step in "
                 "flight is redone)")
         decision.checkpoint = newest[1]
-        load_checkpoint(newest[1], save[1], save[2], True, save[3], restore_rng=False)
+        stateful = {name: _Rewind(v) if isinstance(v, DistributedSampler) else v
+                    for name, v in save[3].items()}
+        load_checkpoint(newest[1], save[1], save[2], True, stateful, restore_rng=False)
 
     def watch_tick(self, oldest_in_flight: dict) -> None:
         """[Note: a member left behind]
