@@ -216,7 +216,7 @@ def test_a_rank_killed_while_saving_leaves_no_checkpoint_behind_and_training_exa
 
 @pytest.mark.parametrize("fault", [
     pytest.param(["--die-joining"], marks=pytest.mark.slow),  # the replacement, loading
-    ["--die-admitting", "2"],     # one of the others dies while admitting it
+    pytest.param(["--die-admitting", "2"], marks=pytest.mark.slow),  # another, admitting it
 ])
 def test_a_failure_during_the_catch_up(tmp_path, fault):
     reference = _reference(tmp_path)

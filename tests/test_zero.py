@@ -35,7 +35,8 @@ def references():
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 4 ranks: slow (PHALANX_SLOW=1); 2 and 3 ranks cover an even and an odd world in the suite
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_matches_one_process(strategy, world, references):
     results = run_ranks(_train_all, world, args=(world, strategy), timeout=240)
     for combo in COMBOS:

@@ -156,7 +156,8 @@ def assert_close(got, want, context):
 
 
 @pytest.mark.parametrize("opt_accum", OPT_ACCUM)
-@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_zero3_gathering_options_keep_float64_parity_with_one_process(world, opt_accum):
     combos = _combos(opt_accum)
     results = run_ranks(_train_all, world, args=(world, combos), timeout=300)
