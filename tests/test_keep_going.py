@@ -129,26 +129,20 @@ def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_join
 
 
 @pytest.mark.slow
-def test_a_sharded_job_saving_every_few_steps_goes_back_to_its_last_checkpoint(tmp_path):
-    """zero3, a save every 4 steps, rank 2 killed in step 10: the survivors load step 8's
-    checkpoint (the lost shard is nowhere else) and train steps 8 and 9 again, on the same
-    samples: the weights still end as the uninterrupted run's."""
-    reference = _reference(tmp_path)
-    weights, stdout, stderr = _job(tmp_path, "--kill", "2@10", "--strategy", "zero3",
+@pytest.mark.parametrize("fault,strategy,reference,line", [
+    ("--kill", "zero3", (), "rank 2 was killed by SIGKILL at step 10; step 10 redone by 2 ranks"),
+    ("--raise", "zero2", ("--skip", 10), "step 10 skipped by 2 ranks")], ids=["kill", "raise"])
+def test_a_sharded_job_saving_every_few_steps_goes_back_to_its_last_checkpoint(
+        tmp_path, fault, strategy, reference, line):
+    """A save every 4 steps, rank 2 killed (or raising) in step 10: the survivors load step
+    8's checkpoint (the lost shard is nowhere else) and train steps 8 and 9 again, on the same
+    samples; step 10 is then redone (or its batch left out), so the weights end as the
+    uninterrupted run's (or as a run that skipped that batch)."""
+    expected = _reference(tmp_path, *reference)
+    weights, stdout, stderr = _job(tmp_path, fault, "2@10", "--strategy", strategy,
                                    "--save-every", 4, restarts=0)
-    _close(weights, reference)
-    assert "rank 2 was killed by SIGKILL at step 10; step 10 redone by 2 ranks" in stderr
-
-
-@pytest.mark.slow
-def test_a_sharded_job_saving_every_few_steps_skips_a_raising_step_after_its_replay(tmp_path):
-    """zero2, a save every 4 steps, rank 2 raises in step 10: the survivors load step 8's
-    checkpoint, train steps 8 and 9 again and leave out step 10's batch."""
-    skipped = _reference(tmp_path, "--skip", 10)
-    weights, stdout, stderr = _job(tmp_path, "--raise", "2@10", "--strategy", "zero2",
-                                   "--save-every", 4, restarts=0)
-    _close(weights, skipped)
-    assert "step 10 skipped by 2 ranks" in stderr
+    _close(weights, expected)
+    assert line in stderr
 
 
 @pytest.mark.slow
