@@ -1,0 +1,110 @@
+"""How far each remedy for slow links trains in the same number of samples: the model, data and
+optimizer of benchmarks/slow_links_lm.py, trained longer, losses only.
+
+    .venv/bin/python benchmarks/slow_links_losses.py                    # 960 steps each
+    .venv/bin/python benchmarks/slow_links_losses.py --steps 240 --only ddp 'powersgd r4 s10'
+
+Losses do not depend on the link (the same steps on the same data), so this runs 2 ranks on
+this machine's loopback through `phalanx run -n 2`, not on the cluster of namespaces. The
+competitors train one after another from the same initial weights on the same global batches;
+every competitor's held-out loss (the mean over ranks on 8 held-out batches, under DiLoCo right
+after a sync) is printed at a quarter, half, three quarters and the end of the run. "one rank
+alone" is each rank training its own copy on its own half of every global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve()
+
+
+def competitors(px, steps: int) -> dict:
+    """name -> keyword arguments of px.prepare (None: one rank alone, no communication)."""
+    out = {"ddp": {}, "one rank alone": None}
+    for start in (10, steps // 10):
+        out[f"powersgd r4 s{start}"] = {"compression": px.PowerSGD(rank=4, start_step=start)}
+    for lr, momentum in ((0.7, 0.9), (0.4, 0.9), (0.1, 0.9), (1.0, 0.0)):
+        out[f"diloco H=20 lr{lr} m{momentum}"] = {"strategy": px.DiLoCo(
+            sync_every=20, outer_lr=lr, outer_momentum=momentum)}
+    return out
+
+
+def worker(steps: int, only: list[str] | None) -> None:
+    import torch.distributed as dist
+
+    import phalanx as px
+    import slow_links_lm as lm
+    from gpt import GPT
+
+    px.init()
+    torch.set_num_threads(1)
+    table, c = lm.successor_table(), lm.config()
+    world, rank = px.world_size(), px.rank()
+    held_out = [lm.batch(table, seed=10**6 + i) for i in range(8)]
+    marks = {steps * k // 4 for k in (1, 2, 3, 4)}
+    for name, kwargs in competitors(px, steps).items():
+        if only and name not in only:
+            continue
+        torch.manual_seed(0)
+        model = GPT(c)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if kwargs is not None:
+            model, opt = px.prepare(model, opt, **kwargs)
+        began, curve = time.perf_counter(), {}
+        for step in range(1, steps + 1):
+            x, y = lm.batch(table, seed=(step - 1) * world + rank)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step in marks:
+                with torch.no_grad():
+                    mine = torch.tensor([statistics.mean(model(a, b).item() for a, b in held_out)])
+                dist.all_reduce(mine)
+                curve[step] = mine.item() / world
+        if rank == 0:
+            print("CURVE " + json.dumps({"name": name, "curve": curve,
+                                         "seconds": time.perf_counter() - began}), flush=True)
+    px.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=960)
+    parser.add_argument("--only", nargs="+", metavar="NAME")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        sys.path.insert(0, str(HERE.parent))
+        worker(args.steps, args.only)
+        return
+    cmd = [sys.executable, "-m", "phalanx", "run", "-n", "2", str(HERE), "--worker",
+           "--steps", str(args.steps)] + (["--only", *args.only] if args.only else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    print(f"2 ranks, GPT 7.9M, AdamW lr 1e-3, 4 x 64 tokens per rank, {args.steps} steps; "
+          "held-out loss at each quarter (and its ratio to ddp's at the end)")
+    base = None
+    for line in proc.stdout:
+        if "CURVE " not in line:
+            continue
+        result = json.loads(line.split("CURVE ", 1)[1])
+        curve = {int(k): v for k, v in result["curve"].items()}
+        last = curve[max(curve)]
+        base = last if result["name"] == "ddp" else base
+        ratio = f"{last / base:6.3f}" if base else "     -"
+        print(f"{result['name']:26} " + " ".join(f"{v:6.3f}" for v in curve.values())
+              + f"  {ratio}  ({result['seconds']:.0f} s)", flush=True)
+    if proc.wait() != 0:
+        raise SystemExit("the run failed (its output is above)")
+
+
+if __name__ == "__main__":
+    main()
