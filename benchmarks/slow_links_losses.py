@@ -7,8 +7,8 @@ optimizer of benchmarks/slow_links_lm.py, trained longer, losses only.
 Losses do not depend on the link (the same steps on the same data), so this runs 2 ranks on
 this machine's loopback through `phalanx run -n 2`, not on the cluster of namespaces. The
 competitors train one after another from the same initial weights on the same global batches;
-every competitor's held-out loss (the mean over ranks on 8 held-out batches, under DiLoCo right
-after a sync) is printed at a quarter, half, three quarters and the end of the run. "one rank
+every competitor's held-out loss (the mean over ranks on 8 held-out batches; under DiLoCo
+the ranks' own weights, which are the synced ones at a multiple of H) is printed at a quarter, half, three quarters and the end of the run. "one rank
 alone" is each rank training its own copy on its own half of every global batch.
 """
 
@@ -30,11 +30,13 @@ HERE = Path(__file__).resolve()
 def competitors(px, steps: int) -> dict:
     """name -> keyword arguments of px.prepare (None: one rank alone, no communication)."""
     out = {"ddp": {}, "one rank alone": None}
-    for start in (10, steps // 10):
-        out[f"powersgd r4 s{start}"] = {"compression": px.PowerSGD(rank=4, start_step=start)}
-    for lr, momentum in ((0.7, 0.9), (0.4, 0.9), (0.1, 0.9), (1.0, 0.0)):
-        out[f"diloco H=20 lr{lr} m{momentum}"] = {"strategy": px.DiLoCo(
-            sync_every=20, outer_lr=lr, outer_momentum=momentum)}
+    for rank, start in ((4, 10), (4, steps // 10), (8, steps // 10)):
+        out[f"powersgd r{rank} s{start}"] = {
+            "compression": px.PowerSGD(rank=rank, start_step=start)}
+    for h, lr, momentum in ((20, 0.7, 0.9), (20, 0.4, 0.9), (20, 0.1, 0.9), (20, 1.0, 0.0),
+                            (50, 0.1, 0.9)):
+        out[f"diloco H={h} lr{lr} m{momentum}"] = {"strategy": px.DiLoCo(
+            sync_every=h, outer_lr=lr, outer_momentum=momentum)}
     return out
 
 

@@ -103,7 +103,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.slow),
-                                      "zero3"])
+                                      pytest.param("zero3", marks=pytest.mark.slow)])
 def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_joins(
         tmp_path, strategy):
     reference = _reference(tmp_path)
