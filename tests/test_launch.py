@@ -79,7 +79,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("n,form", [(2, "module"), (3, "script")])
+@pytest.mark.parametrize("n,form", [(2, "module"), pytest.param(3, "script", marks=pytest.mark.slow)])
 def test_n_workers_form_one_world(n, form):
     target = ["-m", "world"] if form == "module" else [SCRIPTS / "world.py"]
     result = phalanx("run", "-n", n, *target, "--lr", "0.1", cwd=SCRIPTS)
@@ -271,13 +271,13 @@ def test_plain_python_with_processes_env_forms_a_world_and_prints_once_per_rank(
 
 def test_init_processes_in_a_script_without_a_launcher(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("import phalanx as px\npx.init(processes=3)\n"
+    script.write_text("import phalanx as px\npx.init(processes=2)\n"
                       "print(f'RANK {px.rank()} OF {px.world_size()}')\npx.shutdown()\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
-    assert sorted(re.findall(r"^\[rank\d\]: RANK (\d) OF 3$", result.stdout, re.M)) == \
-        ["0", "1", "2"]
+    assert sorted(re.findall(r"^\[rank\d\]: RANK (\d) OF 2$", result.stdout, re.M)) == \
+        ["0", "1"]
 
 
 def test_init_processes_without_a_script_points_to_spawn():

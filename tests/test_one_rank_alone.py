@@ -198,7 +198,7 @@ def _peer_gone(strategy):
     return message
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_a_peer_that_does_not_answer_is_named_within_the_timeout(strategy):
     message = run_ranks(_peer_gone, 2, args=(strategy,), timeout=60)[0]
     assert message is not None, "rank 0 got no error"

@@ -321,6 +321,7 @@ def _compiled(strategy):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow  # compiling takes 10 s; nanoGPT compiled before prepare runs in the suite
 def test_torch_compile_of_a_zero3_model_trains_as_zero2():
     z3 = run_ranks(_compiled, 2, args=("zero3",), timeout=120)
     z2 = run_ranks(_compiled, 2, args=("zero2",), timeout=120)
