@@ -102,6 +102,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     if seen[0][2] is not None:
         raise CheckpointError(f"px.save({path!r}) refused: {seen[0][2]}")
     steps = elastic.step_gate()
+    stateful = {k: v for k, v in values.items() if is_stateful(v)}  # what a reload restores
     # a replacement waiting to join is admitted once this save is complete (elastic/joining.py)
     joining = steps.joiners_asking(comm) if steps is not None else []
     background = background and not joining
@@ -117,18 +118,15 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
             _skipped(path)
             return path
         if steps is not None:
-            steps.saved(path, model, optimizer, {k: v for k, v in values.items()
-                                                 if is_stateful(v)})
+            steps.saved(path, model, optimizer, stateful)
         if joining:
-            steps.admit(comm, joining, path, model, optimizer,
-                        {k: v for k, v in values.items() if is_stateful(v)})
+            steps.admit(comm, joining, path, model, optimizer, stateful)
         return path
     # gloo: the writes gather small Python objects; see groups.py
     writer = comm.apart("checkpoint:saves", backend="gloo")
     job = _Job(path)
     if steps is not None:  # once written, where a sharded engine reloads from (elastic/)
-        job.on_written = lambda: steps.saved(path, model, optimizer, {
-            k: v for k, v in values.items() if is_stateful(v)})
+        job.on_written = lambda: steps.saved(path, model, optimizer, stateful)
     thread = threading.Thread(target=job.run, args=(snapshot, writer), name="phalanx-save")
     job.thread = thread
     _running.append(job)

@@ -203,7 +203,7 @@ class DistributedSampler(Sampler[int]):
         jumps = {frm: to for epoch, frm, to in self._left_out if epoch == self.epoch}
         self._pass_start, self._steps_done, self._in_pass = start, 0, True
         while pos < end:
-            if pos in jumps and pos >= start:
+            if pos in jumps:
                 pos = jumps[pos]
                 continue
             size = min(self.global_batch_size, end - pos)

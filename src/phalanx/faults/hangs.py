@@ -273,11 +273,10 @@ class HangWatch:
             self._answer_and_end(reporter=False)
             return
         now = time.perf_counter()
-        groups = self._groups()
+        oldest_in = {name: _oldest_in_flight(recs) for name, recs in self._groups().items()}
         if self.on_tick is not None:  # elastic/: the others may have gone on without this rank
-            self.on_tick({name: _oldest_in_flight(recs) for name, recs in groups.items()})
-        for recs in groups.values():
-            oldest = _oldest_in_flight(recs)
+            self.on_tick(oldest_in)
+        for oldest in oldest_in.values():
             if oldest is not None and now - oldest.started > self.threshold:
                 first = self.store.add(flag, 1) == 1
                 self._answer_and_end(reporter=first)
