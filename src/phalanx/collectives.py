@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from . import groups, pickled, records
 from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
-from .completion import Handle
+from .completion import Handle, wait_whole
 from .elastic.cut import guarded as _guarded, own_shard as _own_shard, nothing as _nothing
 from .elastic.gate import gate
 from .records import CollectiveRecord
@@ -177,7 +177,7 @@ class Comm:
             return None
         handle = Handle([work], records=[rec])
         if waits_here:
-            handle.wait()
+            wait_whole(handle)
             records.note_blocking_done(self.group)
         return handle if async_op else None
 
@@ -254,7 +254,7 @@ class Comm:
             lo = self.rank * n
             handle = Handle([work], then=lambda: out.copy_(full[lo:lo + n]), records=[rec])
         if not async_op:
-            handle.wait()
+            wait_whole(handle)
         return handle
 
     @_guarded(lambda self, output, shard, async_op=False, tag=None: _nothing(self, async_op=async_op))
@@ -281,7 +281,7 @@ class Comm:
         self._track(rec, work)
         handle = Handle(works, records=[rec])
         if not async_op:
-            handle.wait()
+            wait_whole(handle)
             return None
         return handle
 
@@ -359,7 +359,7 @@ class Comm:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(self.world)]
-        Handle([dist.all_gather(sizes, size, group=self.group, async_op=True)]).wait()
+        wait_whole(Handle([dist.all_gather(sizes, size, group=self.group, async_op=True)]))
         return payload, [int(s.item()) for s in sizes]
 
     @_guarded(_nothing)

@@ -23,7 +23,7 @@ import torch
 
 from .elastic.gate import gate, is_loss, lost
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "wait_whole"]
 
 
 class Handle:
@@ -40,6 +40,7 @@ class Handle:
         self.works = [w for w in works if w is not None]
         self._then = then
         self._done = False
+        self.lost = False  # continue mode: the wait ended because the step was lost
         self.records = list(records)
 
     def _saw_completion(self) -> None:
@@ -76,7 +77,7 @@ class Handle:
                 if not is_loss(exc):
                     raise
                 lost(exc)
-                self._done = True
+                self._done = self.lost = True
                 self.works = []  # their hold on the broken group's connections ends here
                 return True
             self._saw_completion()
@@ -86,6 +87,17 @@ class Handle:
             if self._then is not None:
                 self._then()
         return True
+
+
+def wait_whole(handle: Handle) -> None:
+    """Wait for `handle` as a blocking collective does: its results are read next, so a
+    wait that ended because the step was lost (continue mode) raises instead of returning
+    unfilled buffers; the Comm method's guard (elastic/cut.py) turns that into the result of
+    a collective that moved nothing. Seen: a lost all-gather of pickle lengths read as
+    garbage lengths, and the pickles after it failed to load."""
+    handle.wait()
+    if handle.lost:
+        raise RuntimeError("the step was lost before this collective completed")
 
 
 _SLICE = datetime.timedelta(milliseconds=100)
@@ -101,8 +113,8 @@ def _wait_or_give_up(work) -> None:
     (torch._dynamo, imported by any optimizer, keeps references to every process group), and a
     rank waiting only on that peer would otherwise wait for the timeout."""
     while True:
-        if gate.cut:
-            return
+        if gate.cut:  # its buffers hold nothing: whoever reads them must know (Handle.lost)
+            raise RuntimeError("the step was lost before this collective completed")
         if gate.poked:
             raise RuntimeError("the other ranks went on without this one after a rank was lost")
         try:

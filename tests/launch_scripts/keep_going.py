@@ -5,14 +5,16 @@ purpose.
 
     keep_going.py OUT CKPT_DIR [--strategy ddp] [--precision fp32] [--epochs 3] [--sleep S]
         [--kill RANK@STEP,...] [--raise RANK@STEP] [--die-in-save RANK@STEP]
-        [--die-joining] [--die-admitting RANK] [--skip STEP] [--no-resume] [--save-every K]
+        [--die-completing STEP] [--die-joining] [--die-admitting RANK] [--skip STEP]
+        [--no-resume] [--save-every K]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
 it evenly and any world size trains on the same samples. Only the first worker of a rank
-(life 0) fails on purpose; its replacement runs normally. `--skip S` leaves out the batch
-of step S (the reference for `--raise`). Rank 0 writes the final weights (one flat tensor)
-to OUT. Every worker prints `START rank=R pid=P life=L` and `END rank=R pid=P life=L
-world=W`.
+(life 0) fails on purpose; its replacement runs normally. `--die-completing S`: rank 0 dies
+as it completes the checkpoint of step S, the others waiting for its word. `--skip S` leaves
+out the batch of step S (the reference for `--raise`). Rank 0 writes the final weights (one
+flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L` and `END rank=R
+pid=P life=L world=W`.
 """
 
 import argparse
@@ -34,6 +36,7 @@ parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--kill", default="")
 parser.add_argument("--raise", dest="raise_at", default=None)
 parser.add_argument("--die-in-save", default=None)
+parser.add_argument("--die-completing", type=int, default=None)
 parser.add_argument("--die-joining", action="store_true")
 parser.add_argument("--die-admitting", type=int, default=None)
 parser.add_argument("--skip", type=int, default=None)
@@ -67,6 +70,16 @@ if life == 0 and saves:  # killed while writing its file of that step's checkpoi
             die()
         return write(*a, **k)
     saving.write_tensors = write_or_die
+if life == 0 and rank == 0 and args.die_completing is not None:  # rank 0, completing a save
+    import phalanx.checkpoint.saving as saving
+
+    complete = saving._complete
+
+    def complete_or_die(*a, **k):
+        if where["now"] == args.die_completing:
+            die()
+        return complete(*a, **k)
+    saving._complete = complete_or_die
 if life == 1 and args.die_joining:  # the replacement dies while loading the others' state
     import phalanx.checkpoint.api as api
 

@@ -237,7 +237,9 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
             error = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(snap.partial, ignore_errors=True)
     agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint")
-    return True
+    # lost while rank 0 completed it: whether it did is unknown here, so the save counts as
+    # not written (a sharded engine then reloads the one before it, which is complete)
+    return not gate.cut
 
 
 def _complete(snap: _Snapshot, reports: list) -> None:
@@ -334,7 +336,9 @@ def _skipped(path: str) -> None:
     it would hold is that of a step the survivors throw away, and the others may never take
     part. Whatever it had written under its temporary name is removed (rank 0 completes a
     checkpoint only after every rank's part arrived), the previous checkpoint stays as it was,
-    and this warning says so; the next `px.save` writes the live state."""
+    and this warning says so; the next `px.save` writes the live state. A rank lost while rank
+    0 completes the checkpoint leaves the others unsure whether it did: they count the save as
+    not written (a sharded engine reloads the one before), though it may stand complete."""
     warnings.warn(f"px.save({path!r}) wrote nothing: a rank was lost during this step (phalanx "
                   "run --on-failure continue); the previous checkpoint stands, and the next "
                   "px.save writes the state the survivors go on from", stacklevel=3)

@@ -19,14 +19,20 @@ def guarded(cut):
     returns what `cut(self, *args, **kwargs)` gives, the result of a collective that moved
     nothing (this rank's own values); so does every collective while the wire is cut. The step
     is thrown away at `optimizer.step()`, where the survivors agree on what happened.
-    Outside continue mode, and on a Comm over no group, the method runs as written."""
+    Outside continue mode, and on a Comm over no group while the wire is whole, the method
+    runs as written."""
     def wrap(method):
         @functools.wraps(method)
         def guarded(self, *args, **kwargs):
-            if not gate.active or (self.group is None and not self.waiting):
+            if not gate.active:
                 return method(self, *args, **kwargs)
-            if gate.cut or self.group is None:  # lost, or waiting for a group (elastic/)
+            # lost; or waiting for a group (elastic/); a Comm of a group made apart from the
+            # job's one that ended with it is cut too: run as a world of one, zero3's gather
+            # of a shard that is not the first copies onto itself and raises
+            if gate.cut or self.waiting:
                 return cut(self, *args, **kwargs)
+            if self.group is None:
+                return method(self, *args, **kwargs)
             try:
                 return method(self, *args, **kwargs)
             except Exception as exc:

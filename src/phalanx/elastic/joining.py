@@ -86,8 +86,9 @@ def wait_for_admission(m) -> dict:
             return True
         gen = keys.read(m.store, "gen", 0)
         members = keys.read(m.store, f"gen{gen}/members", [])
-        if members and all(m.gone(rank, life) is not None for rank, life in members):
-            leave_unadmitted(m)
+        why = [m.gone(rank, life) for rank, life in members]
+        if members and all(w is not None for w in why):
+            leave_unadmitted(m, completed=any(w.get("done") for w in why))
         return False
 
     deadline = time.monotonic() + max(m.timeout.total_seconds(), 24 * 3600)
@@ -98,11 +99,17 @@ def wait_for_admission(m) -> dict:
     return keys.read(m.store, f"admitted/{m.me}.{m.life}")
 
 
-def leave_unadmitted(m) -> None:
-    """No member is left to admit this replacement: end this worker, successfully."""
-    print(f"phalanx: the replacement of rank {m.me} was not admitted: the job ended before the "
-          "others' next px.save", file=sys.stderr, flush=True)
-    raise SystemExit(0)
+def leave_unadmitted(m, completed: bool = True) -> None:
+    """No member is left to admit this replacement: end this worker, successfully if a member
+    finished its training (`completed`); else every member failed, and so does the job (a
+    replacement that ended well there would have the launcher report a job completed when
+    no rank finished)."""
+    if completed:
+        print(f"phalanx: the replacement of rank {m.me} was not admitted: the job ended before "
+              "the others' next px.save", file=sys.stderr, flush=True)
+        raise SystemExit(0)
+    raise SystemExit(f"phalanx: the replacement of rank {m.me} was not admitted: every member "
+                     "of the job failed before admitting it (see their errors above)")
 
 
 def cannot_join(m) -> None:

@@ -106,6 +106,7 @@ class Membership:
             gate.cut = True
             return False
         new = dist.group.WORLD
+        gate.poked = False  # a request to report is for the generation that asked it
         if self.rank == 0:  # for a replacement waiting to join: who may still admit it
             keys.write(self.store, f"gen{gen}/members", self.members)
             keys.write(self.store, "gen", gen)
