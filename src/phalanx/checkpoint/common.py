@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..collectives import Comm
+from ..elastic.gate import gate
 from .reader import CheckpointError
 
 __all__ = ["STATE_FILE", "LOSS_SCALER", "is_stateful", "agree", "rng_state", "set_rng_state"]
@@ -21,9 +22,16 @@ def is_stateful(value) -> bool:
         callable(getattr(value, "load_state_dict", None))
 
 
-def agree(comm: Comm, error: str | None, what: str) -> None:
-    """Raise on every rank if any rank had an error, naming the ranks and their errors."""
+def agree(comm: Comm, error: str | None, what: str, saving: bool = False) -> None:
+    """Raise on every rank if any rank had an error, naming the ranks and their errors.
+
+    A save does not raise when the step was lost meanwhile (`phalanx run --on-failure
+    continue`): it is abandoned then (its caller looks at the gate next), and the error of a
+    rank whose partial checkpoint another rank removed on seeing the loss first is no error
+    of the job's (it once ended a survivor)."""
     errors = comm.all_gather_object(error, tag=what)
+    if saving and gate.cut:
+        return
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed)

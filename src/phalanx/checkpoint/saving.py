@@ -93,6 +93,9 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     # checkpoint, looks at what stands at `path`, and every rank learns its answer.
     problem = why_not_replaceable(path) if comm.rank == 0 else None
     seen = comm.all_gather_object((uuid.uuid4().hex[:12], path, problem), tag="save:token")
+    if gate.cut:  # lost meanwhile (the tokens are then each rank's own)
+        _skipped(path)
+        return path
     token = seen[0][0]
     if any(p != path for _, p, _ in seen):
         raise ValueError(f"px.save: every rank must give the same path; the ranks gave "
@@ -112,7 +115,10 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
                                   optim_state, values, comm, copy_out=background)
     except Exception as exc:  # raised on every rank by agree()
         error = f"{type(exc).__name__}: {exc}"
-    agree(comm, error, f"px.save({path!r}): reading the state to save")
+    agree(comm, error, f"px.save({path!r}): reading the state to save", saving=True)
+    if gate.cut:  # lost meanwhile: see [Note: a save in a lost step]
+        _skipped(path)
+        return path
     if not background:
         if not _write(snapshot, comm):
             _skipped(path)
@@ -219,15 +225,16 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
         error = f"{type(exc).__name__}: {exc}"
     snap.tensors = {}  # the copies are written: let them go
     try:
-        agree(comm, error, f"px.save({snap.path!r}): writing the ranks' files")
+        agree(comm, error, f"px.save({snap.path!r}): writing the ranks' files", saving=True)
     except CheckpointError:
         if comm.rank == 0:
             shutil.rmtree(snap.partial, ignore_errors=True)
         raise
     reports = comm.gather_object(report, dst=0, tag="save:reports")
     if gate.cut:  # a rank was lost during the save: see [Note: a save in a lost step]
-        if comm.rank == 0:
-            shutil.rmtree(snap.partial, ignore_errors=True)
+        # every rank, after its own write: one still writing when another removed the
+        # directory made it again, and the last to remove it comes after every write
+        shutil.rmtree(snap.partial, ignore_errors=True)
         return False
     error = None
     if comm.rank == 0:
@@ -236,7 +243,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(snap.partial, ignore_errors=True)
-    agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint")
+    agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint", saving=True)
     # lost while rank 0 completed it: whether it did is unknown here, so the save counts as
     # not written (a sharded engine then reloads the one before it, which is complete)
     return not gate.cut

@@ -305,10 +305,16 @@ class DistributedSampler(Sampler[int]):
 
         Needs no communication, so it may be called on one rank only.
         """
-        return {"version": _STATE_VERSION, "epoch": self.epoch, "consumed": self.position(),
-                "dataset_length": self.dataset_length, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "global_batch_size": self.global_batch_size}
+        consumed = self.position()
+        state = {"version": _STATE_VERSION, "epoch": self.epoch, "consumed": consumed,
+                 "dataset_length": self.dataset_length, "seed": self.seed,
+                 "shuffle": self.shuffle, "drop_last": self.drop_last,
+                 "global_batch_size": self.global_batch_size}
+        ahead = [list(j) for j in sorted(self._left_out)
+                 if j[0] > self.epoch or (j[0] == self.epoch and j[1] >= consumed)]
+        if ahead:  # a replay's batches left out and not reached yet ([Note: a step redone])
+            state["left_out"] = ahead
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume where `state` was taken: the next pass starts at the next unseen sample."""
@@ -336,7 +342,8 @@ class DistributedSampler(Sampler[int]):
         self.epoch, self._start = int(state["epoch"]), consumed
         self._pass_start, self._steps_done, self._in_pass = consumed, 0, False
         self._committed = self._next_from(self.epoch, consumed)
-        self._redo_from, self._left_out = None, []
+        self._redo_from = None
+        self._left_out = [tuple(int(v) for v in j) for j in state.get("left_out", [])]
         self.restart = True  # a loader iterating now starts again from here
 
 

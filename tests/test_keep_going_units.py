@@ -1,0 +1,192 @@
+"""`phalanx run --on-failure continue`, piece by piece in one process: the recovery decision on
+reports made up here, the sampler's redo and replay, the members' keys in a store made here,
+and a collective lost halfway. The jobs themselves are in tests/test_keep_going.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.elastic.membership import MembershipError
+from phalanx.elastic.steps import decide
+
+
+# -- the decision, on reports made up here --------------------------------------------------
+def _report(calls, last_voted, phase1=False):
+    return {"calls": calls, "last_voted": last_voted, "phase1": phase1, "cause": ""}
+
+
+def test_the_decision_commits_a_step_whose_vote_completed_anywhere():
+    # rank 0 saw step 5's vote complete and failed in step 6; rank 2 failed inside the vote
+    # of step 5: step 5 commits everywhere, both drop step 6, the one behind drops it unused
+    d = decide(0, {0: (0, _report(6, 5)), 2: (0, _report(5, 4, phase1=True))},
+               {1: {"exitcode": -9}})
+    assert (d.committed, d.resume_after, d.survivors, d.skip) == (5, 6, [(0, 0), (2, 0)], False)
+    # nobody saw step 5's vote complete: step 4 is the last, step 5 is redone
+    d = decide(0, {0: (0, _report(5, 4, phase1=True)), 2: (0, _report(5, 4))},
+               {1: {"exitcode": -9}})
+    assert (d.committed, d.resume_after) == (4, 5)
+    d = decide(0, {0: (0, _report(5, 4))}, {1: {"exitcode": 1, "raised": {"message": "x"}}})
+    assert d.skip
+
+
+def test_the_decision_refuses_reports_that_cannot_happen():
+    with pytest.raises(MembershipError, match="disagree on the last step"):
+        decide(0, {0: (0, _report(6, 5)), 2: (0, _report(4, 3))}, {1: {"exitcode": -9}})
+    with pytest.raises(MembershipError, match="no member left"):
+        decide(0, {0: (0, _report(3, 2))}, {})
+
+
+def test_a_step_redone_after_a_load_at_the_end_of_an_epoch_begins_the_next_epoch():
+    """A checkpoint saved after an epoch's last step holds the position at its end; a step
+    lost right after loading it (a replacement admitted there) is the next epoch's first, and
+    the redo must not go back to the finished epoch (that skipped a whole epoch once)."""
+    sampler = px.DistributedSampler(list(range(24)), batch_size=4, rank=0, world_size=1)
+    passes = list(sampler.batches())
+    sampler._steps_done = len(passes)  # the loop received every batch of epoch 0
+    state = sampler.state_dict()
+    assert (state["epoch"], state["consumed"]) == (0, 24)
+    sampler.load_state_dict(state)
+    sampler.set_epoch(1)
+    first = next(iter(sampler.batches()))
+    sampler._resume(skip=False)
+    assert (sampler.epoch, sampler._start) == (1, 0)
+    assert next(iter(sampler.batches())) == first
+
+
+def test_a_replay_from_an_older_checkpoint_leaves_out_the_skipped_batch_where_it_fell():
+    """A sharded engine goes back to its checkpoint (step 1 here) after a rank raised in
+    step 3: steps 1 and 2 are trained again and step 3's batch is left out when the replay
+    reaches it; the position saved after the replay counts the batch left out."""
+    sampler = px.DistributedSampler(list(range(24)), batch_size=4, rank=0, world_size=1,
+                                    shuffle=False)
+    batches = iter(sampler.batches())
+    for _ in range(3):
+        next(batches)
+        sampler._batch_consumed()
+    checkpoint = {"epoch": 0, "consumed": 4}  # saved after step 0
+    sampler._commit()                         # step 2 committed everywhere: position 12
+    next(batches)
+    sampler._batch_consumed()                 # step 3, lost: a rank raised
+    sampler._rewind(checkpoint)
+    sampler._resume(skip=True)
+    replay = list(sampler.batches())
+    assert replay == [[4, 5, 6, 7], [8, 9, 10, 11], [16, 17, 18, 19], [20, 21, 22, 23]]
+    assert sampler.num_steps() == 4 and len(sampler) == 16
+    sampler._steps_done = 2
+    assert sampler.state_dict()["consumed"] == 16
+    sampler._steps_done = 4
+    sampler._pass_finished()
+    assert (sampler.epoch, sampler.position()) == (1, 0) and list(sampler.batches())[2] == \
+        [8, 9, 10, 11]  # the next epoch is whole
+
+
+# -- the members' keys, in a store made here ---------------------------------------------------
+def _membership(me, life, world=3):
+    import datetime
+
+    from phalanx.elastic.membership import Membership
+
+    return Membership(torch.distributed.HashStore(), me, world, life, "gloo",
+                      datetime.timedelta(seconds=30), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("last_end,completed", [("left", False), ("done", True)])
+def test_a_replacement_nobody_can_admit_ends_as_the_job_did(last_end, completed):
+    """Every member of the last generation gone before admitting rank 1's replacement: it ends
+    well if one of them finished its training, else with an error, so that a job whose every
+    worker failed does not end as completed (it once did, with every worker dead)."""
+    from phalanx.elastic import joining, store as keys
+
+    m = _membership(1, 1)
+    keys.write(m.store, "gen", 1)
+    keys.write(m.store, "gen1/members", [(0, 0), (2, 0)])
+    keys.write(m.store, "left/0.0", {"exitcode": -9, "time": 0.0})
+    if last_end == "left":
+        keys.write(m.store, "left/2.0", {"exitcode": 1, "time": 0.0})
+    else:
+        keys.write(m.store, "done/2.0", True)
+    with pytest.raises(SystemExit) as ended:
+        joining.wait_for_admission(m)
+    if completed:
+        assert ended.value.code == 0
+    else:
+        assert "every member of the job failed before admitting it" in str(ended.value.code)
+
+
+def test_a_request_to_report_is_forgotten_when_the_next_generation_forms(tmp_path):
+    """A member asked to report in generation g (its wait gave up there) must not give up the
+    waits of generation g+1: it once lost the step again at the first collective of the new
+    group, and every survivor ended on 'no member left the job'."""
+    from phalanx.collectives import Comm
+    from phalanx.elastic.gate import gate
+
+    m = _membership(0, 0, world=1)
+    gate.active, gate.poked = True, True
+    try:
+        assert m.form(1, [(0, 0)])
+        total = torch.ones(2)
+        Comm(torch.distributed.group.WORLD, name="world").all_reduce(total, op="sum")
+        assert not gate.cut and total.tolist() == [1.0, 1.0]
+    finally:
+        gate.active = gate.cut = gate.poked = False
+        torch.distributed.destroy_process_group()
+
+
+def test_an_object_gather_lost_halfway_gives_this_ranks_own_value_not_garbage(monkeypatch):
+    """The lengths' all-gather fails (a peer died): the pickles' all-gather after it must not
+    read buffers nothing filled; the gather returns what a collective that moved nothing
+    would. It once loaded unfilled bytes (UnpicklingError) and ended a survivor."""
+    import datetime
+
+    from phalanx import collectives
+    from phalanx.elastic.gate import gate
+
+    class Broken:
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection reset by peer")
+
+        def get_future(self):
+            raise RuntimeError("no future")
+
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1,
+                                         timeout=datetime.timedelta(seconds=30))
+    comm = collectives.Comm(torch.distributed.group.WORLD, name="world")
+    monkeypatch.setattr(collectives.dist, "all_gather", lambda *a, **k: Broken())
+    gate.active = True
+    try:
+        assert comm.all_gather_object({"mine": 7}, tag="t") == [{"mine": 7}]
+        assert gate.cut
+    finally:
+        gate.active = gate.cut = False
+        torch.distributed.destroy_process_group()
+
+
+def test_a_sampler_loaded_during_a_replay_leaves_out_what_the_replay_will():
+    """A replacement admitted at a save taken during a replay (a sharded engine back at an
+    older checkpoint after a rank raised) loads the sampler's state: the batch left out
+    further on must be left out by it too, or it trains one step more than the others."""
+    def sampler():
+        return px.DistributedSampler(list(range(24)), batch_size=4, rank=0, world_size=1,
+                                     shuffle=False)
+
+    replaying = sampler()
+    batches = iter(replaying.batches())
+    for _ in range(4):
+        next(batches)
+        replaying._batch_consumed()
+    replaying._commit()                       # steps 0-3 committed: position 16
+    next(batches)
+    replaying._batch_consumed()               # step 4, lost: a rank raised
+    replaying._rewind({"epoch": 0, "consumed": 4})
+    replaying._resume(skip=True)
+    batches = iter(replaying.batches())
+    next(batches)
+    replaying._batch_consumed()               # step 1 replayed; a save now: position 8
+    joined = sampler()
+    joined.load_state_dict(replaying.state_dict())
+    rest = [[8, 9, 10, 11], [12, 13, 14, 15], [20, 21, 22, 23]]
+    assert list(joined.batches()) == rest and list(batches) == rest
+    assert joined.num_steps() == 3
