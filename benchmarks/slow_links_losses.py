@@ -3,6 +3,7 @@ optimizer of benchmarks/slow_links_lm.py, trained longer, losses only.
 
     .venv/bin/python benchmarks/slow_links_losses.py                    # 960 steps each
     .venv/bin/python benchmarks/slow_links_losses.py --steps 240 --only ddp 'powersgd r4 s10'
+    .venv/bin/python benchmarks/slow_links_losses.py --optimizer sgd --only ddp 'powersgd r4 s96'
 
 Losses do not depend on the link (the same steps on the same data), so this runs 2 ranks on
 this machine's loopback through `phalanx run -n 2`, not on the cluster of namespaces. The
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -25,11 +27,17 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve()
+SGD_LR = 0.5  # --optimizer sgd: momentum SGD, as the PowerSGD paper trains
 
 
-def competitors(px, steps: int) -> dict:
-    """name -> keyword arguments of px.prepare (None: one rank alone, no communication)."""
+def competitors(px, steps: int, only: list[str] | None = None) -> dict:
+    """name -> keyword arguments of px.prepare (None: one rank alone, no communication). Any
+    `powersgd rR sS` named in `only` is made too (rank R from step S)."""
     out = {"ddp": {}, "one rank alone": None}
+    for name in only or ():
+        if re.fullmatch(r"powersgd r\d+ s\d+", name):
+            rank, start = (int(v[1:]) for v in name.split()[1:])
+            out[name] = {"compression": px.PowerSGD(rank=rank, start_step=start)}
     for rank, start in ((4, 10), (4, steps // 10), (8, steps // 10)):
         out[f"powersgd r{rank} s{start}"] = {
             "compression": px.PowerSGD(rank=rank, start_step=start)}
@@ -40,7 +48,7 @@ def competitors(px, steps: int) -> dict:
     return out
 
 
-def worker(steps: int, only: list[str] | None) -> None:
+def worker(steps: int, only: list[str] | None, optimizer: str) -> None:
     import torch.distributed as dist
 
     import phalanx as px
@@ -53,12 +61,13 @@ def worker(steps: int, only: list[str] | None) -> None:
     world, rank = px.world_size(), px.rank()
     held_out = [lm.batch(table, seed=10**6 + i) for i in range(8)]
     marks = {steps * k // 4 for k in (1, 2, 3, 4)}
-    for name, kwargs in competitors(px, steps).items():
+    for name, kwargs in competitors(px, steps, only).items():
         if only and name not in only:
             continue
         torch.manual_seed(0)
         model = GPT(c)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw" else
+               torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9))
         if kwargs is not None:
             model, opt = px.prepare(model, opt, **kwargs)
         began, curve = time.perf_counter(), {}
@@ -82,16 +91,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=960)
     parser.add_argument("--only", nargs="+", metavar="NAME")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, str(HERE.parent))
-        worker(args.steps, args.only)
+        worker(args.steps, args.only, args.optimizer)
         return
     cmd = [sys.executable, "-m", "phalanx", "run", "-n", "2", str(HERE), "--worker",
-           "--steps", str(args.steps)] + (["--only", *args.only] if args.only else [])
+           "--steps", str(args.steps), "--optimizer", args.optimizer] + (
+               ["--only", *args.only] if args.only else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    print(f"2 ranks, GPT 7.9M, AdamW lr 1e-3, 4 x 64 tokens per rank, {args.steps} steps; "
+    what = "AdamW lr 1e-3" if args.optimizer == "adamw" else f"SGD lr {SGD_LR} momentum 0.9"
+    print(f"2 ranks, GPT 7.9M, {what}, 4 x 64 tokens per rank, {args.steps} steps; "
           "held-out loss at each quarter (and its ratio to ddp's at the end)")
     base = None
     for line in proc.stdout:
