@@ -67,7 +67,7 @@ def competitors(px, only: list[str] | None = None) -> dict:
     (all by default). A remedy whose name this phalanx does not have is left out."""
     out = {"compute-only": None, "ddp": {}, "ddp bf16 comm": {"comm_dtype": torch.bfloat16}}
     if hasattr(px, "PowerSGD"):
-        for r in (4, 8):
+        for r in (4, 8, 16, 32):
             out[f"powersgd r{r}"] = {"compression": px.PowerSGD(rank=r, start_step=10)}
     if hasattr(px, "DiLoCo"):
         for h in (20, 50):
@@ -82,7 +82,8 @@ def competitors(px, only: list[str] | None = None) -> dict:
     if only:
         out = {name: kwargs for name, kwargs in out.items() if name in only}
     else:
-        out.pop("powersgd r8")
+        for r in (8, 16, 32):
+            out.pop(f"powersgd r{r}")
     return out
 
 

@@ -30,8 +30,10 @@ class PowerSGD:
     applied updates add up to the true gradients.
 
     Args:
-        rank: the number of columns r of the factors (1 to 4 is usual); a matrix of n rows and
-            m columns uses min(rank, n, m).
+        rank: the number of columns r of the factors; a matrix of n rows and m columns uses
+            min(rank, n, m). The paper's convolutional and recurrent networks kept their
+            accuracy at 1 to 4; a small GPT trained with AdamW needed 32 to end within 1% of
+            ddp's loss (docs/benchmarks.md, "Slow links: the losses over longer runs").
         start_step: how many gradient reductions (one per optimizer step in an ordinary loop,
             accumulation under `px.no_sync` included) go uncompressed first, bit for bit as
             without compression. The count is saved by `px.save`.
