@@ -89,6 +89,9 @@ class Handle:
         return True
 
 
+_LOST = "the step was lost before this collective completed"
+
+
 def wait_whole(handle: Handle) -> None:
     """Wait for `handle` as a blocking collective does: its results are read next, so a
     wait that ended because the step was lost (continue mode) raises instead of returning
@@ -97,7 +100,7 @@ def wait_whole(handle: Handle) -> None:
     garbage lengths, and the pickles after it failed to load."""
     handle.wait()
     if handle.lost:
-        raise RuntimeError("the step was lost before this collective completed")
+        raise RuntimeError(_LOST)
 
 
 _SLICE = datetime.timedelta(milliseconds=100)
@@ -114,7 +117,7 @@ def _wait_or_give_up(work) -> None:
     rank waiting only on that peer would otherwise wait for the timeout."""
     while True:
         if gate.cut:  # its buffers hold nothing: whoever reads them must know (Handle.lost)
-            raise RuntimeError("the step was lost before this collective completed")
+            raise RuntimeError(_LOST)
         if gate.poked:
             raise RuntimeError("the other ranks went on without this one after a rank was lost")
         try:

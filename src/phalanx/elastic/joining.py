@@ -86,8 +86,13 @@ def wait_for_admission(m) -> dict:
             return True
         gen = keys.read(m.store, "gen", 0)
         members = keys.read(m.store, f"gen{gen}/members", [])
-        why = [m.gone(rank, life) for rank, life in members]
-        if members and all(w is not None for w in why):
+        why = []
+        for rank, life in members:  # the first member still in ends the look
+            gone = m.gone(rank, life)
+            if gone is None:
+                return False
+            why.append(gone)
+        if why:
             leave_unadmitted(m, completed=any(w.get("done") for w in why))
         return False
 
