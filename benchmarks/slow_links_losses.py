@@ -9,8 +9,9 @@ Losses do not depend on the link (the same steps on the same data), so this runs
 this machine's loopback through `phalanx run -n 2`, not on the cluster of namespaces. The
 competitors train one after another from the same initial weights on the same global batches;
 every competitor's held-out loss (the mean over ranks on 8 held-out batches; under DiLoCo
-the ranks' own weights, which are the synced ones at a multiple of H) is printed at a quarter, half, three quarters and the end of the run. "one rank
-alone" is each rank training its own copy on its own half of every global batch.
+the ranks' own weights, which are the synced ones at a multiple of H) is printed at a quarter,
+half, three quarters and the end of the run. "one rank alone" is each rank training its own
+copy on its own half of every global batch.
 """
 
 from __future__ import annotations
@@ -34,13 +35,10 @@ def competitors(px, steps: int, only: list[str] | None = None) -> dict:
     """name -> keyword arguments of px.prepare (None: one rank alone, no communication). Any
     `powersgd rR sS` named in `only` is made too (rank R from step S)."""
     out = {"ddp": {}, "one rank alone": None}
-    for name in only or ():
-        if re.fullmatch(r"powersgd r\d+ s\d+", name):
-            rank, start = (int(v[1:]) for v in name.split()[1:])
-            out[name] = {"compression": px.PowerSGD(rank=rank, start_step=start)}
-    for rank, start in ((4, 10), (4, steps // 10), (8, steps // 10)):
-        out[f"powersgd r{rank} s{start}"] = {
-            "compression": px.PowerSGD(rank=rank, start_step=start)}
+    powersgd = ["powersgd r4 s10", f"powersgd r4 s{steps // 10}", f"powersgd r8 s{steps // 10}"]
+    for name in powersgd + [n for n in only or () if re.fullmatch(r"powersgd r\d+ s\d+", n)]:
+        rank, start = (int(v[1:]) for v in name.split()[1:])
+        out[name] = {"compression": px.PowerSGD(rank=rank, start_step=start)}
     for h, lr, momentum in ((20, 0.7, 0.9), (20, 0.4, 0.9), (20, 0.1, 0.9), (20, 1.0, 0.0),
                             (50, 0.1, 0.9)):
         out[f"diloco H={h} lr{lr} m{momentum}"] = {"strategy": px.DiLoCo(
