@@ -4,6 +4,7 @@ here with the rank named, and no worker left behind."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -128,8 +129,6 @@ def test_a_bad_process_count_is_refused(bad):
 
 
 def test_ctrl_c_ends_every_worker(tmp_path):
-    import signal
-
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent("""
         import time
@@ -167,3 +166,49 @@ def test_ctrl_c_ends_every_worker(tmp_path):
     assert "KeyboardInterrupt" in err
     time.sleep(0.5)
     assert running() == []
+
+
+def test_ctrl_c_while_a_worker_is_being_started_still_ends_it(tmp_path):
+    # The Ctrl-C lands inside the second worker's start, after its fork and before px.spawn has
+    # recorded it: that worker must be ended too, or the interpreter's exit waits on it (the
+    # test above, under load, once hung 60 s this way).
+    script = tmp_path / "interrupted_in_start.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing.process
+        import os
+        import signal
+        import time
+        import phalanx as px
+
+        start = multiprocessing.process.BaseProcess.start
+        started = []
+
+        def start_then_interrupted(self):
+            start(self)
+            started.append(self.pid)
+            if len(started) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)  # the signal's handler runs here, inside start
+
+        multiprocessing.process.BaseProcess.start = start_then_interrupted
+
+        def wait():
+            time.sleep(120)
+
+        try:
+            px.spawn(wait, processes=2, timeout=300)
+        finally:
+            print("workers", *started, flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and the worker it left behind
+        pytest.fail("the script did not end within 60 s of the Ctrl-C: a worker was left running")
+    assert "KeyboardInterrupt" in err, err
+    workers = [int(pid) for pid in out.split()[1:]]
+    assert len(workers) == 2, out
+    time.sleep(0.5)
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []

@@ -41,6 +41,7 @@ listed after its own.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -50,6 +51,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -114,8 +116,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+_ctrl_c_handler = None  # the handler `_ctrl_c_held` replaced, while it holds
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Hold a Ctrl-C that lands inside the block until its end. A worker is recorded for the
+    cleanup only once `start` returns; a Ctrl-C raised inside `start`, after the fork, would
+    leave that worker unrecorded and running, and the interpreter's exit would then wait on it.
+    Python runs signal handlers in the main thread only, so elsewhere there is nothing to hold;
+    a handler installed from C (`getsignal` gives None) is left alone, as it could not be put
+    back."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    global _ctrl_c_handler
+    caught = []
+    _ctrl_c_handler = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, _ctrl_c_handler)
+        _ctrl_c_handler = None
+        if caught:
+            signal.raise_signal(signal.SIGINT)  # now, under the handler the caller had
+
+
 def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, threads, collect,
                  shutdown):
+    if _ctrl_c_handler is not None:  # forked inside `_ctrl_c_held`: the caller's handler back
+        signal.signal(signal.SIGINT, _ctrl_c_handler)
     # Dump every thread's stack on SIGUSR1: the parent asks for it before ending a stuck rank.
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -196,9 +227,10 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
             else:
                 p = ctx.Process(target=_fresh_worker_main, name=f"rank{rank}",
                                 args=(call,) + rest)
-            p.start()
+            with _ctrl_c_held():
+                p.start()
+                procs.append(p)
             send.close()
-            procs.append(p)
             conns.append(recv)
             stack_paths.append(stack_path)
         deadline = time.monotonic() + timeout if timeout is not None else None
