@@ -128,6 +128,13 @@ def test_a_bad_process_count_is_refused(bad):
         px.spawn(_world, 1, processes=bad)
 
 
+def _ctrl_c_heard():
+    """In the child before it runs Python: Ctrl-C back to its default, which Python turns into
+    KeyboardInterrupt. A suite started in the background by a shell without job control (`pytest
+    &` in a script) inherits SIGINT ignored, and the scripts below would never hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_every_worker(tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent("""
@@ -140,7 +147,7 @@ def test_ctrl_c_ends_every_worker(tmp_path):
         px.spawn(wait, processes=2, timeout=300)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_heard)
 
     def running() -> list[int]:
         found = []
@@ -201,7 +208,8 @@ def test_ctrl_c_while_a_worker_is_being_started_still_ends_it(tmp_path):
             print("workers", *started, flush=True)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_ctrl_c_heard)
     try:
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
