@@ -177,8 +177,8 @@ def test_ctrl_c_ends_every_worker(tmp_path):
 
 def test_ctrl_c_while_a_worker_is_being_started_still_ends_it(tmp_path):
     # The Ctrl-C lands inside the second worker's start, after its fork and before px.spawn has
-    # recorded it: that worker must be ended too, or the interpreter's exit waits on it (the
-    # test above, under load, once hung 60 s this way).
+    # recorded it: that worker must be ended too, or the interpreter's exit waits on it (before
+    # the Ctrl-C was held during a start, this script hung until the test's 60 s ran out).
     script = tmp_path / "interrupted_in_start.py"
     script.write_text(textwrap.dedent("""
         import multiprocessing.process
