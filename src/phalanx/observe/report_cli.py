@@ -23,7 +23,7 @@ import os
 import statistics
 from collections import Counter, defaultdict
 
-__all__ = ["add_arguments", "main", "read_metrics", "summary"]
+__all__ = ["add_arguments", "main", "read_metrics", "summary", "plan_for_run"]
 
 PARTS = ("forward_s", "backward_s", "optimizer_s", "data_s", "other_s")
 
@@ -117,6 +117,28 @@ def summary(series: dict, skip: int = 1) -> str:
 _PLAN_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
 
 
+def plan_for_run(run: dict):
+    """`phalanx plan` for a run, from what px.prepare recorded of it (RUN_DIR/run.json): its
+    StrategyPlan. A zero3 run also recorded its roots and gathering options, which say what
+    stays gathered from forward into backward (planner/layout.py's `engine_roots`)."""
+    from ..planner import plan
+    from ..planner.model_desc import from_count
+
+    desc = from_count(run["trainable_params"])
+    zero3 = run.get("zero3") or {}
+    desc.zero3_roots = zero3.get("roots")
+    return plan(desc, gpus=run["world"], strategy=run["strategy"],
+                precision=_PLAN_PRECISION[run["precision"]],
+                optimizer=run.get("optimizer") or "adamw",
+                backend="gloo" if run["backend"] == "gloo" else "nccl",
+                bucket_mb=run["bucket_mb"],
+                comm_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(
+                    str(run.get("comm_dtype")).replace("torch.", "")),
+                prefetch=zero3.get("prefetch", 1),
+                max_gathered_mb=zero3.get("max_gathered_mb"),
+                reshard_after_forward=zero3.get("reshard_after_forward", True))[run["strategy"]]
+
+
 def against_plan(run_dir: str, series: dict, skip: int = 1) -> str | None:
     """`phalanx plan`'s prediction for the run's model, strategy and world size (RUN_DIR/
     run.json, written by px.log from what px.prepare saw) beside the measured medians."""
@@ -125,18 +147,10 @@ def against_plan(run_dir: str, series: dict, skip: int = 1) -> str | None:
         return None
     import json
 
-    from ..planner import plan
-
     with open(path) as f:
         run = json.load(f)
     try:
-        planned = plan(params=run["trainable_params"], gpus=run["world"],
-                       strategy=run["strategy"], precision=_PLAN_PRECISION[run["precision"]],
-                       optimizer=run.get("optimizer") or "adamw",
-                       backend="gloo" if run["backend"] == "gloo" else "nccl",
-                       bucket_mb=run["bucket_mb"],
-                       comm_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(
-                           str(run.get("comm_dtype")).replace("torch.", "")))[run["strategy"]]
+        planned = plan_for_run(run)
     except (KeyError, ValueError) as exc:
         return f"(no comparison with phalanx plan: {exc})"
     lines = [f"phalanx plan for this run ({run['trainable_params'] / 1e6:.2f}M parameters, "
@@ -156,6 +170,9 @@ def against_plan(run_dir: str, series: dict, skip: int = 1) -> str | None:
                      "planner's GPU preset)")
     else:
         lines.append("  (memory and time are planned for a GPU; on CPU only the bytes compare)")
+    if run["strategy"] == "zero3" and not run.get("zero3"):
+        lines.append("  (this run did not record zero3's roots: backward is planned to gather "
+                     "every unit again, where the engine keeps those rooted at the model)")
     return "\n".join(lines)
 
 

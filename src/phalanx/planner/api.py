@@ -202,6 +202,10 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     recommended, reason = recommend(plans, memory, headroom, units, world, zero3_total,
                                      activations, activation_checkpointing)
     notes += _standard_notes(prec, optimizer, spec, precision_key, desc, peak_tflops)
+    if "zero3" in shown and desc.source == "count" and desc.zero3_roots is None:
+        notes.append("zero3 from a bare count: backward is planned to gather every unit again, "
+                     "where the engine keeps the units rooted at the model itself and the "
+                     "root the forward ends with; give the model (--model) for its exact bytes")
     if peak_tflops is None:
         notes.append(f"peak compute: {spec.name}, {peak:g} TFLOP/s dense "
                      f"{'fp32' if precision_key == 'fp32' else '16-bit'} (vendor figure)")

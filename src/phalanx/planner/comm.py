@@ -11,7 +11,9 @@ bytes, a ring moves (Patarasuk & Yuan 2009; the NCCL "bus bandwidth" convention)
     zero1  reduce-scatter G + all-gather P (new weights)  ~ 2x
     zero2  the same as zero1                             ~ 2x
     zero3  all-gather P (forward) + all-gather P (backward), per micro-step, + reduce-scatter G ~ 3x
-           (backward does not gather again what stays gathered: the units rooted at the model)
+           (backward does not gather again what stays gathered: the units rooted at the model
+           and the root the forward ends with, layout.py's `zero3_gathering`; a bare count
+           knows neither, and is planned as if backward gathered every unit again)
 
 On gloo phalanx all-reduces instead of reduce-scattering (faster there, see collectives.py), so
 zero1/zero2 move 2G + P. With gradient accumulation (`px.no_sync`) gradients are reduced once
@@ -59,7 +61,8 @@ def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
                 reduce_scatter: bool, kept_bytes: int = 0) -> list[Collective]:
     """The collectives of one optimizer step (see [Note: Communication model]). `kept_bytes`:
     zero3's parameters that stay gathered from forward to backward (the units rooted at the
-    model itself, engine/zero3.py), which backward does not gather again."""
+    model itself and the root the forward ends with, engine/zero3.py), which backward does not
+    gather again."""
     if world <= 1:
         return []
     reduce = "reduce_scatter" if reduce_scatter else "all_reduce"

@@ -16,7 +16,7 @@ import math
 
 from ..engine.units import FIRST_UNIT_MIB, unit_caps, unit_numels
 
-__all__ = ["unit_sizes", "zero3_gathering", "FIRST_UNIT_MIB"]
+__all__ = ["unit_sizes", "zero3_gathering", "zero3_roots", "engine_roots", "FIRST_UNIT_MIB"]
 
 
 def unit_sizes(shapes, count: int, compute_bytes: int, bucket_mb: float = 25.0,
@@ -40,34 +40,16 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     with, stay gathered into backward; of the other roots, the one computing and up to
     `prefetch` ahead are gathered at once, as many as fit in `max_gathered_bytes` (one at least:
     a root needed now is gathered whatever its size); `reshard_after_forward=False` keeps every
-    root from its forward to its backward, so all are gathered at the end of the forward. From
-    a module the roots are the engine's own, the last registered taken as the last to run; from
-    a config, each repeated block is a root and the rest is left out (a model-level embedding
-    tied to the head would add its size)."""
-    if desc.module is not None:
-        from ..engine.units import unit_roots
-        from ..engine.units import module_units
-
-        params = [p for p in desc.module.parameters() if p.requires_grad]
-        if not params:
-            return 0, 0
-        runs = module_units(desc.module, params, compute_bytes, bucket_mb, desc.block_classes)
-        sizes: dict[str, int] = {}  # in backward order: the forward's last root first
-        for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes)):
-            sizes[root] = sizes.get(root, 0) + sum(p.numel() for p in run)
-        model_rooted = sizes.pop("", 0)
-    else:
-        model_rooted, sizes = 0, {}
-        shapes, blocks = desc.trainable_shapes, desc.trainable_blocks
-        if shapes is not None and blocks is not None:
-            for shape, block in reversed(list(zip(shapes, blocks))):
-                if block is not None:
-                    sizes[block] = sizes.get(block, 0) + math.prod(shape)
+    root from its forward to its backward, so all are gathered at the end of the forward. The
+    roots are those `zero3_roots` gives; where none are known (a bare count) each unit stands
+    for a root and none is kept."""
+    known = desc.zero3_roots is not None or desc.module is not None
+    model_rooted, sizes = zero3_roots(desc, compute_bytes, bucket_mb)
     last = next(iter(sizes.values()), 0)  # the root the forward ends with, kept
-    if not sizes and desc.module is None:  # no roots known: units stand for them, none last
+    if not sizes and not known:
         units = unit_sizes(desc.trainable_shapes, desc.trainable_params, compute_bytes,
                            bucket_mb, desc.trainable_blocks)
-        sizes = dict(enumerate(units))
+        sizes, last = dict(enumerate(units)), 0
     if not reshard_after_forward:
         everything = model_rooted + sum(sizes.values())
         return everything, everything
@@ -77,3 +59,46 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
         room = max_gathered_bytes // compute_bytes - model_rooted
         at_once = max(1, min(at_once, room // largest))
     return model_rooted + at_once * largest, model_rooted + last
+
+
+def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int, dict]:
+    """(elements of the units rooted at the model itself, {root: elements} of the other
+    roots in backward order, the root the forward ends with first). From what a run's engine
+    recorded (`desc.zero3_roots`, see `engine_roots`); from a module, the engine's own roots,
+    the last registered taken as the last to run; from a config, each repeated block is a root
+    and the rest is left out (a model-level embedding tied to the head would add its size);
+    from a bare count, none."""
+    if desc.zero3_roots is not None:
+        pairs = [(root, numel) for root, numel in desc.zero3_roots]
+    elif desc.module is not None:
+        from ..engine.units import module_units, unit_roots
+
+        params = [p for p in desc.module.parameters() if p.requires_grad]
+        runs = module_units(desc.module, params, compute_bytes, bucket_mb, desc.block_classes)
+        pairs = [(root, sum(p.numel() for p in run))
+                 for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes))]
+    else:
+        shapes, blocks = desc.trainable_shapes, desc.trainable_blocks
+        pairs = [(block, math.prod(shape))
+                 for shape, block in reversed(list(zip(shapes or [], blocks or [])))
+                 if block is not None]
+    sizes: dict = {}
+    for root, numel in pairs:
+        sizes[root] = sizes.get(root, 0) + numel
+    return sizes.pop("", 0), sizes
+
+
+def engine_roots(engine) -> dict | None:
+    """What a zero3 engine gathers together, for RUN_DIR/run.json: px.prepare records it, and
+    `phalanx report` plans the run with it (`ModelDesc.zero3_roots` and px.prepare's
+    gathering options), since a parameter count alone does not say which units stay gathered
+    from forward into backward. The roots are [name, trainable elements] in the engine's
+    order (backward's; "" is the model itself). None for a strategy that gathers nothing."""
+    gatherer = getattr(engine, "gatherer", None)
+    if gatherer is None:
+        return None
+    return {"roots": [[root.name, sum(p.numel() for unit in root.units for p in unit.params)]
+                      for root in gatherer.roots],
+            "prefetch": gatherer.prefetch,
+            "max_gathered_mb": None if gatherer.limit is None else gatherer.limit / 2**20,
+            "reshard_after_forward": gatherer.reshard_after_forward}

@@ -41,6 +41,9 @@ class ModelDesc:
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     block_classes: tuple | None = None  # px.plan's `blocks=`, resolved (engine/units.py)
+    # zero3's roots as a run's engine laid them out, [name, elements] (layout.engine_roots):
+    # which units stay gathered from forward into backward, where a count cannot say
+    zero3_roots: list | None = None
     make_input: Callable[[int, int], tuple] | None = None
     notes: list[str] = field(default_factory=list)
 
