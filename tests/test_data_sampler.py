@@ -206,3 +206,41 @@ def test_workers_streams_and_the_plain_sampler():
         assert step == sorted(order[12 * j:12 * (j + 1)])
     assert sorted(i for p in per_rank for b in p for i in b) == list(range(64))
     assert results[0]["plain_sampler_state"]["epoch"] == 1  # a full pass advanced the epoch
+
+
+def test_len_is_the_whole_epoch_and_what_is_left_has_its_own_name():
+    """`len(sampler)` and `len(loader)` count a whole epoch per rank, as PyTorch's do, before
+    and after a state is loaded mid-epoch; `samples_left()` and `batches_left()` count what
+    the pass from there yields (in one process: ranks given explicitly)."""
+    for n in LENGTHS:
+        for world in WORLDS:
+            for b in (1, 2, 3):
+                for drop_last in (False, True):
+                    g = world * b
+                    saved = px.DistributedSampler(Indices(n), seed=SEED, batch_size=g,
+                                                  rank=0, world_size=1, drop_last=drop_last)
+                    steps = len(list(saved.batches()))
+                    for k in range(steps + 1):  # k global steps consumed, then saved
+                        saved._steps_done = k
+                        state = saved.state_dict()
+                        for rank in range(world):
+                            s = px.DistributedSampler(Indices(n), seed=SEED, batch_size=b,
+                                                      rank=rank, world_size=world,
+                                                      drop_last=drop_last)
+                            whole = list(s.batches())
+                            s.load_state_dict(state)
+                            left = list(s.batches())
+                            s.load_state_dict(state)
+                            key = (n, world, b, drop_last, k, rank)
+                            assert len(s) == sum(map(len, whole)), key
+                            assert len(s.batches()) == len(whole) == steps, key
+                            assert s.batches_left() == len(left) == steps - k, key
+                            assert s.samples_left() == sum(map(len, left)), key
+    loader = px.data_loader(Indices(10), 3, seed=SEED)
+    seen = [(len(loader), loader.batches_left())]
+    for _ in loader:
+        seen.append((len(loader), loader.batches_left()))
+    seen.append((len(loader), loader.batches_left()))  # the pass done: the next epoch's
+    assert seen == [(4, 4), (4, 3), (4, 2), (4, 1), (4, 0), (4, 4)]
+    plain = torch.utils.data.DataLoader(Indices(10), batch_size=3, sampler=loader.sampler)
+    assert len(plain) == 4 and len(loader.sampler) == 10

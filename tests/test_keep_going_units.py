@@ -73,7 +73,8 @@ def test_a_replay_from_an_older_checkpoint_leaves_out_the_skipped_batch_where_it
     sampler._resume(skip=True)
     replay = list(sampler.batches())
     assert replay == [[4, 5, 6, 7], [8, 9, 10, 11], [16, 17, 18, 19], [20, 21, 22, 23]]
-    assert sampler.num_steps() == 4 and len(sampler) == 16
+    assert sampler.batches_left() == 4 and sampler.samples_left() == 16
+    assert len(sampler) == 24  # the whole epoch's, as for PyTorch's sampler
     sampler._steps_done = 2
     assert sampler.state_dict()["consumed"] == 16
     sampler._steps_done = 4
@@ -189,4 +190,4 @@ def test_a_sampler_loaded_during_a_replay_leaves_out_what_the_replay_will():
     joined.load_state_dict(replaying.state_dict())
     rest = [[8, 9, 10, 11], [12, 13, 14, 15], [20, 21, 22, 23]]
     assert list(joined.batches()) == rest and list(batches) == rest
-    assert joined.num_steps() == 3
+    assert joined.batches_left() == 3 and len(joined) == 24

@@ -71,6 +71,10 @@ def data_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
         it changes nothing. (Other containers, such as a `UserDict`, are left as they are.)
     `pin_memory` defaults to True when this rank computes on a GPU, so the copy of each batch
     to it does not block the host.
+
+    `len(loader)` is the batches per rank in a whole epoch, as for a torch DataLoader, before
+    and after `px.load` restores `loader.sampler` mid-epoch; `loader.batches_left()` is what
+    is left of the epoch in progress (after such a load, the batches the next pass yields).
     """
     here = runtime.device()
     loader_kwargs.setdefault("pin_memory", here.type == "cuda")
@@ -119,11 +123,23 @@ class DistributedLoader(DataLoader):
         self.shuffle, self.seed = shuffle, seed
         self.device = torch.device(device) if device is not None else None
         self.drop_last_step = drop_last  # True: the incomplete last global batch is left out
+        self._stream_taken = 0  # a stream's batches the loop has taken in the pass in progress
+
+    def batches_left(self) -> int:
+        """Batches this rank has still to take in the epoch in progress, the same on every
+        rank: `len(loader)` before the epoch begins, fewer after `px.load` restored the sampler
+        mid-epoch, or as the loop takes them. `len(loader)` itself is always the whole epoch's
+        batches per rank, as for a torch DataLoader (see [Note: an epoch's length and what is
+        left of it] in sampler.py)."""
+        if self.distributed_sampler is not None:
+            return self.distributed_sampler.batches_left()
+        return len(self) - self._stream_taken
 
     def __iter__(self):
         sampler, device = self.distributed_sampler, self.device
         if sampler is not None:
             sampler.restart = False
+        self._stream_taken = 0
         batches = super().__iter__()
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s
@@ -140,7 +156,10 @@ class DistributedLoader(DataLoader):
             add_data_wait(time.perf_counter() - began)
             if sampler is not None:
                 sampler._batch_consumed()
+            else:
+                self._stream_taken += 1
             yield batch
+        self._stream_taken = 0
         if sampler is not None:
             sampler._pass_finished()
 

@@ -37,6 +37,16 @@ reports each batch as it is yielded (`_batch_consumed`) and the end of a full pa
 (`_pass_finished`). Iterated on its own, the sampler counts the indices it yields, which is
 exact for a loader without workers and runs ahead by the prefetch with them.
 
+[Note: an epoch's length and what is left of it]
+`len(sampler)` is the indices this rank takes in a whole epoch and `len(loader)` the batches
+per rank in a whole epoch, as for PyTorch's sampler and DataLoader, before and after a resume:
+a script that computes its epoch from a step count (`step // len(loader)`, as Accelerate's
+examples do) finds the right one. What is left of the epoch in progress has names of its own:
+`sampler.samples_left()`, `sampler.batches_left()` and `loader.batches_left()`, which after
+`px.load` mid-epoch count only the batches the resumed pass will yield. (A replay under
+`phalanx run --on-failure continue` that leaves a lost batch out makes that epoch one batch
+shorter than `len(loader)`; `batches_left()` counts it.)
+
 A complete pass advances the epoch by itself, so forgetting `set_epoch` does not replay the
 same order every epoch; calling `set_epoch(e)` before each epoch, as with PyTorch's sampler,
 gives the same result.
@@ -178,19 +188,41 @@ class DistributedSampler(Sampler[int]):
                 pos += to - frm
         return pos
 
-    def num_steps(self) -> int:
-        """Global steps (batches per rank) in the next pass; the same on every rank."""
-        end = self._end(self._start)
-        remaining = end - self._start - self._skipped(self._start, end)
-        return -(-remaining // self.global_batch_size)
-
+    # -- lengths: the epoch's, and what is left of it -----------------------------------------
     def __len__(self) -> int:
-        """Indices this rank yields in the next pass."""
-        end = self._end(self._start)
-        remaining = end - self._start - self._skipped(self._start, end)
-        full, tail = divmod(remaining, self.global_batch_size)
-        lo, hi = split_evenly(tail, self.world_size, self.rank)
-        return full * self.batch_size + hi - lo
+        """Indices this rank takes in a whole epoch, as `len()` of PyTorch's sampler: the same
+        before and after a resume. What is left of the epoch in progress: `samples_left()`."""
+        return self._rank_share(self._end(0))
+
+    def samples_left(self) -> int:
+        """Indices this rank has still to take in the epoch the sampler is in: `len(sampler)`
+        before the epoch begins, fewer after a resume mid-epoch or as the epoch is consumed."""
+        return self._rank_share(self._left())
+
+    def batches_left(self) -> int:
+        """Batches (global steps) still to come in the epoch the sampler is in, the same on
+        every rank: all of the epoch's before it begins, fewer after a resume mid-epoch or as
+        the loop takes them. `len(loader)` stays the epoch's whole length."""
+        return -(-self._left() // self.global_batch_size)
+
+    def _epoch_steps(self) -> int:
+        """Batches per rank in a whole epoch: `len(loader)`."""
+        return -(-self._end(0) // self.global_batch_size)
+
+    def _left(self) -> int:
+        """Samples of the epoch's global order still to be consumed (by all ranks), less what
+        a replay leaves out ([Note: a step redone])."""
+        start = self._pass_start if self._in_pass else self._start
+        end, pos = self._end(start), self.position()
+        return max(0, end - pos - self._skipped(pos, end))
+
+    def _rank_share(self, samples: int) -> int:
+        """This rank's part of `samples` consecutive samples of the order cut into global
+        batches (see [Note: the tail of an epoch])."""
+        full, tail = divmod(samples, self.global_batch_size)
+        lo, hi = split_evenly(self.global_batch_size, self.world_size, self.rank)
+        tail_lo, tail_hi = split_evenly(tail, self.world_size, self.rank)
+        return full * (hi - lo) + tail_hi - tail_lo
 
     def _pass(self):
         """One pass from the current position: this rank's list of indices per global step.
@@ -360,4 +392,4 @@ class _BatchView(Sampler[list]):
         return self.sampler._pass()
 
     def __len__(self) -> int:
-        return self.sampler.num_steps()
+        return self.sampler._epoch_steps()  # the epoch's, as a DataLoader's len() is

@@ -1,0 +1,41 @@
+"""Resuming as users' scripts resume, on 2 ranks in float64, against the uninterrupted run:
+Accelerate's checkpointing loop, which finds its epoch from `len(loader)` (tests/resume_loops.py
+holds the loops)."""
+
+import torch
+
+from phalanx.testing import run_ranks
+from resume_loops import EPOCHS, PER_RANK, SAMPLES, accelerate_loop
+
+STEPS_PER_EPOCH = SAMPLES // (2 * PER_RANK)  # 10
+
+
+def _assert_equal(got, want):
+    for part, ref in zip(got, want):
+        assert part.keys() == ref.keys()
+        for name in ref:
+            value = part[name]
+            if isinstance(value, dict):
+                for key in ref[name]:
+                    assert torch.equal(value[key], ref[name][key]), (name, key)
+            else:
+                assert torch.equal(value, ref[name]), name
+
+
+def test_an_accelerate_style_resume_finds_its_epoch_from_len_loader(tmp_path):
+    """`starting_epoch = resume_step // len(train_dataloader)`: with `len(loader)` the batches
+    left (4 after step 6, 5 after step 15) it started in the wrong epoch, and from step 15 it
+    trained nothing and ended as if it had finished."""
+    directory = str(tmp_path)
+    whole = run_ranks(accelerate_loop, 2, args=(directory, None), timeout=120)
+    assert whole[0][:2] == (EPOCHS * STEPS_PER_EPOCH, [0, 1])
+    for done, epoch, taken in ((6, 0, 6), (15, 1, 5)):  # steps done: in all, in the epoch
+        resume_from = f"step_{done}"
+        resumed = run_ranks(accelerate_loop, 2, args=(directory, resume_from), timeout=120)
+        for got, want in zip(resumed, whole):
+            steps, epochs, lengths, state = got
+            # len(): the whole epoch's, per rank, as for a torch DataLoader and sampler
+            assert lengths == (STEPS_PER_EPOCH, STEPS_PER_EPOCH - taken, SAMPLES // 2,
+                               (STEPS_PER_EPOCH - taken) * PER_RANK), resume_from
+            assert epochs == list(range(epoch, EPOCHS)) and steps == want[0] - done, resume_from
+            _assert_equal(state, want[3])
