@@ -5,6 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from phalanx.cli import main as phalanx_main
+
 
 def _epochs(text):
     return [(float(loss), float(acc)) for loss, acc in
@@ -27,3 +31,30 @@ def test_demo_trains_on_two_processes_like_one():
         # the same global batch and sample order: the same training, up to fp32 round-off
         assert abs(loss2 - loss1) <= 2e-3 * loss1 + 1e-4
         assert abs(acc2 - acc1) <= 0.5
+
+
+def test_help_names_every_strategy_with_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        phalanx_main(["demo", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ddp, zero1, zero2 or zero3 (default ddp)" in text
+    assert "fp32, bf16 or fp16 (default fp32)" in text
+
+
+@pytest.mark.parametrize("flag,value", [("--strategy", "zero4"), ("--precision", "fp8")])
+def test_a_bad_name_is_one_argparse_error_and_starts_no_worker(capsys, monkeypatch, flag, value):
+    import phalanx.launch.cli
+
+    started = []
+    monkeypatch.setattr(phalanx.launch.cli, "main", lambda args: started.append(args) or 0)
+    with pytest.raises(SystemExit) as exit_:
+        phalanx_main(["demo", flag, value])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert started == [] and out == ""
+    usage, message = err.strip().split("\nphalanx demo: error: ")
+    assert usage.startswith("usage: phalanx demo") and "Traceback" not in err
+    assert message == f"argument {flag}: invalid choice: {value!r} " + (
+        "(choose from 'ddp', 'zero1', 'zero2', 'zero3')" if flag == "--strategy"
+        else "(choose from 'fp32', 'bf16', 'fp16')")

@@ -231,3 +231,29 @@ def test_zero3_gathering_options_change_the_plan(capsys):
     gathers = {k: v["comm_payload_bytes"]["all_gather"] for k, v in entries.items()}
     assert gathers[("--keep-until-backward",)] == total * 4
     assert gathers[()] == (2 * total - (32 * 3 + 3)) * 4  # the head, last to run, is kept
+
+
+def test_help_gives_every_default():
+    import argparse
+
+    from phalanx.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    quiet = [action.option_strings for action in sub.choices["plan"]._actions
+             if action.default not in (None, False, argparse.SUPPRESS)
+             and f"default {action.default}" not in (action.help or "")
+             and "(default" not in (action.help or "")]
+    assert not quiet, f"phalanx plan --help gives no default for {quiet}"
+    help_text = " ".join(sub.choices["plan"].format_help().split())
+    assert "or all (default all)" in help_text and "(default bf16-mixed)" in help_text
+
+
+def test_a_device_given_its_own_figures_is_not_named_for_the_preset(capsys):
+    for extra, device in (([], "2 x H100 SXM (80.00 GB)"),
+                          (["--gpu-memory", "24GB"], "2 x GPU with H100 SXM's compute (24.00 GB)"),
+                          (["--peak-tflops", "100"], "2 x GPU with H100 SXM's memory (80.00 GB)"),
+                          (["--gpu-memory", "24GB", "--peak-tflops", "100"], "2 x GPU (24.00 GB)"),
+                          (["--gpu", "a10", "--gpu-memory", "24GB"], "2 x A10 (24.00 GB)")):
+        code, out, err = run(capsys, "--params", "1e9", "--gpus", "2", *extra)
+        assert code == 0, err
+        assert out.splitlines()[1].startswith(f"  {device} on 1 node(s)"), (extra, out)

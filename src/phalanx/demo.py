@@ -2,6 +2,7 @@
 
     phalanx demo                          # 2 processes, strategy ddp
     phalanx demo -n 3 --strategy zero2    # 3 processes, sharded optimizer state and gradients
+    phalanx demo --strategy zero3         # parameters sharded too, gathered as they compute
     python -m phalanx.demo                # the same script as one plain process
 
 The data is embedded: three interleaved spirals in the plane, generated from a fixed seed, so
@@ -22,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 GLOBAL_BATCH = 64
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def spirals(n: int, seed: int) -> torch.utils.data.TensorDataset:
@@ -105,8 +108,11 @@ def train(strategy: str = "ddp", precision: str = "fp32", epochs: int = 12) -> f
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--nproc", type=int, default=2, help="processes (default 2)")
-    parser.add_argument("--strategy", default="ddp", help="ddp, zero1 or zero2 (default ddp)")
-    parser.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    # choices: a bad name is one argparse error here, before any worker starts
+    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES, metavar="STRATEGY",
+                        help="ddp, zero1, zero2 or zero3 (default ddp)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS, metavar="PRECISION",
+                        help="fp32, bf16 or fp16 (default fp32)")
     parser.add_argument("--epochs", type=int, default=12, help="epochs (default 12)")
 
 

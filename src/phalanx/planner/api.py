@@ -210,7 +210,8 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
         notes.append(f"peak compute: {spec.name}, {peak:g} TFLOP/s dense "
                      f"{'fp32' if precision_key == 'fp32' else '16-bit'} (vendor figure)")
     setting = {
-        "gpus_per_node": gpus, "nodes": nodes, "world_size": world, "gpu": spec.name,
+        "gpus_per_node": gpus, "nodes": nodes, "world_size": world,
+        "gpu": _gpu_name(spec, memory, peak, precision_key),
         "gpu_memory_bytes": memory, "peak_tflops": peak, "mfu": mfu,
         "precision": precision_key, "optimizer": optimizer, "batch": batch, "seq": seq,
         "grad_accum": grad_accum, "activation_checkpointing": bool(activation_checkpointing),
@@ -229,6 +230,16 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     return PlanResult(model=desc.summary(), setting=setting, strategies=shown_plans,
                       recommended=recommended, reason=reason, notes=notes, units=units,
                       link=over_link)
+
+
+def _gpu_name(spec, memory: int, peak: float, precision_key: str) -> str:
+    """The preset's name, or where a figure was given in its place, what is left of it: a
+    24 GB device planned with `--gpu h100` is not an H100."""
+    kept = [what for what, given in (("compute", peak != spec.peak_tflops(precision_key)),
+                                     ("memory", memory != spec.memory_bytes)) if not given]
+    if len(kept) == 2:
+        return spec.name
+    return f"GPU with {spec.name}'s {kept[0]}" if kept else "GPU"
 
 
 def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpointing,

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--input-shape", metavar="SHAPE",
                        help="with --model: per-sample input shape, e.g. 3x224x224 or seq")
     model.add_argument("--input-dtype", default="float32", choices=("float32", "long"),
-                       help="dtype of the model's input (long: token ids)")
+                       help="dtype of the model's input (long: token ids; default float32)")
     model.add_argument("--blocks", metavar="CLASS[,CLASS]",
                        help="with --model: the repeated blocks' class names, as px.prepare's "
                             "blocks= (default: the children of the largest nn.ModuleList)")
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     hw.add_argument("--gpus-per-node", type=int, metavar="G",
                     help="with --nodes M: GPUs per node, and compare the flat layout with "
-                         "shard_size=G (a row per layout and strategy, planner/layouts.py)")
+                         "shard_size=G (a row per layout and strategy)")
     hw.add_argument("--gpu", default="h100", help=f"preset: {', '.join(GPUS)} (default h100)")
     hw.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 80GiB (default: preset)")
     hw.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s (default: preset)")
@@ -65,23 +65,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "(default 50)")
 
     run = p.add_argument_group("training")
-    run.add_argument("--strategy", default="all", help="ddp, zero1, zero2, zero3 or all")
-    run.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
-    run.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
+    run.add_argument("--strategy", default="all",
+                     help="ddp, zero1, zero2, zero3 (alias fsdp) or all (default all)")
+    run.add_argument("--precision", default="bf16-mixed",
+                     help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")
+    run.add_argument("--optimizer", default="adamw",
+                     help=f"{', '.join(OPTIMIZERS)} (default adamw)")
     run.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
     run.add_argument("--seq", type=int, help="sequence length (default 2048, or the config's "
                                              "learned positions if fewer)")
-    run.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    run.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
     run.add_argument("--activation-checkpointing", action="store_true",
                      help="count the activations of a model that recomputes its blocks")
     run.add_argument("--attention", default="eager", choices=("eager", "flash"),
                      help="attention kernel for the activation formula (default eager)")
     run.add_argument("--bucket-mb", type=float, default=25.0,
-                     help="px.prepare's bucket_mb: the cap of a unit (gradient bucket), MiB")
+                     help="px.prepare's bucket_mb: the cap of a unit (gradient bucket), MiB "
+                          "(default 25)")
     run.add_argument("--comm-dtype", choices=("none", "bf16", "fp16"), default="none",
-                     help="px.prepare's comm_dtype: the dtype gradients travel in")
+                     help="px.prepare's comm_dtype: the dtype gradients travel in (default "
+                          "none: their own)")
     run.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
-                     help="the process group's backend (its primitives and its speed)")
+                     help="the process group's backend (its primitives and its speed; "
+                          "default nccl)")
     run.add_argument("--prefetch", type=int, default=1,
                      help="zero3: blocks gathered ahead, as px.prepare's prefetch= (default 1)")
     run.add_argument("--max-gathered-mb", type=float,
@@ -95,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--units", default="GB", choices=("GB", "GiB"),
-                     help="units of the memory figures printed")
+                     help="units of the memory figures printed (default GB)")
     out.add_argument("--headroom", type=float, default=0.1,
                      help="memory kept free when recommending (default 0.1)")
 
