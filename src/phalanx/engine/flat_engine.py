@@ -34,6 +34,7 @@ from ..records import StepCounter
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit
 from .zero3 import UnitGatherer
+from .amp import route_grad_scaler, scaler_in_use
 from .clipping import clip_units
 from .delayed import DelayedGrads
 from .optim import OptimizerAdapter
@@ -132,6 +133,8 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         if self.gatherer is not None and self.remote is not None:  # a forward on one rank alone
             self.gatherer.fetch = lambda unit: self.fetch_unit(unit, unit.compute_dtype)
         self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
+        if self.optim is not None:  # [Note: torch.amp's GradScaler on a prepared model] in amp.py
+            route_grad_scaler()
         self.loss_scaler = precision.loss_scaler
         self._unsettled: list[FlatUnit] = []  # finished in this backward, flags not read yet
         self._overflow: bool | None = None    # fp16: read at the end of the last backward
@@ -226,6 +229,9 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         if checks:
             self.gatherer.raise_if_differed(checks, values[at:])
         if watch is None:
+            return
+        if scaler_in_use():  # see [Note: torch.amp's GradScaler on a prepared model] in amp.py
+            watch.after_backward(False, False, self.steps.value)  # nothing flagged
             return
         any_rank = any(u.nonfinite for u in self.units if u.reduced is not None) \
             if self.world > 1 else mine_value
