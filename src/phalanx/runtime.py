@@ -136,7 +136,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     a `datetime.timedelta`) is the one setting for waiting: the process group's connection and
     every collective are bounded by it, and a collective that has waited `hang_after` seconds
     (default: a third of `timeout`, or PHALANX_HANG_AFTER) ends the job with a hang report
-    that names the rank and the collective (faults/hangs.py), before the bare timeout would.
+    that names the rank and the collective, before the bare timeout would.
     If a process group already exists (a test harness or the user made one), it is adopted.
     `processes=N` (or "auto", or the environment variable PHALANX_PROCESSES) in a script started
     with plain `python`: this process becomes `phalanx run -n N` of the same script and

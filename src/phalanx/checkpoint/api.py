@@ -27,7 +27,9 @@ def latest_checkpoint(directory) -> str | None:
     """The newest complete checkpoint in `directory` (a directory of checkpoints), or None.
 
     In a replacement under `phalanx run --on-failure continue`, it waits to be admitted at
-    the others' next `px.save` and returns what that save wrote (elastic/joining.py)."""
+    the others' next `px.save` and returns what that save wrote, so the script's own resume
+    lines (`px.load(px.latest_checkpoint(...), ...)`) put it where the others stand; a script
+    that never saves never admits a replacement."""
     m = elastic.current()
     if m is not None and m.joining:
         return elastic.step_gate().admission_path()
@@ -48,9 +50,11 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     `strict=False` the tensors that match are loaded and the rest are named in a warning.
 
     Under `phalanx run --on-failure continue`, in a replacement for a lost rank, it loads the
-    checkpoint the others save next, with them, whatever `path` says: their live state (see
-    [Note: joining at a save] in elastic/joining.py).
+    checkpoint the others save next, with them, whatever `path` says: their live state, so it
+    returns exactly the values they passed to that save and its sampler stands where theirs
+    stand.
     """
+    # How the replacement is admitted: [Note: joining at a save] in elastic/joining.py.
     m = elastic.current()
     if m is not None and m.joining:
         return elastic.step_gate().join(lambda at: load_checkpoint(

@@ -19,7 +19,11 @@ FORMAT = "phalanx-checkpoint"
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be loaded (missing, incomplete, altered, or of another model),
-    or cannot be saved where it was asked to go (see removal.py)."""
+    or cannot be saved where it was asked to go: `px.save(path)` writes only where `path` is
+    absent, an empty directory, or a complete checkpoint holding nothing but its own files, so a
+    mistyped path cannot cost a directory of the user's (a regular file or a directory holding
+    anything else is refused, with its name, on every rank, before anything is written)."""
+    # The rules: [Note: a save removes only checkpoints] in removal.py.
 
 
 def read_manifest(path: str) -> dict:

@@ -71,9 +71,12 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     `state_dict()` when it has `state_dict`/`load_state_dict` (a sampler, a scheduler), else
     as a plain picklable value (rank 0's). With `keep_last=k`, only the k newest complete
     checkpoints in `path`'s parent directory are kept. With `background=True` the call
-    returns once the state is copied and the files are written while training goes on (see
-    [Note: saving in the background]). Returns `path`.
+    returns once the state is copied to CPU memory, and a thread writes the files while
+    training goes on (its collectives on a process group of their own); the next `px.save`,
+    `px.load` or `px.shutdown()` waits for it and raises its error, if it had one, on every
+    rank. Returns `path`.
     """
+    # See [Note: saving in the background] above.
     wait_for_saves()
     if gate.cut:  # phalanx run --on-failure continue: see [Note: a save in a lost step]
         _skipped(path)

@@ -38,9 +38,15 @@ def map_batches(fn, items, batch_size: int, *, main_only: bool = False,
 
     Returns one result per item, in the items' order, on every rank; with `main_only=True`
     only rank 0 receives them (the others get None), which saves memory on large outputs.
-    Every rank must pass the same items. `schedule` says who runs which batch (see [Note: who
-    runs which batch]): "dynamic" (the default) or "static".
+    Every rank must pass the same items. `schedule` says who runs which batch: "dynamic" (the
+    default) hands the batches out as ranks become free (a counter on the job's rendezvous
+    store, one round trip per batch), so a rank that drew slow items takes fewer batches and
+    none waits idle while another works through a long block; "static" splits the items into
+    contiguous, as-even-as-possible blocks in rank order. Either way every rank makes the same
+    collectives whatever its share, so an uneven split cannot hang, and a failure in `fn` on
+    any rank (or a wrong number of results) is raised on every rank, naming the rank.
     """
+    # The mechanism: [Note: who runs which batch] above.
     check_batch_size(batch_size)
     if schedule not in SCHEDULES:
         raise ValueError(f"px.map_batches(schedule={schedule!r}): use 'dynamic' (batches to "

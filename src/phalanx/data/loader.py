@@ -61,7 +61,8 @@ def data_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
         order.
     drop_last: leave out the last global batch when it is short; False (the default) splits
         it as evenly as possible and every rank still gets the same number of batches, some
-        possibly empty (see px.DistributedSampler's note on the tail of an epoch).
+        possibly empty: zero rows with the structure of an ordinary batch, which add nothing
+        to a sum or to `px.global_mean`.
 
     device_placement: when this rank computes on a device other than the CPU (`px.device()`,
         a GPU), every tensor of each batch (nested anywhere in tuples, lists, dicts,

@@ -53,12 +53,24 @@ _totals: dict[int, tuple] = {}
 
 
 def global_mean(loss_sum: torch.Tensor, count) -> torch.Tensor:
-    """`loss_sum * world_size / (count summed over ranks)`: see the module notes.
+    """`loss_sum * world_size / (count summed over ranks)`: the loss to backpropagate so that
+    the averaged, accumulated gradient is that of the mean over every element of the global
+    batch, as one process would compute it, whatever the ranks' and micro-steps' counts.
 
     `loss_sum`: this micro-step's summed (not averaged) loss on this rank.
     `count`: this rank's number of elements in the whole optimizer step (all micro-steps),
-    an int, float or tensor (a weighted loss may pass its summed weights).
+    an int, float or tensor (a weighted loss may pass its summed weights); count the step's
+    elements before its first backward. The total over ranks is one all-reduce of a single
+    number, made once per step when the same tensor is passed to every micro-step (a Python
+    number is reduced on every call). Every rank must call it the same number of times.
     A step with no elements at all gives zero rather than NaN.
+
+        count = torch.tensor(sum(int((b["labels"] != -100).sum()) for b in micro_batches))
+        for i, b in enumerate(micro_batches):
+            with px.no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                losses = F.cross_entropy(model(b["input"]).flatten(0, 1), b["labels"].flatten(),
+                                         reduction="sum", ignore_index=-100)
+                px.global_mean(losses, count).backward()
     """
     if not isinstance(loss_sum, torch.Tensor):
         raise TypeError(f"px.global_mean: loss_sum must be a tensor, got {type(loss_sum).__name__}")

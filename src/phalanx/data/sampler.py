@@ -98,7 +98,7 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 
 class DistributedSampler(Sampler[int]):
-    """This rank's part of one world-size-independent order per epoch (see the module notes).
+    """This rank's part of one order per epoch, the same at every world size.
 
         sampler = px.DistributedSampler(dataset, shuffle=True, seed=0, drop_last=False)
         loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
@@ -106,7 +106,19 @@ class DistributedSampler(Sampler[int]):
 
     `batch_size` (keyword, default 1) is the per-rank batch that splits each global batch; the
     loader made by `px.data_loader` sets it. `rank` and `world_size` default to the job's.
+
+    Each epoch's permutation depends on `seed` and the epoch only. It is cut into global
+    batches of `world_size * batch_size` samples, and rank r takes the r-th contiguous slice of
+    each: with the same global batch, step k holds the same samples at any world size, and a
+    `state_dict()` saved at one world size resumes at another with exactly the samples not
+    yet seen. With `drop_last=False` the last global batch is split as evenly as possible in
+    rank order, no sample repeated (`px.data_loader` gives a rank left with none an empty
+    batch, so every rank takes the same number of steps); with `drop_last=True` it is left
+    out. `len(sampler)` is this rank's indices in a whole epoch, before and after a resume. A
+    complete pass advances the epoch by itself; `set_epoch(e)` before each epoch, as with
+    PyTorch's sampler, gives the same order.
     """
+    # The rules in full: the Notes at the top of this module.
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
                  batch_size: int = 1, rank: int | None = None, world_size: int | None = None):
