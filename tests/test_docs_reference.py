@@ -158,3 +158,34 @@ def test_the_readme_is_short_and_starts_with_the_two_commands_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     for command in ("bash scripts/setup.sh", ".venv/bin/python -m pytest -q", "bash scripts/docs.sh"):
         assert command in ci, f".ci/run does not run {command!r}"
+
+
+def _rendered_docstrings():
+    """(name, docstring) of what docs/reference/api.md renders: each `::: phalanx.NAME`, and
+    for a class its `__init__` (merged into it) and its public members."""
+    for name in re.findall(r"^::: phalanx\.(\w+)\s*$", _text("api.md"), re.M):
+        obj = getattr(phalanx, name)
+        yield name, inspect.getdoc(obj) or ""
+        if not inspect.isclass(obj):
+            continue
+        members = [("__init__", obj.__dict__.get("__init__"))]
+        members += [(k, v) for k, v in vars(obj).items() if not k.startswith("_")]
+        for member, value in members:
+            value = getattr(value, "__func__", value)  # staticmethod, classmethod
+            value = getattr(value, "fget", value)      # property
+            if callable(value) and value.__doc__:
+                yield f"{name}.{member}", inspect.cleandoc(value.__doc__)
+
+
+# A pointer into the source instead of what a reader of the page needs: a file of the package
+# (zero3.py, engine/optim.py), a named invariant ([Note: ...]), or "the module's notes".
+POINTER = re.compile(r"\b[\w/]+\.py\b|\[Note\b|\bmodule'?s? (notes|docstring)\b", re.I)
+
+
+def test_the_api_reference_says_what_a_user_needs_without_sending_them_into_the_source():
+    pointing = [f"{name}: {line.strip()}" for name, doc in _rendered_docstrings()
+                for line in doc.splitlines() if POINTER.search(line)]
+    assert len(dict(_rendered_docstrings())) > 40  # every entry, with the classes' members
+    assert not pointing, ("these docstrings rendered by docs/reference/api.md send the reader "
+                          "into the source (say it on the page; keep pointers for maintainers "
+                          "in comments):\n" + "\n".join(pointing))

@@ -77,8 +77,22 @@ class SpawnTimeout(SpawnError):
 
 
 def spawn(fn, *args, processes=None, timeout: float | None = None, **kwargs):
-    """Run `fn(*args, **kwargs)` on `processes` workers (an int, or "auto": one per GPU, or
-    one per two CPU cores) and return rank 0's return value. See the module's notes."""
+    """Run `fn(*args, **kwargs)` on `processes` workers of this machine (an int, or "auto",
+    the default: one per GPU, or one per two CPU cores) and return rank 0's return value.
+
+    Each worker is a process with `px.init()` already done (NCCL, one GPU each, where there
+    are GPUs; gloo on CPU), so `fn` is an ordinary training function. Without a GPU the
+    workers are forked: they start in milliseconds, and a function defined in a notebook cell
+    or in `__main__` works as it is. With a GPU they start fresh and receive `fn` and its
+    arguments by value (cloudpickle, so a notebook's function works there too), importing
+    torch again, which takes seconds.
+
+    An exception on any rank is raised here as `px.SpawnError` naming the rank, with its
+    traceback, and the other workers are ended; so are all of them on Ctrl-C, and at
+    `timeout` seconds (default: none), whose error holds the Python stack of each worker
+    still running. No worker outlives the call.
+    """
+    # How: [Note: fork or spawn] and [Note: leaving together] above.
     n = process_count(processes)
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout={timeout!r}: a positive number of seconds, or None")

@@ -40,10 +40,18 @@ class DiLoCo:
 
     Between syncs nothing is communicated: the model's parameters are this rank's own, `.grad`
     is this rank's own gradient, so `px.clip_grad_norm_` clips by this rank's norm, and the
-    non-finite check looks at this rank's loss only. A checkpoint holds the weights of the last sync as the model's, with the
-    outer momentum and each rank's own weights and inner optimizer state; see
-    checkpoint/diloco.py for what a load at the same and at another world size restores.
+    non-finite check looks at this rank's loss only.
+
+    A checkpoint (`px.save`) holds the weights of the last sync as the model's (what
+    `px.export`, or a load into a model prepared another way, gets), the outer momentum, and
+    each rank's own weights and inner optimizer state. Loaded at the world size of the save,
+    the run goes on exactly as if it had not stopped, wherever in the interval it was saved.
+    Loaded at another world size, it resumes from the last sync: every rank starts from the
+    synced weights, rank r takes the inner optimizer state of saved rank r mod N (N: the world
+    size of the save), and the inner steps made since the sync are lost, with a warning that
+    says how many (a save right after a sync loses none).
     """
+    # The checkpoint's layout: [Note: a DiLoCo checkpoint] in checkpoint/diloco.py.
 
     sync_every: int
     outer_lr: float = 0.7

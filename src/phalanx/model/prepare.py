@@ -111,38 +111,38 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
-        "zero3" (alias "fsdp": and parameters; engine/zero3.py), or px.DiLoCo(sync_every=H):
-        local steps and an outer step every H (model/diloco.py).
+        "zero3" (alias "fsdp": and parameters, each unit gathered while it computes), or
+        px.DiLoCo(sync_every=H): local steps on each rank and an averaged outer step every H.
     precision: "fp32" (the parameters' own dtype), or "bf16"/"fp16" compute with master
         weights in the parameters' dtype (fp16 with dynamic loss scaling).
     bucket_mb: cap of a unit (gradient bucket), in MiB; the first is at most 1 MiB.
     blocks: the repeated blocks, each a unit (split under bucket_mb) and, under zero3, gathered
         as one: a module class, its name, or a tuple of them (default: the children of the
-        model's largest nn.ModuleList; engine/units.py).
+        model's largest nn.ModuleList).
     comm_dtype: torch.bfloat16 / torch.float16 to compress gradient communication.
     compression: px.PowerSGD(rank=..., start_step=...) sends low-rank factors of the gradients
-        (ddp, zero1, zero2; engine/powersgd.py); None sends them whole.
+        (ddp, zero1, zero2), with error feedback; None sends them whole.
     output_dtype: under bf16/fp16, the dtype floating outputs are cast to (default
-        torch.float32); None leaves them in the compute dtype (model/precision.py).
+        torch.float32); None leaves them in the compute dtype.
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
     broadcast_buffers: keep buffers equal to rank 0's before each forward with gradients.
     comm: the `phalanx.collectives.Comm` to communicate through (default: one over the job's
         process group); `Comm(group, prefer="reduce_scatter")` picks primitives by hand.
     check_replicas_every: every K optimizer steps, compare a checksum of the parameters
-        across ranks and raise, naming the ranks that drifted (faults/replica_check.py);
-        None: never.
-    on_nonfinite: a NaN or inf loss on any rank, seen at the end of backward on every rank
-        (faults/nonfinite.py): "raise" NonFiniteError naming the ranks and the step (its
+        across ranks and raise `px.ReplicasDiffer` on every rank, naming the ranks that
+        drifted; None: never.
+    on_nonfinite: a NaN or inf loss on any rank, seen at the end of backward on every rank:
+        "raise" `px.NonFiniteError` naming the ranks and the step (its
         gradients dropped), "skip" the step with a warning, "warn" only, or None (no check).
     staleness: 1 applies step t-1's averaged gradients at step t, so their averaging has a
-        whole step to finish (ddp, zero1, zero2; engine/delayed.py); 0 (default): step t's.
+        whole step to finish (ddp, zero1, zero2); 0 (default): step t's.
     shard_size: zero1/zero2/zero3 shard within groups of this many consecutive ranks and
         replicate across the groups ("node": the launcher's LOCAL_WORLD_SIZE); gradients are
-        averaged across groups, nothing else crosses them (engine/hybrid.py). None: all ranks.
-    step_stats: time every optimizer step for `px.step_stats(model)` (observe/step_report.py).
+        averaged across groups, nothing else crosses them. None: all ranks.
+    step_stats: time every optimizer step for `px.step_stats(model)`.
     init: for a model built on the meta device, fn(model) that sets every parameter and buffer
-        (default: each module's reset_parameters(), in order; model/materialize.py).
-    zero3 only (engine/zero3.py):
+        (default: each module's reset_parameters(), in order).
+    zero3 only:
     prefetch: how many roots ahead to gather while one computes (a root: a repeated block, or
         the module whose forward brackets a unit's uses), in the last forward's order and the
         last backward's; 0: gather each when it is needed; None: 1.
@@ -359,8 +359,8 @@ def _prepared(model) -> PreparedModule:
 def step_stats(model: torch.nn.Module, all_ranks: bool = False) -> dict:
     """The last optimizer step's report on this rank: wall, forward, backward, optimizer and
     other (data loading) seconds, communication in flight and exposed, overlap, bytes and
-    bandwidth per collective kind, throughput, memory (observe/step_report.py). Empty before the first
-    step. `all_ranks=True` is a collective (every rank calls it) that adds the slowest rank,
+    bandwidth per collective kind, throughput, memory. Empty before the first step.
+    `all_ranks=True` is a collective (every rank calls it) that adds the slowest rank,
     the skew between ranks, and each rank's busy time and memory."""
     return _step_stats(_prepared(model)._clock, all_ranks)
 
@@ -377,7 +377,15 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
 
 
 def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's state in a single process's format (per parameter, true shapes), on
-    every rank. A collective under zero1, zero2 and zero3: every rank must call it. See [Note: the
-    optimizer's state_dict] in engine/optim.py."""
+    """The optimizer's state in a single process's format (keyed by each parameter's position
+    in the param groups as built, tensors of the parameter's shape), on every rank.
+
+    A collective under zero1, zero2 and zero3 (every rank must call it): the shards of the
+    state are gathered at once. `optimizer.state_dict()` gives the same on one rank alone,
+    reading the other ranks' shares while they go on (as nanoGPT saves, inside
+    `if master_process:`); under ddp both are this rank's own state.
+    `optimizer.load_state_dict()` takes this format under every strategy, precision and world
+    size, each rank keeping its slices, and so does `px.prepare` for state already in the
+    optimizer when it is prepared."""
+    # The mechanism: [Note: the optimizer's state_dict] in engine/optim.py.
     return _optimizer_state_dict(optimizer)

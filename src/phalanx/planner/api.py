@@ -63,21 +63,29 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          blocks=None, prefetch: int = 1, max_gathered_mb: float | None = None,
          reshard_after_forward: bool = True, link=None, powersgd_rank: int = 4,
          sync_every: int = 50, shard_size=None) -> PlanResult:
-    """Plan data-parallel training of a model; see the module docstring.
+    """Plan data-parallel training of a model: memory per device, communication and step time
+    of each strategy, and which to use. Pure arithmetic: no process group, no GPU, and a module
+    is only ever built on the meta device.
+
+        result = px.plan(params=8e9, gpus=8, gpu_memory="80GB", precision="fp32")
+        print(result)                      # the table `phalanx plan` prints
+        result["zero3"].total_bytes        # per-device bytes
+        result.to_dict()                   # the JSON of `phalanx plan --json`
 
     The model is one of: `params` (a count such as 8e9 or "7.5B"), `config` (a Hugging Face style
     config dict or config.json path), or `model` (an nn.Module, a factory callable, a
     "PATH:FUNCTION" string, or any of the former). `gpus` is per node; the data-parallel world
     is gpus x nodes. `batch` is the micro-batch per device, `seq` its sequence length.
-    Bandwidths are GB/s or LINKS presets; the intra-node default is the GPU preset's own link.
+    Bandwidths are GB/s or presets ("nvlink4", "pcie5", "ib-400g", "eth-25g", ...: the list is
+    `phalanx plan --help`'s); the intra-node default is the GPU preset's own link.
     `blocks` names the repeated blocks' classes as px.prepare's `blocks=` does (a module or
     factory only); `prefetch`, `max_gathered_mb` and `reshard_after_forward` are px.prepare's
-    zero3 options, and change zero3's gathered memory and backward gathers (layout.py).
-    `link` ("1Gbit", "25GB/s": planner/link.py) is the bandwidth between nodes; it replaces
+    zero3 options, and change zero3's gathered memory and backward gathers as they change the
+    engine's. `link` ("1Gbit", "100Mbit", "25GB/s") is the bandwidth between nodes; it replaces
     `inter_node_bw`, and the plan says whether each strategy is communication-bound over it and
     what PowerSGD rank `powersgd_rank` or DiLoCo `sync_every` would send instead.
     `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within groups of K
-    ranks and replicated across them (planner/hybrid.py).
+    ranks and replicated across them, the replicas' average timed on the inter-node link.
     Raises ValueError with a one-line message for bad input.
     """
     desc = describe(model, params=params, config=config,
