@@ -19,8 +19,9 @@ parameter, flat otherwise). So a parameter that got no gradient on any rank has 
 step count touches it. And the optimizer state is per parameter piece, which is what lets it
 be reassembled into the per-parameter state a single process has (optim.py).
 
-A change made to the parameters behind phalanx's back (`px.unwrap(model).load_state_dict(...)`,
-an in-place edit, through `.data` too, which no version counter sees) leaves the cache different
+A change made to the parameters behind phalanx's back (an in-place edit, through `.data` too,
+which no version counter sees; a load through the user's module is not one: its hooks set the
+masters from the loaded values, model/prepared.py) leaves the cache different
 from the master cast to the compute dtype. `sync_master_from_cache()`, run on each unit just
 before it steps, compares the two and takes exactly the changed elements into the master, so
 elements nobody touched keep their full precision. It costs two passes over the owned slice
@@ -174,6 +175,20 @@ class FlatUnit:
             self.wait_gathered()
             self.flat.untyped_storage().resize_(0)
             self.gathered = False
+
+    @torch.no_grad()
+    def allocate(self) -> bool:
+        """zero3: give the freed full buffer its storage back, unfilled, for values about to be
+        written whole (a load through the user's module); True if it had none. `reshard()`
+        frees it again."""
+        if not self.reshards or self.flat is None:
+            return False
+        self.wait_gathered()
+        if self.gathered:
+            return False
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        self.gathered = True
+        return True
 
     @torch.no_grad()
     def unshard(self, comm, async_op: bool = True):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 
 import torch
 
@@ -318,19 +317,6 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
                 return False
             time.sleep(1e-4)  # the collectives' threads need the cores more than this loop
         return probe is not None
-
-    @contextmanager
-    def full_params(self):
-        """zero3: every unit gathered for the duration (a collective), then freed; for
-        state_dict() and load_state_dict(). Nothing to do under the other strategies."""
-        if self.gatherer is None:
-            yield
-            return
-        self.gatherer.gather(self.units)
-        try:
-            yield
-        finally:
-            self.gatherer.free_all()
 
     def _finish(self, bucket: GradBucket) -> None:
         unit = self.units[bucket.index]

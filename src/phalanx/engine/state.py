@@ -67,6 +67,19 @@ class EngineState:
                     if v is not None:
                         unit.flat[offset:offset + p.numel()].copy_(v.reshape(-1))
 
+    @torch.no_grad()
+    def open_params(self) -> list[FlatUnit]:
+        """zero3: give every freed unit's parameters their storage back, unfilled, so that a
+        load through the user's module can write them; returns the units opened, for
+        `close_params`. No collective: the loaded values are every rank's alike, and
+        `load_masters` takes each rank's slices of them. Nothing under the other strategies."""
+        return [unit for unit in self.units if unit.allocate()]
+
+    def close_params(self, opened: list[FlatUnit]) -> None:
+        """Free again what `open_params` gave storage (the next forward gathers the masters)."""
+        for unit in opened:
+            unit.reshard()
+
     # -- a peer's shards (remote.py) ----------------------------------------------------------
     def serve(self, kind: str, arg) -> tuple[dict, list[torch.Tensor]]:
         """What a peer asked for (under the engine's lock, on the service's thread): "master",

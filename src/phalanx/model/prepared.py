@@ -23,8 +23,13 @@ hold are read from the peers one unit at a time onto the CPU, without their taki
 ([Note: reading a peer's shards] in engine/remote.py), so one rank may call it alone (nanoGPT
 saves `raw_model.state_dict()` inside `if master_process:`). Frozen parameters and cast buffers
 are widened back. With `keep_vars=True` the live tensors are returned as torch returns them.
-`load_state_dict()` sets the masters from the given values exactly, so nothing is lost in a save
-and load.
+
+`load_state_dict()` likewise, through the prepared model or through `px.unwrap(model)` (as
+Accelerate's `unwrap_model(model).load_state_dict(sd)`): load hooks on the user's module set
+the masters from the given values exactly (under bf16 the parameters torch writes hold them
+rounded to bf16; the fp32 masters keep every bit), so nothing is lost in a save and load. Under
+zero3 the parameters are given storage for torch to write and freed after; each rank keeps its
+slices of the values, with no collective.
 """
 
 from __future__ import annotations
@@ -76,7 +81,20 @@ class PreparedModule(torch.nn.Module):
             prepared = mine()
             if prepared is not None:
                 prepared._full_state(m, sd, prefix)
+
+        def before_load(m, sd, prefix, metadata, *_):
+            prepared = mine()
+            if prepared is not None:
+                prepared._before_load(m, sd, prefix, metadata)
+
+        def after_load(m, _incompatible):
+            prepared = mine()
+            if prepared is not None:
+                prepared._after_load()
         user.register_state_dict_post_hook(full_state)
+        user.register_load_state_dict_pre_hook(before_load)
+        user.register_load_state_dict_post_hook(after_load)
+        self._loading = None  # (values, units opened) between the two load hooks
         remote = getattr(engine, "remote", None)
         if remote is not None:  # see [Note: a model dropped while a peer reads it] in remote.py
             weakref.finalize(self, remote.retire, engine.remote_id)
@@ -193,12 +211,31 @@ class PreparedModule(torch.nn.Module):
                 sd[prefix + name] = value.to(dtype)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if assign:
+        """The user's module's load, whose hooks set the masters (see the module docstring)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _before_load(self, module, state_dict, prefix: str, metadata: dict) -> None:
+        """The load pre-hook on the user's module: note the loaded values of the trainable
+        parameters, and under zero3 give the parameters storage to be written."""
+        if metadata.get("assign_to_params_buffers"):
             raise ValueError("load_state_dict(assign=True) would replace parameters that phalanx "
                              "holds in its buffers; load with assign=False (the default)")
-        with self._engine.full_params():  # zero3: the parameters must exist to be written
-            result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        values = {id(p): state_dict[name] for name, p in self.module.named_parameters()
-                  if p.requires_grad and name in state_dict}
-        self._engine.load_masters(values)
-        return result
+        values = {}
+        for name, p in module.named_parameters():
+            value = state_dict.get(prefix + name)
+            # a value of another shape is torch's to refuse, with its own message
+            if p.requires_grad and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                values[id(p)] = value
+        self._loading = (values, self._engine.open_params())
+
+    def _after_load(self) -> None:
+        """The load post-hook: the masters take the loaded values exactly (the parameters,
+        written by torch in the compute dtype, hold them rounded), and zero3 frees again."""
+        loading, self._loading = self._loading, None
+        if loading is None:
+            return
+        values, opened = loading
+        try:
+            self._engine.load_masters(values)
+        finally:
+            self._engine.close_params(opened)
