@@ -77,3 +77,43 @@ def accelerate_loop(directory, resume_from):
                 px.save(os.path.join(directory, f"step_{overall_step}"), model=model,
                         optimizer=opt, sampler=loader.sampler)
     return trained, epochs, lengths, state_of(model, opt)
+
+
+# -- the docs' loop: for epoch: set_epoch(epoch); for x, y in loader -----------------------------
+def _loader(kind):
+    """px.data_loader (with a loader worker: "workers"), or a plain torch DataLoader over
+    px.DistributedSampler ("torch")."""
+    if kind in ("px", "workers"):
+        return px.data_loader(dataset(), PER_RANK, seed=5, num_workers=int(kind == "workers"))
+    sampler = px.DistributedSampler(dataset(), seed=5, batch_size=PER_RANK)
+    return torch.utils.data.DataLoader(dataset(), batch_size=PER_RANK, sampler=sampler)
+
+
+def epoch_loop(directory, layouts, save_at, resume):
+    """For each (strategy, loader kind) with Dropout(0.3): the whole run, saving after each
+    step of `save_at` on the way (`resume` False); or, from each of those checkpoints in turn,
+    the run resumed in this fresh job. Returns {(strategy, kind, save step or None): state
+    at the end}."""
+    out = {}
+    for strategy, kind in layouts:
+        for at in (save_at if resume else [None]):
+            torch.manual_seed(100 + px.rank())  # each rank its own dropout masks
+            model, opt, _ = build(strategy, 0.3, seed=7 if resume else 0)
+            loader = _loader(kind)
+            step, first_epoch = 0, 0
+            if resume:
+                torch.manual_seed(12345)  # a state the load must replace
+                step = px.load(os.path.join(directory, f"{strategy}-{kind}-{at}"), model=model,
+                               optimizer=opt, sampler=loader.sampler)["step"]
+                first_epoch = step // len(loader)
+            for epoch in range(first_epoch, EPOCHS):
+                loader.sampler.set_epoch(epoch)
+                for x, y in loader:
+                    step_on(model, opt, x, y)
+                    step += 1
+                    if not resume and step in save_at:
+                        px.save(os.path.join(directory, f"{strategy}-{kind}-{step}"),
+                                model=model, optimizer=opt, sampler=loader.sampler, step=step)
+            assert step == EPOCHS * len(loader)
+            out[strategy, kind, at] = state_of(model, opt)
+    return out

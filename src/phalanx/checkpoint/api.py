@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from .. import elastic
+from ..data.sampler import DistributedSampler
 from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
@@ -132,7 +133,11 @@ def load_checkpoint(path, model, optimizer, strict: bool, stateful: dict,
     for name, obj in stateful.items():
         obj.load_state_dict(small["stateful"][name])
     if restore_rng and comm.rank < len(small["rng"]):
-        set_rng_state(small["rng"][comm.rank])
+        rng = small["rng"][comm.rank]
+        set_rng_state(rng)
+        for obj in stateful.values():  # See [Note: a pass continued] in data/sampler.py
+            if isinstance(obj, DistributedSampler):
+                obj._on_continued_pass(lambda: set_rng_state(rng))
     if problems:
         warnings.warn(f"px.load({path!r}, strict=False) left out: " + "; ".join(problems),
                       stacklevel=2)

@@ -1,7 +1,7 @@
 """Data for data parallelism: sampler, loader, gathering and exact evaluation, batch inference.
 
 - `sampler`: one global order per epoch, split across ranks batch by batch; resumable at any
-  world size (`DistributedSampler`).
+  world size (`DistributedSampler`); `replay`: its part in steps redone after a rank is lost.
 - `loader`: `data_loader`, a DataLoader over that sampler (or over a stream split by rank).
 - `gathering`: every rank's value in rank order (`gather`).
 - `evaluation`: outputs of the whole dataset, each sample once (`gather_for_metrics`).

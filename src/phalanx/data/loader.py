@@ -145,7 +145,7 @@ class DistributedLoader(DataLoader):
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s
             elastic.iteration_starts()
-            if sampler is not None and sampler.restart:  # see [Note: a step redone]
+            if sampler is not None and sampler.restart:  # see [Note: a step redone] in replay.py
                 sampler.restart = False
                 batches = super().__iter__()
             try:

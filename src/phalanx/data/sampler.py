@@ -60,6 +60,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .. import elastic, runtime
+from .replay import Replays
 
 __all__ = ["DistributedSampler", "split_evenly", "check_batch_size"]
 
@@ -97,7 +98,7 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(Replays, Sampler[int]):
     """This rank's part of one order per epoch, the same at every world size.
 
         sampler = px.DistributedSampler(dataset, shuffle=True, seed=0, drop_last=False)
@@ -139,7 +140,7 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
         # One global batch for the sampler's life: after a rank is lost under `phalanx run
         # --on-failure continue`, the survivors split the same global batches among fewer
-        # ranks (see [Note: a step redone] below).
+        # ranks (see [Note: a step redone] in replay.py).
         self._global_batch = self.world_size * self.batch_size
         self.shuffle = bool(shuffle)
         self.seed = seed
@@ -153,6 +154,7 @@ class DistributedSampler(Sampler[int]):
         self._redo_from = None    # where a sharded engine's reload sent training back
         self._left_out: list = []  # (epoch, from, to): global order skipped after a replay
         self.restart = False      # the loader must start its iteration again (a rewind)
+        self._continuing = None   # (epoch, position, restore): see [Note: a pass continued]
         gate = elastic.step_gate()
         if gate is not None:
             gate.samplers.add(self)
@@ -187,19 +189,6 @@ class DistributedSampler(Sampler[int]):
             return start + (n - start) // self.global_batch_size * self.global_batch_size
         return n
 
-    def _skipped(self, start: int, upto: int) -> int:
-        """Samples of this epoch's order from `start` to before `upto` left out (see
-        [Note: a step redone])."""
-        return sum(to - frm for epoch, frm, to in self._left_out
-                   if epoch == self.epoch and start <= frm < upto)
-
-    def _after_skips(self, start: int, pos: int) -> int:
-        """`pos` moved past every part left out that a pass from `start` reached by then."""
-        for epoch, frm, to in sorted(self._left_out):
-            if epoch == self.epoch and start <= frm <= pos:
-                pos += to - frm
-        return pos
-
     # -- lengths: the epoch's, and what is left of it -----------------------------------------
     def __len__(self) -> int:
         """Indices this rank takes in a whole epoch, as `len()` of PyTorch's sampler: the same
@@ -223,7 +212,7 @@ class DistributedSampler(Sampler[int]):
 
     def _left(self) -> int:
         """Samples of the epoch's global order still to be consumed (by all ranks), less what
-        a replay leaves out ([Note: a step redone])."""
+        a replay leaves out ([Note: a step redone] in replay.py)."""
         start = self._pass_start if self._in_pass else self._start
         end, pos = self._end(start), self.position()
         return max(0, end - pos - self._skipped(pos, end))
@@ -242,6 +231,7 @@ class DistributedSampler(Sampler[int]):
         Starting the generator marks the beginning of a pass; the caller reports progress.
         """
         start = pos = self._start
+        self._continue_pass()
         order = self.global_order()
         end = self._end(start)
         jumps = {frm: to for epoch, frm, to in self._left_out if epoch == self.epoch}
@@ -283,55 +273,6 @@ class DistributedSampler(Sampler[int]):
                                 self._pass_start + self._steps_done * self.global_batch_size)
         return min(pos, self._end(self._pass_start))
 
-    # -- a step redone (phalanx run --on-failure continue) -----------------------------------
-    def _where(self) -> tuple[int, int]:
-        return self._next_from(self.epoch, self.position())
-
-    def _next_from(self, epoch: int, consumed: int) -> tuple[int, int]:
-        """(epoch, position) where the next step begins: a position with no step left in its
-        epoch is the start of the next epoch."""
-        return (epoch + 1, 0) if self._end(consumed) <= consumed else (epoch, consumed)
-
-    def _commit(self) -> None:
-        """A step every rank committed: a redo goes back no further than here."""
-        self._committed = self._where()
-
-    def _resume(self, skip: bool) -> None:
-        """[Note: a step redone]
-        Under `phalanx run --on-failure continue` the steps after the last one every rank
-        committed are thrown away when a rank is lost (elastic/steps.py); the next pass starts
-        where that step left the global order (or, with `skip`, where the lost steps left it),
-        and the loader begins its iteration again, splitting each global batch over the ranks
-        there are now.
-
-        A sharded engine goes back further, to its newest checkpoint (`_redo_from`, set by
-        `_rewind` instead of a load: the order the lost steps consumed is still needed). Then
-        the steps from there to the last committed one are trained again, and with `skip` the
-        lost steps' part of the order is left out when the replay reaches it (`_left_out`):
-        the result is the same as skipping those batches where they fell."""
-        lost_end = self._where()
-        start = self._committed if self._redo_from is None else self._redo_from
-        self._redo_from = None
-        if skip and start == self._committed:
-            start = lost_end
-        elif skip and lost_end != self._committed:
-            (e0, p0), (e1, p1) = self._committed, lost_end
-            if e0 == e1:
-                self._left_out.append((e0, p0, p1))
-            else:  # the lost steps ran over the end of an epoch
-                self._left_out.append((e0, p0, self.dataset_length))
-                if p1:
-                    self._left_out.append((e1, 0, p1))
-        self._committed = start
-        self.epoch, self._start = start
-        self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
-        self.restart = True
-
-    def _rewind(self, state: dict) -> None:
-        """A sharded engine reloaded the checkpoint holding `state` after a loss: training goes
-        back there at the next resume (see `_resume`)."""
-        self._redo_from = self._next_from(int(state["epoch"]), int(state["consumed"]))
-
     # -- epochs and state -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next pass follows.
@@ -343,6 +284,7 @@ class DistributedSampler(Sampler[int]):
         if epoch != self.epoch:
             self.epoch, self._start, self._in_pass = epoch, 0, False
             self._left_out = [j for j in self._left_out if j[0] >= epoch]
+            self._continuing = None
 
     def state_dict(self) -> dict:
         """Epoch and samples consumed: enough to resume at the next sample at any world size.
@@ -356,7 +298,7 @@ class DistributedSampler(Sampler[int]):
                  "global_batch_size": self.global_batch_size}
         ahead = [list(j) for j in sorted(self._left_out)
                  if j[0] > self.epoch or (j[0] == self.epoch and j[1] >= consumed)]
-        if ahead:  # a replay's batches left out and not reached yet ([Note: a step redone])
+        if ahead:  # a replay's batches left out and not reached yet (replay.py)
             state["left_out"] = ahead
         return state
 
@@ -388,7 +330,37 @@ class DistributedSampler(Sampler[int]):
         self._committed = self._next_from(self.epoch, consumed)
         self._redo_from = None
         self._left_out = [tuple(int(v) for v in j) for j in state.get("left_out", [])]
+        self._continuing = None  # px.load sets it after restoring the generators
         self.restart = True  # a loader iterating now starts again from here
+
+    # -- a pass continued after a load ------------------------------------------------------
+    def _on_continued_pass(self, restore) -> None:
+        """[Note: a pass continued]
+        A torch DataLoader draws from the global generator each time an iterator over it is
+        made (its workers' base seed, `_BaseDataLoaderIter.__init__`, even with no workers).
+        In an uninterrupted run that draw happens once per pass, before the pass's first batch.
+        A run resumed from a checkpoint saved in the middle of a pass makes an iterator again
+        to continue that pass: one draw the uninterrupted run never made, so after `px.load`
+        restored the generators every dropout mask from there on came out shifted (a 2-rank
+        run with Dropout(0.3) saved at batch 5 of 10 ended 0.88 from the uninterrupted run,
+        tests/test_checkpoint_resume.py).
+
+        So `px.load`, having restored this rank's generators with the saved sampler state,
+        hands the sampler `restore` (which sets them to the saved states again); when the pass
+        that continues the loaded position begins (after the iterator's draw, before its first
+        index is fetched), the sampler calls it, and the loop's random numbers from the next
+        batch on are the ones the uninterrupted run drew there. A loaded position at the start
+        or end of an epoch begins a new pass, which draws as the uninterrupted run's did: then
+        nothing is restored. Neither is it after `set_epoch` to another epoch or a replay."""
+        start = self._start
+        if 0 < start < self._end(start):
+            self._continuing = (self.epoch, start, restore)
+
+    def _continue_pass(self) -> None:
+        """At the start of a pass: restore the generators if it continues a loaded pass."""
+        continuing, self._continuing = self._continuing, None
+        if continuing is not None and continuing[:2] == (self.epoch, self._start):
+            continuing[2]()
 
 
 class _BatchView(Sampler[list]):
