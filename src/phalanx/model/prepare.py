@@ -29,6 +29,7 @@ from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
 from .materialize import fill_shards, materialize, on_meta
 from ..observe.metrics import note_run
+from ..planner.layout import engine_roots
 from ..faults.nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
 from ..faults.replica_check import ReplicaCheck
 from ..observe.step_report import StepClock, step_stats as _step_stats
@@ -235,7 +236,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
               "backend": comm.backend, "device": str(runtime.device()),
               "bucket_mb": float(bucket_mb), "comm_dtype": COMM_DTYPES[comm_dtype],
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-              "optimizer": _optimizer_name(optimizer)})
+              "optimizer": _optimizer_name(optimizer), "zero3": engine_roots(engine)})
     clock = StepClock(comm, runtime.device(), steps,
                       engine.groups() if outer is None else outer.groups(),
                       across=engine.names_across()) if step_stats else None
