@@ -8,6 +8,8 @@ it applies ("row: ..."). Adaptations are the same for the original and the conve
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -187,4 +189,227 @@ def _mingpt(amp: bool) -> Case:
             "", torch.load(where / "gpt_snapshot.pt", weights_only=True), {}),
         metric=re.compile(r"\[RANK0\] Epoch (\d+) \| Iter (\d+) \| \w+ Loss ([\d.]+)"),
     )
-CASES = [TUTORIAL, _mingpt(False), _mingpt(True)]
+
+
+
+# -- pytorch/examples distributed/FSDP2: example.py with its DCP checkpointer ------------------
+
+E = "example.py"
+
+
+def _fsdp2_state(where: Path, phase: str) -> dict:
+    """The newest checkpoint the script wrote: its full model and optimizer state dicts."""
+    root = where / "checkpoints" / "dcp_api"
+    newest = max((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    model = torch.load(newest / "model_state_dict.pt", weights_only=True)
+    optim = torch.load(newest / "optim_state_dict.pt", weights_only=True)
+    return _flat("optim", optim, _flat("model", model, {}))
+
+
+FSDP2 = Case(
+    name="fsdp2",
+    title="FSDP2 example, DCP state dicts (--dcp-api)",
+    source="examples",
+    folder="distributed/FSDP2",
+    files=(E, "checkpoint.py", "model.py", "utils.py"),
+    script=E,
+    adapt=(
+        Edit(E, "    if not verify_min_gpu_count(min_gpus=_min_gpu_count):\n", "    if False:\n",
+             "CPU"),
+        Edit(E, "init_process_group(backend=backend, device_id=device)",
+             "init_process_group(backend=backend)",
+             "CPU: device_id must be an accelerator"),
+        Edit(E, "    torch.manual_seed(0)\n",
+             "    torch.manual_seed(0)\n    torch.set_default_dtype(torch.float64)\n", "float64"),
+        Edit(E, '    with torch.device("meta"):\n        model = Transformer(model_args)',
+             "    model = Transformer(model_args)",
+             "the model is built seeded on the CPU: the original's model.reset_parameters() "
+             "initialises only the root's own layers (embeddings, norm, output), and leaves the "
+             "blocks with what to_empty allocated, which differs from run to run"),
+        Edit(E, "        model.to_empty(device=device)\n        model.reset_parameters()",
+             "        pass", "(the same)"),
+        Edit("utils.py", "assert param.dtype == torch.float32",
+             "assert param.dtype == torch.float64", "float64"),
+    ),
+    convert=(
+        Edit(E, "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy",
+             "import phalanx as px", "row: fully_shard(block) ... fully_shard(model)"),
+        Edit(E, '    fsdp_kwargs = {}\n    if args.mixed_precision:\n'
+                '        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(\n'
+                '            param_dtype=torch.bfloat16,\n'
+                '            reduce_dtype=torch.float32,\n        )\n'
+                '    for layer in model.layers:\n        fully_shard(layer, **fsdp_kwargs)\n'
+                '    fully_shard(model, **fsdp_kwargs)\n',
+             '    precision = "bf16" if args.mixed_precision else "fp32"\n',
+             "rows: fully_shard(...), MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)"),
+        Edit(E, "    inspect_model(model)\n", "",
+             "row: isinstance(m, FSDPModule), DTensor placements (FSDP's own types)"),
+        Edit(E, "    if args.explicit_prefetching:\n"
+                "        set_modules_to_forward_prefetch(model, num_to_forward_prefetch=2)\n"
+                "        set_modules_to_backward_prefetch(model, num_to_backward_prefetch=2)\n",
+             "", "row: set_modules_to_forward_prefetch / _backward_prefetch"),
+        Edit(E, "    if args.mixed_precision:\n        inspect_mixed_precision(model)\n", "",
+             "row: isinstance(m, FSDPModule), ... (inspect_mixed_precision unshards by hand)"),
+        Edit(E, "    optim = torch.optim.Adam(model.parameters(), lr=1e-2)\n",
+             "    optim = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+             '    model, optim = px.prepare(model, optim, strategy="{strategy}", '
+             "precision=precision,\n"
+             "                              prefetch=2 if args.explicit_prefetching else None)\n",
+             "row: fully_shard(...): px.prepare once the optimizer exists"),
+        Edit(E, "        if args.explicit_prefetching:\n            model.unshard()\n", "",
+             "row: model.unshard() / reshard()"),
+    ),
+    phases=(Phase("run", ("--dcp-api",)), Phase("resume", ("--dcp-api",))),
+    variants=(("zero3", "zero3", ()),),
+    final_state=_fsdp2_state,
+    metric=re.compile(r"(?!)"),  # it prints no metric
+)
+
+
+
+# -- huggingface/accelerate examples/by_feature/checkpointing.py -------------------------------
+
+A = "checkpointing.py"
+PX_STATE = ("model=model, optimizer=optimizer, scheduler=lr_scheduler, "
+            "sampler=train_dataloader.sampler")
+HELPERS = '''import contextlib
+import random
+
+import numpy as np
+
+import phalanx as px
+
+
+@contextlib.contextmanager
+def main_process_first():
+    if not px.is_main():
+        px.barrier()
+    yield
+    if px.is_main():
+        px.barrier()
+'''
+
+
+def _accelerate_state(where: Path, phase: str) -> dict:
+    """The weights of the newest step_N checkpoint: Accelerate's model.safetensors, or the full
+    weights `phalanx export` writes from px.save's checkpoint. (A resumed run numbers its
+    checkpoints from the step it resumed at within the epoch, so run2's last is step_16.)"""
+    from safetensors.torch import load_file
+
+    saved = where / ("run1" if phase == "run" else "run2")
+    checkpoint = max(saved.glob("step_*"), key=lambda p: int(p.name[5:]))
+    if (checkpoint / "model.safetensors").exists():
+        return load_file(checkpoint / "model.safetensors")
+    out = where / f"{phase}.safetensors"
+    subprocess.run([sys.executable, "-m", "phalanx", "export", str(checkpoint), str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return load_file(out)
+
+
+ACCELERATE = Case(
+    name="accelerate",
+    title="Accelerate checkpointing.py",
+    source="accelerate",
+    folder="examples/by_feature",
+    files=(A,),
+    script=A,
+    standins={"_standins.py": (Path(__file__).parent / "foreign_standins.py").read_text()},
+    adapt=(
+        Edit(A, "import evaluate\n", "", "no download: _standins.py"),
+        Edit(A, "from datasets import load_dataset\n", "", "no download: _standins.py"),
+        Edit(A, "from transformers import AutoModelForSequenceClassification, AutoTokenizer, "
+                "get_linear_schedule_with_warmup",
+             "from _standins import (AutoModelForSequenceClassification, AutoTokenizer, evaluate,\n"
+             "                       get_linear_schedule_with_warmup, load_dataset)",
+             "no download: synthetic sentence pairs, a small classifier, accuracy/F1"),
+        Edit(A, 'tokenized_datasets["train"], shuffle=True,', 'tokenized_datasets["train"], shuffle=False,',
+             "a shuffled epoch's order is Accelerate's own and phalanx's another: in the "
+             "dataset's order both runs see the same global batches"),
+        Edit(A, "    set_seed(seed)\n", "    torch.set_default_dtype(torch.float64)\n    set_seed(seed)\n",
+             "float64"),
+        Edit(A, "num_warmup_steps=100,", "num_warmup_steps=10,",
+             "48 scheduler steps in all: the warm-up ends, and the decay shows"),
+        Edit(A, '"lr": 2e-5,', '"lr": 3e-3,', "a learning rate for the small classifier"),
+    ),
+    convert=(
+        Edit(A, "from accelerate import Accelerator, DataLoaderConfiguration, DistributedType\n"
+                "from accelerate.utils import set_seed\n", HELPERS,
+             "rows: Accelerator(), with accelerator.main_process_first():, set_seed(seed)"),
+        Edit(A, "def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):",
+             "def get_dataloaders(mixed_precision: str, batch_size: int = 16):",
+             "row: accelerator.mixed_precision"),
+        Edit(A, "    with accelerator.main_process_first():", "    with main_process_first():",
+             "row: with accelerator.main_process_first():"),
+        Edit(A, "accelerator.distributed_type == DistributedType.XLA", "False",
+             "row: accelerator.distributed_type"),
+        Edit(A, "accelerator.mixed_precision", "mixed_precision",
+             "row: accelerator.mixed_precision", count=2),
+        Edit(A, "    dataloader_config = DataLoaderConfiguration(use_stateful_dataloader="
+                "args.use_stateful_dataloader)\n"
+                "    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision, "
+                "dataloader_config=dataloader_config)",
+             '    px.init()\n    mixed_precision = args.mixed_precision or "no"',
+             "row: Accelerator(mixed_precision=...)"),
+        Edit(A, "    set_seed(seed)\n",
+             "    random.seed(seed)\n    np.random.seed(seed)\n    torch.manual_seed(seed)\n",
+             "row: set_seed(seed)"),
+        Edit(A, "get_dataloaders(accelerator, batch_size)",
+             "get_dataloaders(mixed_precision, batch_size)", "row: accelerator.mixed_precision"),
+        Edit(A, " and accelerator.distributed_type != DistributedType.XLA", "",
+             "row: accelerator.distributed_type"),
+        Edit(A, "model = model.to(accelerator.device)", "model = model.to(px.device())",
+             "row: accelerator.device"),
+        Edit(A, "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = "
+                "accelerator.prepare(\n"
+                "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n    )\n",
+             '    model, optimizer = px.prepare(model, optimizer, strategy="{strategy}",\n'
+             '                                  precision="fp32" if mixed_precision == "no" '
+             "else mixed_precision)\n"
+             "    train_dataloader = px.data_loader(train_dataloader.dataset, "
+             "train_dataloader.batch_size,\n"
+             "                                      shuffle=False, "
+             "collate_fn=train_dataloader.collate_fn)\n"
+             "    eval_dataloader = px.data_loader(eval_dataloader.dataset, "
+             "eval_dataloader.batch_size,\n"
+             "                                     shuffle=False, "
+             "collate_fn=eval_dataloader.collate_fn)\n",
+             "row: accelerator.prepare(model, optimizer, loaders, scheduler)"),
+        Edit(A, '            accelerator.print(f"Resumed from checkpoint: '
+                '{args.resume_from_checkpoint}")',
+             '            if px.local_rank() == 0:\n'
+             '                print(f"Resumed from checkpoint: {args.resume_from_checkpoint}")',
+             "row: accelerator.print"),
+        Edit(A, "accelerator.load_state(args.resume_from_checkpoint)",
+             f"px.load(args.resume_from_checkpoint, {PX_STATE})", "row: load_state"),
+        Edit(A, "accelerator.skip_first_batches(train_dataloader, resume_step)",
+             "train_dataloader", "row: skip_first_batches"),
+        Edit(A, "batch.to(accelerator.device)", "batch.to(px.device())",
+             "row: accelerator.device", count=2),
+        Edit(A, "accelerator.backward(loss)", "loss.backward()", "row: accelerator.backward"),
+        Edit(A, "                lr_scheduler.step()\n",
+             "                for _ in range(px.world_size()):\n"
+             "                    lr_scheduler.step()\n",
+             "row: the prepared scheduler's step()", key="scheduler"),
+        Edit(A, "                    accelerator.save_state(output_dir)\n        model.eval()",
+             f"                    px.save(output_dir, {PX_STATE})\n        model.eval()",
+             "row: save_state"),
+        Edit(A, 'accelerator.gather_for_metrics((predictions, batch["labels"]))',
+             'px.gather_for_metrics((predictions, batch["labels"]), eval_dataloader)',
+             "row: gather_for_metrics"),
+        Edit(A, '        accelerator.print(f"epoch {epoch}:", eval_metric)',
+             '        if px.local_rank() == 0:\n            print(f"epoch {epoch}:", eval_metric)',
+             "row: accelerator.print"),
+        Edit(A, "            accelerator.save_state(output_dir)\n    accelerator.end_training()",
+             f"            px.save(output_dir, {PX_STATE})\n    px.shutdown()",
+             "rows: save_state, end_training"),
+    ),
+    phases=(Phase("run", ("--cpu", "--checkpointing_steps", "4", "--output_dir", "run1")),
+            Phase("resume", ("--cpu", "--checkpointing_steps", "4", "--output_dir", "run2",
+                             "--resume_from_checkpoint", "run1/step_12"))),
+    variants=(("ddp", "ddp", ()), ("zero3", "zero3", ()),
+              ("ddp, scheduler.step() once", "ddp", ("scheduler",))),
+    final_state=_accelerate_state,
+    metric=re.compile(r"^epoch (\d+): \{'accuracy': ([\d.e-]+), 'f1': ([\d.e-]+), "
+                      r"'count': (\d+)\}"),
+)
+CASES = [TUTORIAL, _mingpt(False), _mingpt(True), FSDP2, ACCELERATE]

@@ -58,6 +58,7 @@ from foreign_cases import CASES, Case, Edit  # noqa: E402
 TIMEOUT_S = 900  # one phase of one run; the slowest takes well under a minute on 2 cores
 ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)|PeerError|AssertionError)\b(: .*)?$")
 RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+GLOO_PLACE = re.compile(r"\[/\S+:\d+\] ")  # gloo's source file and line in its messages
 
 
 @dataclass
@@ -116,7 +117,8 @@ def lines_changed(original: Path, converted: Path, files) -> tuple[int, int]:
 
 def first_error(output: str) -> str:
     """The first line of the first exception a rank printed (or the output's last line)."""
-    lines = [RANK_PREFIX.sub("", line).strip() for line in output.splitlines()]
+    lines = [GLOO_PLACE.sub("", RANK_PREFIX.sub("", line)).strip()
+             for line in output.splitlines()]
     for line in lines:
         m = ERROR.search(line)
         if m and not line.startswith(("File ", "raise ", "During handling")):
@@ -211,8 +213,42 @@ def run_case(case: Case, checkouts: dict, runs: Path, show_diff: bool) -> list[l
                 metrics = metric_difference(ref.metrics, got.metrics)
             rows.append([case.title, label, f"+{added} -{removed}", phase.name, outcome,
                          diff, metrics])
-        print(" | ".join(rows[-1]), flush=True)
+            print(" | ".join(rows[-1]), flush=True)
     return rows
+
+
+def _commit(directory, say_dirty: bool = False) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(directory), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        if not say_dirty:
+            return out
+        dirty = subprocess.run(["git", "-C", str(directory), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True).stdout
+        return out + (" with uncommitted changes" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def setup(checkouts: dict) -> str:
+    """What the numbers were measured on: CPU, versions, commits."""
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import accelerate
+        acc = f", accelerate {accelerate.__version__}"
+    except ImportError:
+        acc = ", accelerate not installed"
+    here = Path(__file__).resolve().parent.parent
+    return (f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}{acc}; 2 ranks, gloo\n"
+            f"phalanx {_commit(here, say_dirty=True)}; pytorch/examples {_commit(checkouts['examples'])}; "
+            f"huggingface/accelerate {_commit(checkouts['accelerate'])}")
 
 
 def main() -> None:
@@ -232,7 +268,7 @@ def main() -> None:
         rows += run_case(case, checkouts, runs, args.show_diff)
     header = ["script", "converted run", "lines changed", "phase", "outcome",
               "weights: max abs diff", "printed metrics: max abs diff"]
-    print(f"\ntorch {torch.__version__}, 2 ranks, gloo, CPU\n")
+    print("\n" + setup(checkouts) + "\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
