@@ -7,6 +7,7 @@ that every rank got the error and that every file of the user's is still there, 
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -113,7 +114,12 @@ def test_save_replaces_a_checkpoint_or_an_empty_directory(tmp_path, existing):
 
 
 def _keep_last(root, steps):
+    """Save `steps` with keep_last=1, resuming first (as a restarted job does) when `root`
+    holds a checkpoint: what the job before wrote is then this job's too."""
     model, opt = _prepared()
+    latest = px.latest_checkpoint(root)
+    if latest is not None:
+        px.load(latest, model=model, optimizer=opt)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in steps:
@@ -125,25 +131,29 @@ def test_keep_last_and_abandoned_saves_remove_only_what_saves_wrote(tmp_path):
     root = str(tmp_path)
     run_ranks(_keep_last, 2, args=(root, [1, 2]))
     assert sorted(os.listdir(root)) == ["step2"]
-    # a checkpoint the user wrote into, the user's own entries shaped like leftovers, and a
-    # real leftover of an abandoned save
+    # a checkpoint the user wrote into, the user's own entries shaped like leftovers, a real
+    # leftover of an abandoned save of this job, and one of another job
     run_ranks(_keep_last, 2, args=(root, [3]))
+    job = json.load(open(os.path.join(root, "step3", "manifest.json")))["job"]
+    other = "ba9876543210"
     with open(os.path.join(root, "step3", "notes.txt"), "w") as f:
         f.write("keep me\n")
-    os.makedirs(os.path.join(root, f"data.partial-{TOKEN}"))
-    with open(os.path.join(root, f"data.partial-{TOKEN}", "table.csv"), "w") as f:
+    os.makedirs(os.path.join(root, f"data.partial-{job}-{TOKEN}"))
+    with open(os.path.join(root, f"data.partial-{job}-{TOKEN}", "table.csv"), "w") as f:
         f.write("a,b\n")
     with open(os.path.join(root, "notes.partial-2"), "w") as f:
         f.write("mine\n")
-    os.makedirs(os.path.join(root, f"step9.partial-{TOKEN}"))
-    with open(os.path.join(root, f"step9.partial-{TOKEN}", "rank00001.safetensors"), "wb") as f:
-        f.write(b"\0" * 16)
+    for leftover in (f"step9.partial-{job}-{TOKEN}", f"b7.partial-{other}-{TOKEN}"):
+        os.makedirs(os.path.join(root, leftover))
+        with open(os.path.join(root, leftover, "rank00001.safetensors"), "wb") as f:
+            f.write(b"\0" * 16)
     old = os.path.getmtime(os.path.join(root, "step3")) - 60
     for entry in os.listdir(root):
         os.utime(os.path.join(root, entry), (old, old))
     warned, _ = run_ranks(_keep_last, 2, args=(root, [4]))
     left = sorted(os.listdir(root))
-    assert left == [f"data.partial-{TOKEN}", "notes.partial-2", "step3", "step4"], left
+    assert left == [f"b7.partial-{other}-{TOKEN}", f"data.partial-{job}-{TOKEN}",
+                    "notes.partial-2", "step3", "step4"], left
     assert warned and "kept" in warned[0] and "step3" in warned[0], warned
     assert open(os.path.join(root, "step3", "notes.txt")).read() == "keep me\n"
 

@@ -4,7 +4,8 @@ A checkpoint is a directory:
 
     manifest.json          written last: what every tensor is (name, shape, dtype), which
                            files hold which element ranges of it, each file's size and CRC-32,
-                           and the world size, strategy and precision it was saved with
+                           the world size, strategy and precision it was saved with,
+                           and the job that wrote it (ownership.py)
     rank00000.safetensors  one per rank: the ranges that rank wrote, as safetensors
     state.pt               rank 0's small state: stateful objects (sampler, scheduler, the fp16
                            loss scaler), plain values, every rank's RNG states, and the

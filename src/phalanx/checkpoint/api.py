@@ -14,6 +14,7 @@ from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
 from .diloco import load_outer
+from .ownership import adopt
 from .compression import load_compression
 from .reader import (CheckpointError, Reader, complete_checkpoints, read_manifest,
                      verify_files)
@@ -132,6 +133,7 @@ def load_checkpoint(path, model, optimizer, strict: bool, stateful: dict,
         comm.barrier(tag="px.load: every shard loaded")
     for name, obj in stateful.items():
         obj.load_state_dict(small["stateful"][name])
+    adopt(manifest)  # its writer's saves are this job's now: see ownership.py
     if restore_rng and comm.rank < len(small["rng"]):
         rng = small["rng"][comm.rank]
         set_rng_state(rng)

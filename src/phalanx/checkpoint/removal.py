@@ -11,11 +11,12 @@ replace:
 - `path` may be absent, an empty directory, or a complete phalanx checkpoint holding nothing
   but its own files (its manifest, the files the manifest lists, and a save's leftovers);
   a regular file, or a directory holding anything else, is refused with its name;
-- `keep_last` removes a complete checkpoint only if it holds nothing but its own files (one
-  the user added a note to is left, with a warning);
-- an abandoned save is `<name>.partial-<token>` or `<name>.old-<token>` (a 12-hex-digit token)
-  beside the checkpoint, holding only files a save writes; anything else of that shape is
-  left alone;
+- `keep_last` removes only this job's checkpoints and leftovers (see [Note: a job removes only
+  what it wrote] in ownership.py), and a complete checkpoint only if it holds nothing but its
+  own files (one the user added a note to is left, with a warning);
+- an abandoned save is `<name>.partial-<job>-<token>` or `<name>.old-<job>-<token>` (12 hex
+  digits each) beside the checkpoint, holding only files a save writes; anything else of that
+  shape is left alone;
 - `px.export` replaces a safetensors file (an earlier export), never a directory or another
   kind of file.
 The check is made again by rank 0 just before the rename, since the directory may have changed
@@ -27,14 +28,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
+import warnings
 
-from .reader import FORMAT, MANIFEST
+from .ownership import job_of_leftover
+from .reader import FORMAT, MANIFEST, complete_checkpoints
 
-__all__ = ["why_not_replaceable", "holds_only_its_own_files", "abandoned", "why_not_export_target"]
+__all__ = ["why_not_replaceable", "holds_only_its_own_files", "abandoned", "remove_older",
+           "why_not_export_target"]
 
 _SAVE_FILES = re.compile(r"^(rank\d{5}\.safetensors|state\.pt|manifest\.json)$")
-_LEFTOVER = r"\.(partial|old)-[0-9a-f]{12}$"
 
 
 def _listing(path: str) -> list[str]:
@@ -95,8 +99,8 @@ def why_not_replaceable(path: str) -> str | None:
     return None
 
 
-def abandoned(parent: str) -> list[str]:
-    """The entries of `parent` that abandoned saves left (see the Note)."""
+def abandoned(parent: str, jobs: list[str]) -> list[str]:
+    """The entries of `parent` that saves of the jobs `jobs` left (see the Note)."""
     try:
         names = os.listdir(parent)
     except OSError:
@@ -104,11 +108,36 @@ def abandoned(parent: str) -> list[str]:
     out = []
     for name in names:
         where = os.path.join(parent, name)
-        if not re.search(_LEFTOVER, name) or os.path.islink(where) or not os.path.isdir(where):
+        if job_of_leftover(name) not in jobs or os.path.islink(where) or \
+                not os.path.isdir(where):
             continue
         if all(_SAVE_FILES.match(entry) for entry in _listing(where)):
             out.append(where)
     return out
+
+
+def remove_older(parent: str, newest: str, keep_last: int, jobs: list[str]) -> None:
+    """After `newest` is complete: keep the `keep_last` newest checkpoints the jobs `jobs`
+    wrote in `parent` and remove their older ones, then what their abandoned saves left
+    there (a rank killed midway leaves `<path>.partial-<job>-<token>`). Only leftovers older
+    than `newest` are touched, and only those that hold nothing but a save's files."""
+    ours = [where for _, where in complete_checkpoints(parent)
+            if (_manifest(where) or {}).get("job") in jobs]
+    for older in ours[:-keep_last]:
+        if older == newest:
+            continue
+        if holds_only_its_own_files(older):
+            shutil.rmtree(older, ignore_errors=True)
+        else:
+            warnings.warn(f"px.save(keep_last={keep_last}) kept {older}: it holds files that "
+                          "no save wrote", stacklevel=3)
+    cutoff = os.path.getmtime(os.path.join(newest, MANIFEST))
+    for where in abandoned(parent, jobs):
+        try:
+            if os.path.getmtime(where) < cutoff:
+                shutil.rmtree(where, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def why_not_export_target(path: str) -> str | None:

@@ -37,8 +37,9 @@ from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
 from .diloco import DILOCO, outer_ranges, param_of
 from .compression import compression_ranges
 from .files import file_digest, fsync_dir, write_tensors
-from .reader import FORMAT, MANIFEST, CheckpointError, complete_checkpoints
-from .removal import abandoned, holds_only_its_own_files, why_not_replaceable
+from .ownership import agree_on_job, job_ids, manifest_fields
+from .reader import FORMAT, MANIFEST, CheckpointError
+from .removal import remove_older, why_not_replaceable
 from .state import ModelState, OptimizerState
 
 
@@ -51,6 +52,7 @@ class _Snapshot:
     path: str
     partial: str
     keep_last: int | None
+    jobs: list = field(default_factory=list)      # this job's id, then those it adopted
     tensors: dict = field(default_factory=dict)   # key in the rank's file -> 1-D tensor
     index: list = field(default_factory=list)     # (name, file, key, start, end, dtype)
     whole: dict = field(default_factory=dict)     # optimizer state that is not per element
@@ -70,7 +72,10 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     moment leaves the previous checkpoint as it was. A keyword value is saved through its
     `state_dict()` when it has `state_dict`/`load_state_dict` (a sampler, a scheduler), else
     as a plain picklable value (rank 0's). With `keep_last=k`, only the k newest complete
-    checkpoints in `path`'s parent directory are kept. With `background=True` the call
+    checkpoints of this job in `path`'s parent directory are kept, and what its abandoned saves
+    left there is removed: this job's are those it wrote and, once it has loaded a checkpoint
+    (a restarted job resuming), those of the job that wrote that one; another job's
+    checkpoints and saves in progress there are never touched. With `background=True` the call
     returns once the state is copied to CPU memory, and a thread writes the files while
     training goes on (its collectives on a process group of their own); the next `px.save`,
     `px.load` or `px.shutdown()` waits for it and raises its error, if it had one, on every
@@ -95,14 +100,16 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     # See [Note: a save removes only checkpoints] in removal.py: rank 0, which completes the
     # checkpoint, looks at what stands at `path`, and every rank learns its answer.
     problem = why_not_replaceable(path) if comm.rank == 0 else None
-    seen = comm.all_gather_object((uuid.uuid4().hex[:12], path, problem), tag="save:token")
+    seen = comm.all_gather_object((uuid.uuid4().hex[:12], path, problem, job_ids()),
+                                  tag="save:token")
     if gate.cut:  # lost meanwhile (the tokens are then each rank's own)
         _skipped(path)
         return path
-    token = seen[0][0]
-    if any(p != path for _, p, _ in seen):
+    jobs = agree_on_job([s[3] for s in seen])  # See [Note: a job removes only what it wrote]
+    token = f"{jobs[0]}-{seen[0][0]}"
+    if any(s[1] != path for s in seen):
         raise ValueError(f"px.save: every rank must give the same path; the ranks gave "
-                         f"{', '.join(repr(p) for _, p, _ in seen)} (build it from values all "
+                         f"{', '.join(repr(s[1]) for s in seen)} (build it from values all "
                          "ranks share, such as the step, not from a per-process temporary "
                          "directory)")
     if seen[0][2] is not None:
@@ -116,6 +123,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     try:
         snapshot = _take_snapshot(path, f"{path}.partial-{token}", keep_last, model_state,
                                   optim_state, values, comm, copy_out=background)
+        snapshot.jobs = jobs
     except Exception as exc:  # raised on every rank by agree()
         error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.save({path!r}): reading the state to save", saving=True)
@@ -225,7 +233,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
         report = {"file": own_file, "info": info, "index": snap.index, "whole": snap.whole,
                   "keys": snap.keys, "rng": snap.rng}
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = _failure(exc, snap)
     snap.tensors = {}  # the copies are written: let them go
     try:
         agree(comm, error, f"px.save({snap.path!r}): writing the ranks' files", saving=True)
@@ -244,7 +252,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
         try:
             _complete(snap, reports)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = _failure(exc, snap)
             shutil.rmtree(snap.partial, ignore_errors=True)
     agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint", saving=True)
     # lost while rank 0 completed it: whether it did is unknown here, so the save counts as
@@ -252,10 +260,25 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
     return not gate.cut
 
 
+def _failure(exc: Exception, snap: _Snapshot) -> str:
+    """The error of a rank's part of a save, saying so when the directory it writes into
+    was removed meanwhile (a bare FileNotFoundError once left the user guessing)."""
+    error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, FileNotFoundError) or not os.path.isdir(snap.partial):
+        error += (f" ({snap.partial}, where this save writes before the rename, was removed "
+                  "or emptied while the ranks wrote it: by another process, not by this job; "
+                  "nothing of this save was kept and the previous checkpoint stands)")
+    return error
+
+
 def _complete(snap: _Snapshot, reports: list) -> None:
     """Rank 0: the small state, the manifest (last), then the rename into place."""
     meta = snap.meta
     files = {r["file"]: r["info"] for r in reports}
+    for name, info in files.items():  # every rank's file still there, as written
+        where = os.path.join(snap.partial, name)
+        if not os.path.isfile(where) or os.path.getsize(where) != info["bytes"]:
+            raise FileNotFoundError(f"{name}, which its rank wrote, is gone or has changed")
     small = dict(snap.small, rng=[r["rng"] for r in reports])
     if meta["optimizer"] is not None:
         whole, keys = {}, {}
@@ -294,6 +317,7 @@ def _complete(snap: _Snapshot, reports: list) -> None:
         "world_size": meta["world_size"], "strategy": meta["strategy"],
         "precision": meta["precision"], "step": meta["step"],
         "files": files, "tensors": tensors, "aliases": meta["aliases"],
+        **manifest_fields(snap.jobs),
     }
     with open(os.path.join(snap.partial, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -305,37 +329,15 @@ def _complete(snap: _Snapshot, reports: list) -> None:
     if problem is not None:
         raise CheckpointError(f"refused: {problem}")
     if os.path.lexists(path):  # replace: the old one is moved aside, then removed
-        old = f"{path}.old-{os.path.basename(snap.partial).rsplit('-', 1)[1]}"
+        old = f"{path}.old-{snap.partial.rsplit('.partial-', 1)[1]}"  # job and token
         os.rename(path, old)
         os.rename(snap.partial, path)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(snap.partial, path)
     fsync_dir(parent)
-    if snap.keep_last is not None:
-        for _, older in complete_checkpoints(parent)[:-snap.keep_last]:
-            if older == path:
-                continue
-            if holds_only_its_own_files(older):
-                shutil.rmtree(older, ignore_errors=True)
-            else:
-                warnings.warn(f"px.save(keep_last={snap.keep_last}) kept {older}: it holds files "
-                              "that no save wrote", stacklevel=2)
-        _remove_abandoned(parent, path)
-
-
-def _remove_abandoned(parent: str, newest: str) -> None:
-    """With keep_last the directory is the run's own: remove what saves that never completed
-    left in it (a rank killed midway leaves `<path>.partial-<token>`), once a later checkpoint
-    is complete. Only entries older than the checkpoint just completed are touched, and only
-    those that hold nothing but a save's files (removal.py)."""
-    cutoff = os.path.getmtime(os.path.join(newest, MANIFEST))
-    for where in abandoned(parent):
-        try:
-            if os.path.getmtime(where) < cutoff:
-                shutil.rmtree(where, ignore_errors=True)
-        except OSError:
-            pass
+    if snap.keep_last is not None:  # See [Note: a job removes only what it wrote]
+        remove_older(parent, path, snap.keep_last, snap.jobs)
 
 
 # -- a save in a lost step ------------------------------------------------------------------------
