@@ -1,0 +1,136 @@
+"""Lightning's checkpoints as phalanx checkpoints.
+
+A checkpoint that the Trainer (`ModelCheckpoint`, `trainer.save_checkpoint`) or Fabric
+(`fabric.save`) writes under `PhalanxStrategy` is a phalanx checkpoint directory, written by
+`px.save` on every rank: the model's weights and the optimizer's state as each rank holds
+them (zero3's shards stay shards), and Lightning's own state beside them as one plain value:
+under the key "lightning" the Trainer's dictionary less its "state_dict" and
+"optimizer_states" (loops, callbacks, schedulers, hyper-parameters...), under "fabric" the
+other entries of Fabric's state. So `px.load(path, model=model)` reads one at any world size
+and under any strategy, and `phalanx export` turns it into a safetensors file.
+
+`trainer.fit(ckpt_path=...)` also takes a checkpoint *file* that Lightning wrote under another
+strategy (DDPStrategy's `.ckpt`): its "state_dict" and "optimizer_states" are loaded through
+the prepared model's and optimizer's `load_state_dict`, which phalanx accepts in one
+process's format under every strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+import phalanx as px
+
+__all__ = ["save_trainer", "load_trainer", "save_fabric", "load_fabric", "remove"]
+
+TRAINER_KEY = "lightning"
+FABRIC_KEY = "fabric"
+
+
+def save_trainer(checkpoint: dict, path, model, optimizers: list) -> None:
+    """`px.save` of the Trainer's `checkpoint` dictionary (a collective)."""
+    checkpoint = dict(checkpoint)
+    checkpoint.pop("state_dict", None)  # the model: saved by px.save below
+    with_optimizer = checkpoint.pop("optimizer_states", None) is not None
+    optimizer = optimizers[0] if with_optimizer and optimizers else None
+    px.save(path, model=model, optimizer=optimizer, **{TRAINER_KEY: checkpoint})
+
+
+def load_trainer(path, model, optimizers: list, fitting: bool, strict: bool,
+                 checkpoint_io) -> dict:
+    """Restore the model (and, when fitting, the optimizer) from `path` in place; return the
+    rest of the Trainer's dictionary, for Lightning to restore loops, callbacks, schedulers."""
+    optimizer = optimizers[0] if fitting and optimizers else None
+    if os.path.isfile(path):  # a .ckpt written by Lightning under another strategy
+        return _load_lightning_file(path, model, optimizer, strict, checkpoint_io)
+    values = px.load(path, model=model, optimizer=optimizer, strict=strict)
+    if TRAINER_KEY not in values:
+        raise ValueError(
+            f"{os.fspath(path)!r} is a phalanx checkpoint, but not one a Trainer wrote (it "
+            f"holds {sorted(values) or 'no values'}); load its weights with "
+            "px.load(path, model=model) before trainer.fit, without ckpt_path")
+    return values[TRAINER_KEY]
+
+
+def _load_lightning_file(path, model, optimizer, strict: bool, checkpoint_io) -> dict:
+    checkpoint = checkpoint_io.load_checkpoint(path)
+    model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+    states = checkpoint.pop("optimizer_states", None)
+    if optimizer is not None and states:
+        optimizer.load_state_dict(states[0])
+    return checkpoint
+
+
+def _split(state: dict) -> tuple:
+    """Fabric's state as (model key, model, optimizer key, optimizer, the other entries)."""
+    modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
+    optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    if len(modules) > 1 or len(optimizers) > 1:
+        raise ValueError(
+            "PhalanxStrategy saves one model and one optimizer per checkpoint (px.save); this "
+            f"state holds the models {modules} and the optimizers {optimizers}: save each "
+            "model with its optimizer to a checkpoint of its own")
+    if optimizers and not modules:
+        raise ValueError("PhalanxStrategy stores an optimizer's state by its model's parameter "
+                         "names: put the model in the state too")
+    model_key = modules[0] if modules else None
+    optim_key = optimizers[0] if optimizers else None
+    rest = {k: v for k, v in state.items() if k not in (model_key, optim_key)}
+    return (model_key, state.get(model_key), optim_key, state.get(optim_key), rest)
+
+
+def save_fabric(path, state: dict) -> None:
+    """`px.save` of Fabric's `state` (a collective); stateful entries by their state_dict()."""
+    model_key, model, optim_key, optimizer, rest = _split(state)
+    plain = {k: v.state_dict() if _stateful(v) else v for k, v in rest.items()}
+    px.save(path, model=model, optimizer=optimizer,
+            **{FABRIC_KEY: {"model": model_key, "optimizer": optim_key, "state": plain}})
+
+
+def load_fabric(path, state, strict: bool) -> dict:
+    """Restore Fabric's `state` (a dict, or a lone model) from `path` in place; return what
+    was saved but not asked for."""
+    if isinstance(state, torch.nn.Module):
+        px.load(path, model=state, strict=strict)
+        return {}
+    if not state:
+        raise ValueError("PhalanxStrategy restores a checkpoint into the objects it was saved "
+                         "from: fabric.load(path, {'model': model, 'optimizer': optimizer, "
+                         "...}); the weights alone: fabric.load(path, model)")
+    if isinstance(state, torch.optim.Optimizer):
+        raise ValueError("PhalanxStrategy loads an optimizer together with its model: "
+                         "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+    _, model, _, optimizer, rest = _split(state)
+    values = px.load(path, model=model, optimizer=optimizer, strict=strict)
+    saved = values.get(FABRIC_KEY, {}).get("state", {})
+    missing = [k for k in rest if k not in saved]
+    if missing and strict:
+        raise KeyError(f"the checkpoint {os.fspath(path)!r} holds no {missing[0]!r} (it has "
+                       f"{sorted(saved)}); load with strict=False to leave it out")
+    for key, obj in rest.items():
+        if key not in saved:
+            continue
+        if _stateful(obj):
+            obj.load_state_dict(saved[key])
+        else:
+            state[key] = saved[key]
+    return {k: v for k, v in saved.items() if k not in rest}
+
+
+def _stateful(obj) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and \
+        callable(getattr(obj, "load_state_dict", None))
+
+
+def remove(path, is_global_zero: bool, checkpoint_io) -> None:
+    """Remove a checkpoint `ModelCheckpoint` no longer keeps: a directory px.save wrote (rank 0
+    removes it), else through Lightning's checkpoint_io."""
+    if os.path.isdir(path):
+        if is_global_zero and os.path.isfile(os.path.join(path, "manifest.json")):
+            shutil.rmtree(path)
+        return
+    if is_global_zero:
+        checkpoint_io.remove_checkpoint(path)
