@@ -70,6 +70,8 @@ class PreparedModule(torch.nn.Module):
         self._storage = [self._where(p) for p in self._trainable]
         self._original_dtypes = original_dtypes or {}  # by the uncompiled module's names
         self._device = device
+        self._device_type = device.type if device is not None else \
+            next((t.device.type for t in module.parameters()), "cpu")
         # See the module docstring: the user's module (inside a module compiled before
         # prepare) answers state_dict() with full values. A weak reference: the user's module
         # must not keep the engine alive.
@@ -136,7 +138,8 @@ class PreparedModule(torch.nn.Module):
         precision = self._precision
         if precision.low:
             args, kwargs = map_tensors(precision.cast_input, (args, kwargs))
-        out = self.module(*args, **kwargs)
+        with precision.compute(self._device_type):
+            out = self.module(*args, **kwargs)
         clock = self._clock
         if grad:
             engine, scaler = self._engine, precision.loss_scaler
