@@ -6,9 +6,8 @@ without blocking the host; `px.data_loader` pins its batches on a GPU machine so
 asynchronous), keeps buffers equal across ranks (rank 0's, broadcast before each
 forward that records a graph, unless `broadcast_buffers=False`), applies the precision policy
 (model/precision.py: inputs to the compute dtype, the forward under autocast to it, outputs to
-fp32), and returns every floating output
-through the gate of model/loss_scaling.py, which tells the engine that backward started and, under
-fp16, scales the gradient exactly once. Everything else (hooks, buckets, the optimizer) belongs
+fp32), and returns every floating output through the gate of model/loss_scaling.py, which tells
+the engine that backward started and, under fp16, scales the gradient exactly once. Everything else (hooks, buckets, the optimizer) belongs
 to the engine it holds, called through the `Engine` protocol (engine/__init__.py).
 
 Buffers are broadcast on a forward with gradients enabled, whatever the module's train/eval
