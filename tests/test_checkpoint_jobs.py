@@ -108,3 +108,19 @@ def test_a_save_whose_directory_another_process_removed_says_so(tmp_path, monkey
                        r"process, not by this job; nothing of this save was kept"):
         px.save(tmp_path / "c", model=nn.Linear(4, 3))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_reload_falls_back_only_on_this_jobs_older_checkpoints(tmp_path):
+    """`fallbacks(newest)`: where continue mode's reload goes back to while a checkpoint does
+    not verify: this job's, newest first, never another job's in the same directory."""
+    import json
+
+    from phalanx.checkpoint.api import fallbacks
+
+    model = nn.Linear(4, 3)
+    for name in ("s0", "b0", "s1", "s2", "s3"):
+        px.save(tmp_path / name, model=model)
+    manifest = tmp_path / "b0" / "manifest.json"
+    other = dict(json.loads(manifest.read_text()), job="ba9876543210")  # another job's
+    manifest.write_text(json.dumps(other))
+    assert fallbacks(tmp_path / "s2") == [str(tmp_path / n) for n in ("s2", "s1", "s0")]

@@ -26,8 +26,10 @@ import os
 import re
 import uuid
 
+from .reader import CheckpointError, complete_checkpoints, read_manifest
+
 __all__ = ["job_ids", "agree_on_job", "adopt", "manifest_fields", "job_of_leftover",
-           "LEFTOVER"]
+           "checkpoints_of", "LEFTOVER"]
 
 # `<name>.partial-<job>-<token>` or `<name>.old-<job>-<token>`; group 2 is the job
 LEFTOVER = re.compile(r"\.(partial|old)-([0-9a-f]{12})-[0-9a-f]{12}$")
@@ -76,3 +78,15 @@ def job_of_leftover(name: str) -> str | None:
     """The job in a save's directory name (`.partial-` or `.old-`), or None."""
     found = LEFTOVER.search(name)
     return found.group(2) if found else None
+
+
+def checkpoints_of(parent: str, jobs: list[str]) -> list[str]:
+    """The complete checkpoints in `parent` that the jobs `jobs` wrote, oldest first."""
+    out = []
+    for _, where in complete_checkpoints(parent):
+        try:
+            if read_manifest(where).get("job") in jobs:
+                out.append(where)
+        except CheckpointError:  # removed meanwhile
+            pass
+    return out

@@ -11,7 +11,7 @@ import torch
 from .files import DTYPE_NAMES, file_digest
 
 __all__ = ["MANIFEST", "FORMAT", "CheckpointError", "read_manifest", "verify_files", "Reader",
-           "complete_checkpoints"]
+           "complete_checkpoints", "newest_intact"]
 
 MANIFEST = "manifest.json"
 FORMAT = "phalanx-checkpoint"
@@ -62,6 +62,56 @@ def complete_checkpoints(directory: str) -> list[tuple[float, str]]:
             continue
         found.append((float(manifest.get("saved_at", 0.0)), where))
     return sorted(found)
+
+
+def newest_intact(directory: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint in `directory` whose every file has the size and CRC-32
+    its manifest gives, and the newer ones that do not, newest first, each with why: (path,
+    [(path, problems)]). A checkpoint directory whose manifest is there but cannot be read
+    counts among those skipped when it is newer than the one returned; with none intact the
+    path is None."""
+    skipped, chosen_at = [], None
+    for saved_at, path in reversed(complete_checkpoints(directory)):
+        try:
+            manifest = read_manifest(path)
+            problems = verify_files(path, manifest, sorted(manifest["files"]))
+        except CheckpointError as exc:
+            problems = [str(exc)]
+        except (KeyError, TypeError, AttributeError) as exc:
+            problems = [f"its manifest is malformed ({type(exc).__name__}: {exc})"]
+        if not problems:
+            chosen_at = saved_at
+            break
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            continue  # removed while it was checked (a save's keep_last): gone, not damaged
+        skipped.append((saved_at, path, "; ".join(problems)))
+    skipped += [entry for entry in _unreadable_manifests(directory)
+                if chosen_at is None or entry[0] > chosen_at]
+    skipped.sort(reverse=True)
+    return (None if chosen_at is None else path), [(p, why) for _, p, why in skipped]
+
+
+def _unreadable_manifests(directory: str) -> list[tuple[float, str, str]]:
+    """(when written, path, why) of each directory in `directory` whose manifest file is
+    there but is not a readable phalanx manifest."""
+    out = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    for entry in entries:
+        where = os.path.join(directory, entry)
+        if ".partial-" in entry or ".old-" in entry or \
+                not os.path.isfile(os.path.join(where, MANIFEST)):
+            continue
+        try:
+            read_manifest(where)
+        except CheckpointError as exc:
+            try:
+                out.append((os.path.getmtime(os.path.join(where, MANIFEST)), where, str(exc)))
+            except OSError:
+                pass
+    return out
 
 
 def verify_files(path: str, manifest: dict, which: list[str]) -> list[str]:

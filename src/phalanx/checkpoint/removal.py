@@ -32,8 +32,8 @@ import shutil
 import struct
 import warnings
 
-from .ownership import job_of_leftover
-from .reader import FORMAT, MANIFEST, complete_checkpoints
+from .ownership import checkpoints_of, job_of_leftover
+from .reader import FORMAT, MANIFEST
 
 __all__ = ["why_not_replaceable", "holds_only_its_own_files", "abandoned", "remove_older",
            "why_not_export_target"]
@@ -121,9 +121,7 @@ def remove_older(parent: str, newest: str, keep_last: int, jobs: list[str]) -> N
     wrote in `parent` and remove their older ones, then what their abandoned saves left
     there (a rank killed midway leaves `<path>.partial-<job>-<token>`). Only leftovers older
     than `newest` are touched, and only those that hold nothing but a save's files."""
-    ours = [where for _, where in complete_checkpoints(parent)
-            if (_manifest(where) or {}).get("job") in jobs]
-    for older in ours[:-keep_last]:
+    for older in checkpoints_of(parent, jobs)[:-keep_last]:
         if older == newest:
             continue
         if holds_only_its_own_files(older):
