@@ -1,5 +1,6 @@
-"""The four scripts of benchmarks/foreign_scripts.py: where they are, how each is adapted to run
-on CPU, and how each is converted (the rows of docs/getting-started/coming-from.md, as edits).
+"""The scripts of benchmarks/foreign_scripts.py from pytorch/examples: where they are, how each is
+adapted to run on CPU, and how each is converted (the rows of
+docs/getting-started/coming-from.md, as edits). Accelerate's is in foreign_accelerate.py.
 
 An edit's `why` is the reason for an adaptation, or, for a conversion, the row of coming-from.md
 it applies ("row: ..."). Adaptations are the same for the original and the converted copy.
@@ -8,11 +9,9 @@ it applies ("row: ..."). Adaptations are the same for the original and the conve
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -89,7 +88,8 @@ TUTORIAL = Case(
              "the original's loss is a cross-entropy over one output, identically zero: "
              "nothing would train"),
         Edit(T, "    ddp_setup()\n",
-             "    ddp_setup()\n    torch.manual_seed(0)\n    torch.set_default_dtype(torch.float64)\n",
+             "    ddp_setup()\n    torch.manual_seed(0)\n"
+             "    torch.set_default_dtype(torch.float64)\n",
              "each rank draws its data unseeded; seeded, and float64"),
     ),
     convert=(
@@ -153,23 +153,26 @@ def _mingpt(amp: bool) -> Case:
             Edit(M, '    device: torch.device = torch.device(f"{acc}:{rank}")',
                  '    device: torch.device = torch.device("cpu")', "CPU"),
             Edit(M, "    torch.accelerator.set_device_index(rank)\n", "", "CPU"),
-            Edit(M, '@hydra.main(version_base=None, config_path=".", config_name="gpt2_train_cfg")\n'
+            Edit(M, '@hydra.main(version_base=None, config_path=".", '
+                    'config_name="gpt2_train_cfg")\n'
                     'def main(cfg: DictConfig):\n    ddp_setup()\n',
                  "def main(cfg):\n    ddp_setup()\n    torch.manual_seed(0)\n"
                  "    torch.set_default_dtype(DTYPE)\n",
                  "no hydra; random_split and the model are drawn unseeded per rank: seeded, and "
                  "float64 where AMP is off"),
-            Edit(M, "    if not verify_min_gpu_count(min_gpus=_min_gpu_count):\n", "    if False:\n",
-                 "CPU"),
+            Edit(M, "    if not verify_min_gpu_count(min_gpus=_min_gpu_count):\n",
+                 "    if False:\n", "CPU"),
             Edit(M, "    main()", "    main(CONFIG)", "no hydra"),
             Edit(M, "    model = GPT(gpt_cfg)\n", "    model = GPT(gpt_cfg).to(DTYPE)\n",
                  "the attention and embeddings are built in float32 whatever the default "
                  "dtype"),
             Edit(TR, "import boto3\n", "", "no S3 upload here"),
             Edit(TR, '        self.acc = torch.accelerator.current_accelerator()\n'
-                     '        self.device: torch.device = torch.device(f"{self.acc}:{self.local_rank}")',
+                     '        self.device: torch.device = '
+                     'torch.device(f"{self.acc}:{self.local_rank}")',
                  '        self.device: torch.device = torch.device("cpu")', "CPU"),
-            Edit(TR, "self.model = model.to(self.local_rank)", 'self.model = model.to("cpu")', "CPU"),
+            Edit(TR, "self.model = model.to(self.local_rank)", 'self.model = model.to("cpu")',
+                 "CPU"),
             Edit(TR, "source = source.to(self.local_rank)", 'source = source.to("cpu")', "CPU"),
             Edit(TR, "targets = targets.to(self.local_rank)", 'targets = targets.to("cpu")', "CPU"),
             Edit(TR, "DDP(self.model, device_ids=[self.local_rank])", "DDP(self.model)",
@@ -184,7 +187,7 @@ def _mingpt(amp: bool) -> Case:
         ),
         phases=(Phase("run", ("2", "amp" if amp else "fp64")),
                 Phase("resume", ("4", "amp" if amp else "fp64"))),
-        variants=(("ddp", "ddp", ()), ("zero3", "zero3", ())),
+        variants=(("ddp", "ddp", ()), ("zero2", "zero2", ()), ("zero3", "zero3", ())),
         final_state=lambda where, phase: _flat(
             "", torch.load(where / "gpt_snapshot.pt", weights_only=True), {}),
         metric=re.compile(r"\[RANK0\] Epoch (\d+) \| Iter (\d+) \| \w+ Loss ([\d.]+)"),
@@ -266,150 +269,4 @@ FSDP2 = Case(
 )
 
 
-
-# -- huggingface/accelerate examples/by_feature/checkpointing.py -------------------------------
-
-A = "checkpointing.py"
-PX_STATE = ("model=model, optimizer=optimizer, scheduler=lr_scheduler, "
-            "sampler=train_dataloader.sampler")
-HELPERS = '''import contextlib
-import random
-
-import numpy as np
-
-import phalanx as px
-
-
-@contextlib.contextmanager
-def main_process_first():
-    if not px.is_main():
-        px.barrier()
-    yield
-    if px.is_main():
-        px.barrier()
-'''
-
-
-def _accelerate_state(where: Path, phase: str) -> dict:
-    """The weights of the newest step_N checkpoint: Accelerate's model.safetensors, or the full
-    weights `phalanx export` writes from px.save's checkpoint. (A resumed run numbers its
-    checkpoints from the step it resumed at within the epoch, so run2's last is step_16.)"""
-    from safetensors.torch import load_file
-
-    saved = where / ("run1" if phase == "run" else "run2")
-    checkpoint = max(saved.glob("step_*"), key=lambda p: int(p.name[5:]))
-    if (checkpoint / "model.safetensors").exists():
-        return load_file(checkpoint / "model.safetensors")
-    out = where / f"{phase}.safetensors"
-    subprocess.run([sys.executable, "-m", "phalanx", "export", str(checkpoint), str(out)],
-                   check=True, stdout=subprocess.DEVNULL)
-    return load_file(out)
-
-
-ACCELERATE = Case(
-    name="accelerate",
-    title="Accelerate checkpointing.py",
-    source="accelerate",
-    folder="examples/by_feature",
-    files=(A,),
-    script=A,
-    standins={"_standins.py": (Path(__file__).parent / "foreign_standins.py").read_text()},
-    adapt=(
-        Edit(A, "import evaluate\n", "", "no download: _standins.py"),
-        Edit(A, "from datasets import load_dataset\n", "", "no download: _standins.py"),
-        Edit(A, "from transformers import AutoModelForSequenceClassification, AutoTokenizer, "
-                "get_linear_schedule_with_warmup",
-             "from _standins import (AutoModelForSequenceClassification, AutoTokenizer, evaluate,\n"
-             "                       get_linear_schedule_with_warmup, load_dataset)",
-             "no download: synthetic sentence pairs, a small classifier, accuracy/F1"),
-        Edit(A, 'tokenized_datasets["train"], shuffle=True,', 'tokenized_datasets["train"], shuffle=False,',
-             "a shuffled epoch's order is Accelerate's own and phalanx's another: in the "
-             "dataset's order both runs see the same global batches"),
-        Edit(A, "    set_seed(seed)\n", "    torch.set_default_dtype(torch.float64)\n    set_seed(seed)\n",
-             "float64"),
-        Edit(A, "num_warmup_steps=100,", "num_warmup_steps=10,",
-             "48 scheduler steps in all: the warm-up ends, and the decay shows"),
-        Edit(A, '"lr": 2e-5,', '"lr": 3e-3,', "a learning rate for the small classifier"),
-    ),
-    convert=(
-        Edit(A, "from accelerate import Accelerator, DataLoaderConfiguration, DistributedType\n"
-                "from accelerate.utils import set_seed\n", HELPERS,
-             "rows: Accelerator(), with accelerator.main_process_first():, set_seed(seed)"),
-        Edit(A, "def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):",
-             "def get_dataloaders(mixed_precision: str, batch_size: int = 16):",
-             "row: accelerator.mixed_precision"),
-        Edit(A, "    with accelerator.main_process_first():", "    with main_process_first():",
-             "row: with accelerator.main_process_first():"),
-        Edit(A, "accelerator.distributed_type == DistributedType.XLA", "False",
-             "row: accelerator.distributed_type"),
-        Edit(A, "accelerator.mixed_precision", "mixed_precision",
-             "row: accelerator.mixed_precision", count=2),
-        Edit(A, "    dataloader_config = DataLoaderConfiguration(use_stateful_dataloader="
-                "args.use_stateful_dataloader)\n"
-                "    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision, "
-                "dataloader_config=dataloader_config)",
-             '    px.init()\n    mixed_precision = args.mixed_precision or "no"',
-             "row: Accelerator(mixed_precision=...)"),
-        Edit(A, "    set_seed(seed)\n",
-             "    random.seed(seed)\n    np.random.seed(seed)\n    torch.manual_seed(seed)\n",
-             "row: set_seed(seed)"),
-        Edit(A, "get_dataloaders(accelerator, batch_size)",
-             "get_dataloaders(mixed_precision, batch_size)", "row: accelerator.mixed_precision"),
-        Edit(A, " and accelerator.distributed_type != DistributedType.XLA", "",
-             "row: accelerator.distributed_type"),
-        Edit(A, "model = model.to(accelerator.device)", "model = model.to(px.device())",
-             "row: accelerator.device"),
-        Edit(A, "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = "
-                "accelerator.prepare(\n"
-                "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n    )\n",
-             '    model, optimizer = px.prepare(model, optimizer, strategy="{strategy}",\n'
-             '                                  precision="fp32" if mixed_precision == "no" '
-             "else mixed_precision)\n"
-             "    train_dataloader = px.data_loader(train_dataloader.dataset, "
-             "train_dataloader.batch_size,\n"
-             "                                      shuffle=False, "
-             "collate_fn=train_dataloader.collate_fn)\n"
-             "    eval_dataloader = px.data_loader(eval_dataloader.dataset, "
-             "eval_dataloader.batch_size,\n"
-             "                                     shuffle=False, "
-             "collate_fn=eval_dataloader.collate_fn)\n",
-             "row: accelerator.prepare(model, optimizer, loaders, scheduler)"),
-        Edit(A, '            accelerator.print(f"Resumed from checkpoint: '
-                '{args.resume_from_checkpoint}")',
-             '            if px.local_rank() == 0:\n'
-             '                print(f"Resumed from checkpoint: {args.resume_from_checkpoint}")',
-             "row: accelerator.print"),
-        Edit(A, "accelerator.load_state(args.resume_from_checkpoint)",
-             f"px.load(args.resume_from_checkpoint, {PX_STATE})", "row: load_state"),
-        Edit(A, "accelerator.skip_first_batches(train_dataloader, resume_step)",
-             "train_dataloader", "row: skip_first_batches"),
-        Edit(A, "batch.to(accelerator.device)", "batch.to(px.device())",
-             "row: accelerator.device", count=2),
-        Edit(A, "accelerator.backward(loss)", "loss.backward()", "row: accelerator.backward"),
-        Edit(A, "                lr_scheduler.step()\n",
-             "                for _ in range(px.world_size()):\n"
-             "                    lr_scheduler.step()\n",
-             "row: the prepared scheduler's step()", key="scheduler"),
-        Edit(A, "                    accelerator.save_state(output_dir)\n        model.eval()",
-             f"                    px.save(output_dir, {PX_STATE})\n        model.eval()",
-             "row: save_state"),
-        Edit(A, 'accelerator.gather_for_metrics((predictions, batch["labels"]))',
-             'px.gather_for_metrics((predictions, batch["labels"]), eval_dataloader)',
-             "row: gather_for_metrics"),
-        Edit(A, '        accelerator.print(f"epoch {epoch}:", eval_metric)',
-             '        if px.local_rank() == 0:\n            print(f"epoch {epoch}:", eval_metric)',
-             "row: accelerator.print"),
-        Edit(A, "            accelerator.save_state(output_dir)\n    accelerator.end_training()",
-             f"            px.save(output_dir, {PX_STATE})\n    px.shutdown()",
-             "rows: save_state, end_training"),
-    ),
-    phases=(Phase("run", ("--cpu", "--checkpointing_steps", "4", "--output_dir", "run1")),
-            Phase("resume", ("--cpu", "--checkpointing_steps", "4", "--output_dir", "run2",
-                             "--resume_from_checkpoint", "run1/step_12"))),
-    variants=(("ddp", "ddp", ()), ("zero3", "zero3", ()),
-              ("ddp, scheduler.step() once", "ddp", ("scheduler",))),
-    final_state=_accelerate_state,
-    metric=re.compile(r"^epoch (\d+): \{'accuracy': ([\d.e-]+), 'f1': ([\d.e-]+), "
-                      r"'count': (\d+)\}"),
-)
-CASES = [TUTORIAL, _mingpt(False), _mingpt(True), FSDP2, ACCELERATE]
+CASES = [TUTORIAL, _mingpt(False), _mingpt(True), FSDP2]

@@ -6,7 +6,8 @@ snapshots (`distributed/ddp-tutorial-series/multigpu_torchrun.py`), its minGPT t
 (`distributed/FSDP2`), and Accelerate's `examples/by_feature/checkpointing.py`. This file holds
 none of their code: it reads them from checkouts given on the command line, copies them into
 a directory of runs, and edits the copies with the string replacements of
-benchmarks/foreign_cases.py (each must match exactly once, or the case stops and says which):
+benchmarks/foreign_cases.py and foreign_accelerate.py (each must match as often as it says, or
+the case stops and says which):
 
 1. adaptations, applied alike to the original and to the converted copy, that let both run on
    2 CPU ranks and make their difference mean something: gloo and the CPU instead of NCCL and
@@ -53,6 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from foreign_accelerate import ACCELERATE  # noqa: E402
 from foreign_cases import CASES, Case, Edit  # noqa: E402
 
 TIMEOUT_S = 900  # one phase of one run; the slowest takes well under a minute on 2 cores
@@ -136,7 +138,8 @@ def launch(where: Path, converted: bool, args) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     try:
-        done = subprocess.run(command + list(args), cwd=where, env=env, timeout=TIMEOUT_S,
+        done = subprocess.run(command + list(args), check=False, cwd=where, env=env,
+                              timeout=TIMEOUT_S,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -170,8 +173,8 @@ def max_difference(a: dict, b: dict) -> str:
     if set(a) != set(b):
         return f"names differ: {sorted(set(a) ^ set(b))[:3]}"
     worst = 0.0
-    for name in a:
-        x, y = a[name], b[name]
+    for name, x in a.items():
+        y = b[name]
         if x.shape != y.shape:
             return f"{name}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
         if x.numel():
@@ -198,7 +201,8 @@ def run_case(case: Case, checkouts: dict, runs: Path, show_diff: bool) -> list[l
         added, removed = lines_changed(original, where, case.files)
         if show_diff:
             subprocess.run(["diff", "-r", "-u", str(original), str(where), "-x", "*.log",
-                            "-x", "__pycache__", "-x", "checkpoints", "-x", "*.pt"])
+                            "-x", "__pycache__", "-x", "checkpoints", "-x", "*.pt"],
+                           check=False)
         results = run_phases(case, where, converted=True)
         for i, phase in enumerate(case.phases):
             ref = reference[i] if i < len(reference) else None
@@ -224,7 +228,8 @@ def _commit(directory, say_dirty: bool = False) -> str:
         if not say_dirty:
             return out
         dirty = subprocess.run(["git", "-C", str(directory), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True).stdout
+                                "--untracked-files=no"], check=False, capture_output=True,
+                               text=True).stdout
         return out + (" with uncommitted changes" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -234,10 +239,9 @@ def setup(checkouts: dict) -> str:
     """What the numbers were measured on: CPU, versions, commits."""
     cpu = "unknown CPU"
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info
+                        if line.startswith("model name")), cpu)
     except OSError:
         pass
     try:
@@ -247,7 +251,8 @@ def setup(checkouts: dict) -> str:
         acc = ", accelerate not installed"
     here = Path(__file__).resolve().parent.parent
     return (f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}{acc}; 2 ranks, gloo\n"
-            f"phalanx {_commit(here, say_dirty=True)}; pytorch/examples {_commit(checkouts['examples'])}; "
+            f"phalanx {_commit(here, say_dirty=True)}; "
+            f"pytorch/examples {_commit(checkouts['examples'])}; "
             f"huggingface/accelerate {_commit(checkouts['accelerate'])}")
 
 
@@ -262,7 +267,7 @@ def main() -> None:
     checkouts = {"examples": args.examples, "accelerate": args.accelerate}
     runs = Path(args.runs).resolve()
     rows = []
-    for case in CASES:
+    for case in [*CASES, ACCELERATE]:
         if args.only and case.name not in args.only:
             continue
         rows += run_case(case, checkouts, runs, args.show_diff)

@@ -1,4 +1,4 @@
-"""Stand-ins for what Accelerate's checkpointing example downloads, for benchmarks/foreign_scripts.py.
+"""Stand-ins for what Accelerate's checkpointing example downloads (benchmarks/foreign_scripts.py).
 
 The example tokenizes GLUE MRPC with bert-base-cased's tokenizer, fine-tunes bert-base-cased
 and scores it with `evaluate`'s GLUE metric; none of that can be fetched here. These stand-ins
