@@ -85,7 +85,7 @@ def decide(gen: int, reports: dict, gone: dict) -> Decision:
 
 class _Rewind:
     """A sampler as a sharded engine's reload loads it: it is sent back to the checkpoint at
-    the next resume, keeping what the lost steps consumed (sampler.py's [Note: a step
+    the next resume, keeping what the lost steps consumed (data/replay.py's [Note: a step
     redone])."""
 
     def __init__(self, sampler):
@@ -235,7 +235,7 @@ class StepGate:
         complete, and the samplers go back to where it stands: the steps after it are redone,
         and when the script saves after every step that is only the step in flight, exactly as
         under ddp. A job that has saved nothing yet cannot go on."""
-        from ..checkpoint.api import load_checkpoint
+        from ..checkpoint.api import fallbacks, load_checkpoint
         from ..checkpoint.reader import CheckpointError, read_manifest
         from ..data.sampler import DistributedSampler
         from ..model.prepare import prepared_or_none
@@ -257,10 +257,23 @@ class StepGate:
                 "of this model yet. Call px.save(..., model=model, optimizer=optimizer, "
                 "sampler=loader.sampler) every few steps (after every step, only the step in "
                 "flight is redone)")
-        decision.checkpoint = newest[1]
         stateful = {name: _Rewind(v) if isinstance(v, DistributedSampler) else v
                     for name, v in save[3].items()}
-        load_checkpoint(newest[1], save[1], save[2], True, stateful, restore_rng=False)
+        skipped = []
+        for path in fallbacks(newest[1]):  # newest first, this job's only (checkpoint/api.py)
+            try:  # a damaged one raises alike on every rank (its files are checked collectively)
+                load_checkpoint(path, save[1], save[2], True, stateful, restore_rng=False)
+            except CheckpointError as exc:
+                skipped.append(f"{path}: {exc}")
+                continue
+            decision.checkpoint = path
+            break
+        else:
+            raise MembershipError("phalanx: a rank was lost under a sharded strategy and no "
+                                  f"checkpoint of this job verifies: {'; '.join(skipped)}")
+        if skipped and self.m.rank == 0:
+            print(f"phalanx: skipped damaged checkpoint(s), reloading {decision.checkpoint}: "
+                  + "; ".join(skipped), file=sys.stderr, flush=True)
 
     def watch_tick(self, oldest_in_flight: dict) -> None:
         """[Note: a member left behind]
