@@ -9,6 +9,10 @@ under the key "lightning" the Trainer's dictionary less its "state_dict" and
 other entries of Fabric's state. So `px.load(path, model=model)` reads one at any world size
 and under any strategy, and `phalanx export` turns it into a safetensors file.
 
+Loading leaves the random generators as they were: Lightning saves none and restores none,
+and a script seeded with `seed_everything` draws after a resume what it drew under
+DDPStrategy (px.load alone would restore each rank's generators as they were at the save).
+
 `trainer.fit(ckpt_path=...)` also takes a checkpoint *file* that Lightning wrote under another
 strategy (DDPStrategy's `.ckpt`): its "state_dict" and "optimizer_states" are loaded through
 the prepared model's and optimizer's `load_state_dict`, which phalanx accepts in one
@@ -17,12 +21,17 @@ process's format under every strategy.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
 
+import numpy as np
 import torch
 
 import phalanx as px
+
+from .optimizer import prepared_optimizer
 
 __all__ = ["save_trainer", "load_trainer", "save_fabric", "load_fabric", "remove"]
 
@@ -46,7 +55,8 @@ def load_trainer(path, model, optimizers: list, fitting: bool, strict: bool,
     optimizer = optimizers[0] if fitting and optimizers else None
     if os.path.isfile(path):  # a .ckpt written by Lightning under another strategy
         return _load_lightning_file(path, model, optimizer, strict, checkpoint_io)
-    values = px.load(path, model=model, optimizer=optimizer, strict=strict)
+    with _generators_kept():
+        values = px.load(path, model=model, optimizer=optimizer, strict=strict)
     if TRAINER_KEY not in values:
         raise ValueError(
             f"{os.fspath(path)!r} is a phalanx checkpoint, but not one a Trainer wrote (it "
@@ -79,7 +89,8 @@ def _split(state: dict) -> tuple:
     model_key = modules[0] if modules else None
     optim_key = optimizers[0] if optimizers else None
     rest = {k: v for k, v in state.items() if k not in (model_key, optim_key)}
-    return (model_key, state.get(model_key), optim_key, state.get(optim_key), rest)
+    optimizer = prepared_optimizer(state[optim_key]) if optim_key is not None else None
+    return (model_key, state.get(model_key), optim_key, optimizer, rest)
 
 
 def save_fabric(path, state: dict) -> None:
@@ -94,7 +105,8 @@ def load_fabric(path, state, strict: bool) -> dict:
     """Restore Fabric's `state` (a dict, or a lone model) from `path` in place; return what
     was saved but not asked for."""
     if isinstance(state, torch.nn.Module):
-        px.load(path, model=state, strict=strict)
+        with _generators_kept():
+            px.load(path, model=state, strict=strict)
         return {}
     if not state:
         raise ValueError("PhalanxStrategy restores a checkpoint into the objects it was saved "
@@ -104,7 +116,8 @@ def load_fabric(path, state, strict: bool) -> dict:
         raise ValueError("PhalanxStrategy loads an optimizer together with its model: "
                          "fabric.load(path, {'model': model, 'optimizer': optimizer})")
     _, model, _, optimizer, rest = _split(state)
-    values = px.load(path, model=model, optimizer=optimizer, strict=strict)
+    with _generators_kept():
+        values = px.load(path, model=model, optimizer=optimizer, strict=strict)
     saved = values.get(FABRIC_KEY, {}).get("state", {})
     missing = [k for k in rest if k not in saved]
     if missing and strict:
@@ -118,6 +131,23 @@ def load_fabric(path, state, strict: bool) -> dict:
         else:
             state[key] = saved[key]
     return {k: v for k, v in saved.items() if k not in rest}
+
+
+@contextlib.contextmanager
+def _generators_kept():
+    """This process's random generators (CPU, this GPU's, Python's, NumPy's) as they were
+    before the block (see the module docstring)."""
+    cpu, python, numpy = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
+        torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        random.setstate(python)
+        np.random.set_state(numpy)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def _stateful(obj) -> bool:

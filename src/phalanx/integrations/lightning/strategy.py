@@ -53,6 +53,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 import phalanx as px
 
 from . import checkpoints
+from .optimizer import FabricOptimizer
 from .precision import fabric_plugin, phalanx_precision, trainer_plugin
 
 __all__ = ["PhalanxStrategy"]
@@ -101,12 +102,6 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
         self._backward_sync_control = _NoSync()
 
     # -- which front end, and the precision it brings ------------------------------------------
-    def _serve(self, face: str) -> None:
-        if self._face not in (None, face):
-            raise ValueError(f"this PhalanxStrategy already serves a {self._face}; give the "
-                             f"{face} a PhalanxStrategy of its own")
-        self._face = face
-
     @property
     def precision_plugin(self):
         return self._precision_plugin if self._precision_plugin is not None \
@@ -115,7 +110,7 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
         if plugin is not None:  # set by the Trainer's connector
-            self._serve(_TRAINER)
+            self._face = _TRAINER
             self._px_precision = phalanx_precision(plugin)
             plugin = trainer_plugin(plugin, lambda: self._prepared)
         self._precision_plugin = plugin
@@ -128,7 +123,7 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
     @precision.setter
     def precision(self, plugin) -> None:
         if plugin is not None:  # set by Fabric's connector
-            self._serve(_FABRIC)
+            self._face = _FABRIC
             self._px_precision = phalanx_precision(plugin)
             plugin = fabric_plugin(plugin)
         self._precision = plugin
@@ -243,8 +238,10 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
         if len(optimizers) > 1:
             raise ValueError(f"fabric.setup was given {len(optimizers)} optimizers; "
                              "PhalanxStrategy prepares a model with one optimizer (px.prepare)")
-        return self._prepare(module, optimizers[0] if optimizers else None), optimizers, \
-            scheduler
+        optimizer = optimizers[0] if optimizers else None
+        module = self._prepare(module, optimizer)
+        # See [Note: Fabric's optimizer wrapper and zero_grad] in optimizer.py
+        return module, [FabricOptimizer(optimizer)] if optimizer is not None else [], scheduler
 
     def setup_module(self, module):
         return self._prepare(module, None)
