@@ -11,6 +11,7 @@ import torch.distributed as dist
 import phalanx as px
 from phalanx import groups
 from phalanx.launch.spawn import run_workers
+from phalanx.testing import engine_of
 
 
 def _log_without_close(run_dir):
@@ -46,18 +47,21 @@ def _groups_after_shutdown():
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    px.prepare(model, opt, strategy="zero3")  # px.init() ran in the worker: timeout 600 s
+    model, _ = px.prepare(model, opt, strategy="zero3")  # px.init() ran: timeout 600 s
     made = groups.made()
     timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                 for g in made]
+    service = engine_of(model).remote  # its channel lies outside torch's registry
+    timeouts.append(service.channel.options._timeout.total_seconds())
     px.shutdown()
-    return timeouts, len(groups.made()), dist.is_initialized()
+    return timeouts, len(groups.made()), dist.is_initialized(), service.channel is None
 
 
 def test_the_groups_phalanx_made_are_bounded_by_the_jobs_timeout_and_end_at_shutdown():
     """zero3's gathers group had torch's default timeout (30 min on gloo) and outlived
     px.shutdown."""
-    for timeouts, left, initialized in run_workers(_groups_after_shutdown, 2, rendezvous="tcp",
-                                                   timeout=60, shutdown=False):
-        # zero3's gathers and the shard service (engine/remote.py); torch's default: 1800
-        assert timeouts == [600.0, 600.0] and left == 0 and not initialized
+    for timeouts, left, initialized, channel_ended in run_workers(
+            _groups_after_shutdown, 2, rendezvous="tcp", timeout=60, shutdown=False):
+        # zero3's gathers and the shard service's channel (engine/remote.py); torch's
+        # default: 1800
+        assert timeouts == [600.0, 600.0] and left == 0 and not initialized and channel_ended

@@ -13,21 +13,23 @@ the groups phalanx made (groups.py), the live Comms and step counters (records.p
 the hang watcher (faults/hangs.py), background saves still running (checkpoint/saving.py),
 px.log's open files (observe/metrics.py), the trace writer (observe/trace.py), the seconds
 spent waiting for data (observe/step_report.py), map_batches' call count (data/inference.py),
-and torch's replaced clip function while a model needs it (engine/clipping.py).
+torch's replaced clip function while a model needs it (engine/clipping.py), and this rank's
+end, announced in the store and waited for there, with torch's destroy_process_group routed to
+it while the job's group lives (leaving.py).
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import elastic, groups, records
+from . import elastic, groups, leaving, records
 from .collectives import Comm
+from .init_options import check_backend as _check_backend, check_timeout as _check_timeout
 from .launch.env import check_slurm_tasks, read_launch_env
 from .launch.processes import auto_processes, process_count, relaunch as _relaunch
 
@@ -46,6 +48,7 @@ class _State:
     device: torch.device = torch.device("cpu")
     initialized: bool = False
     owns_group: bool = False  # True when init() created the group (so shutdown destroys it)
+    world: object = None  # the job's group this init joined (outside continue mode)
     watch: tuple | None = None  # (timeout, hang_after) of init, for a new generation's watcher
 
 
@@ -96,37 +99,6 @@ def _pick_device(local_rank: int, backend: str | None, requested: str | None = N
     return torch.device("cuda", index)
 
 
-def _check_timeout(timeout) -> datetime.timedelta:
-    """`timeout` as a timedelta, or a TypeError/ValueError that names the option."""
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"px.init(timeout=...) takes a number of seconds (int or float), got "
-                        f"{type(timeout).__name__} {timeout!r}; for example timeout=600")
-    try:
-        if math.isfinite(seconds) and seconds > 0:
-            return datetime.timedelta(seconds=seconds)
-    except OverflowError:  # beyond what a timedelta holds (about 2.7 million years)
-        pass
-    raise ValueError(f"px.init(timeout={timeout!r}): the timeout bounds every collective and "
-                     "must be a positive, finite number of seconds; for example timeout=600 "
-                     "(the default)")
-
-
-def _check_backend(backend) -> None:
-    if backend is None:
-        return
-    if not isinstance(backend, str):
-        raise TypeError(f"px.init(backend=...) takes a name such as 'gloo' or 'nccl', or None "
-                        f"to choose; got {type(backend).__name__} {backend!r}")
-    if backend.lower() == "nccl" and not torch.cuda.is_available():
-        raise ValueError("px.init(backend='nccl'): NCCL needs CUDA GPUs, and this process sees "
-                         "none (torch.cuda.is_available() is False); use backend='gloo', the "
-                         "CPU backend, or leave backend=None to pick the one that fits")
-
-
 def init(backend: str | None = None, timeout: float = 600.0, processes=None,
          hang_after: float | None = None, device=None) -> None:
     """Join the job's process group (idempotent). With no launcher, a world of one.
@@ -154,7 +126,9 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     if hang_after is not None:
         hang_after = _check_timeout(hang_after).total_seconds()
     if _state.initialized:
-        return
+        if not _world_gone():
+            return
+        shutdown()  # the script destroyed the group this process joined: start afresh
     if processes is None:
         processes = os.environ.get("PHALANX_PROCESSES") or None
     if processes is not None and not (dist.is_available() and dist.is_initialized()) \
@@ -174,8 +148,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
             _state.device = _pick_device(_state.local_rank, backend_in_use, requested)
         _state.initialized = True
         _state.owns_group = False
-        groups.set_timeout(timeout)
-        _watch_hangs(timeout, hang_after)
+        _joined(timeout, hang_after)
         return
     env = read_launch_env()
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
@@ -215,8 +188,30 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         )
         _state.owns_group = True
     _state.initialized = True
+    _joined(timeout, hang_after)
+
+
+def _joined(timeout: datetime.timedelta, hang_after: float | None) -> None:
+    """After joining a group (ours or the user's), outside continue mode: bound what waits by
+    `timeout`, watch for hangs, and have this rank's end wait for its peers' (leaving.py)."""
     groups.set_timeout(timeout)
     _watch_hangs(timeout, hang_after)
+    if _state.world_size > 1 and dist.is_initialized():
+        _state.world = dist.group.WORLD
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (ValueError, RuntimeError, AttributeError):  # a group made without a store
+            return
+        leaving.start(store, _state.rank, _state.world_size, timeout.total_seconds(), shutdown)
+
+
+def _world_gone() -> bool:
+    """Whether the script destroyed the group this process joined (torch's
+    `destroy_process_group()`, as the tutorial's rounds do before making the next): `px.init`
+    (and `px.prepare`, which calls it) then ends the old one as `px.shutdown` would and starts
+    afresh."""
+    return _state.world is not None and not (dist.is_available() and dist.is_initialized()
+                                             and dist.group.WORLD is _state.world)
 
 
 def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
@@ -342,18 +337,21 @@ def before_shutdown(fn) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group and end it. Safe to call twice and in a world of one.
+    """Leave the job and end its groups. Safe to call twice and in a world of one; the end of a
+    script that does not call it calls it (at the interpreter's exit).
 
-    Ranks first meet at a barrier, so no rank tears its connections down while another still
-    talks to it; that ordering is what keeps gloo from aborting a peer at exit. Then every
-    `Comm` (a prepared model's engine holds one) drops its reference to its group, the groups
-    phalanx made (groups.py: zero3's gathers, background saves) are destroyed, and so is the
-    job's group when `init` made it (one the user made is theirs to end), so the groups really
-    end here, with their native threads, and are not left for interpreter finalisation to
-    free (where gloo's threads can abort the process; pytorch/pytorch#179291). A group that
-    the script already destroyed is left alone. A checkpoint still being written in the
-    background is finished first (and its error, if it had one, raised after the groups are
-    ended).
+    A checkpoint still being written in the background is finished first (its error, if it had
+    one, is raised after the groups are ended). Then this rank waits, answering for its shards,
+    until every rank has reached its own end (`px.shutdown()`, the end of its script, or a
+    failure) or `px.init(timeout=)` has passed; under `--on-failure continue` the ranks meet
+    at a barrier instead, where a loss after the last step is recovered from. Either way no
+    rank tears its connections down while another still talks to it, the ordering that keeps
+    gloo from aborting a peer at exit. Then every `Comm` drops its group, the groups phalanx
+    made (zero3's gathers, background saves) and the shard services end, and so does the
+    job's group when `init` made it (one the user made is theirs to end), so the groups
+    end here, with their native threads, and are not left for interpreter finalisation to free
+    (where gloo's threads can abort the process; pytorch/pytorch#179291). A group that the
+    script already destroyed (torch's `destroy_process_group()`) is left alone.
     """
     if not _state.initialized:
         return
@@ -365,15 +363,15 @@ def shutdown() -> None:
             except Exception as exc:  # raised once the group is ended
                 error = error or exc
         elastic.finish()  # phalanx run --on-failure continue: a loss after the last step
-        if dist.is_available() and dist.is_initialized():
-            try:
-                _barrier("px.shutdown")
-                elastic.finish()  # ... or in this very barrier
-            finally:
-                _stop_watching()
-                _end_groups()
+        if elastic.current() is None:
+            leaving.leave("px.shutdown")
+        elif dist.is_available() and dist.is_initialized():
+            _barrier("px.shutdown")
+            elastic.finish()  # ... or in this very barrier
     finally:
         _stop_watching()
+        leaving.forget()  # torch's destroy_process_group back before _end_groups calls it
+        _end_groups()
         elastic.stop()
         _state.__init__()
     if error is not None:
@@ -391,5 +389,6 @@ def _end_groups() -> None:
     records.close_all()
     groups.end_all()
     _default.clear()
-    if _state.owns_group and dist.is_initialized():  # the barrier's failure may have ended it
+    if _state.owns_group and dist.is_initialized() and (
+            _state.world is None or dist.group.WORLD is _state.world):  # not a newer one
         dist.destroy_process_group()

@@ -13,9 +13,12 @@ take part: each rank runs a `ShardService` thread that serves its shards to a pe
   stall every other user of it: the hang watcher, the creation of groups). The asking rank
   takes a ticket from the serving rank's counter (an atomic add) and writes its request under
   that ticket; the server thread waits for its tickets in order. The answer's header (what
-  comes, or an error) goes back through the store, and the tensors over a gloo process group of
-  the service's own (`groups.py`, "service"), point to point, on the CPU (a GPU rank copies its
-  shard out first). No other rank, and no other group, is involved.
+  comes, or an error) goes back through the store, and the tensors over a gloo channel of the
+  service's own, point to point, on the CPU (a GPU rank copies its shard out first). No other
+  rank, and no other group, is involved. The channel is a gloo group made outside torch's
+  registry of groups, so torch's `destroy_process_group()`, which ends every group it lists
+  and which torch DDP scripts call last, leaves it working: a rank that has called it still
+  answers until its end ([Note: a rank's end] in leaving.py).
 - The values are consistent: a request names how many optimizer steps the asking rank has
   taken with that model, and the server waits until its model has taken as many before it
   reads, under the engine's lock, which `optimizer.step()` holds while it changes masters and
@@ -27,8 +30,8 @@ take part: each rank runs a `ShardService` thread that serves its shards to a pe
 - A peer that does not answer within the job's timeout (`px.init(timeout=)`): the asking rank
   raises `PeerError` naming the peer and what it asked for.
 - While nobody asks, the thread is blocked in one wait on the store: nothing is sent, nothing
-  is held, no CPU is used. `px.shutdown()` ends it after its barrier (a peer may read shards
-  until it reaches that barrier).
+  is held, no CPU is used. `px.shutdown()` (which the end of a script calls) ends it once every
+  peer has reached its own end, so a peer may read shards until then (leaving.py).
 
 [Note: a model dropped while a peer reads it]
 Every rank may call `state_dict()` and return (a function's model goes with it) while a slower
@@ -91,9 +94,7 @@ class ShardService:
     """This process's server of shards, and its requests to the peers' (see the Note)."""
 
     def __init__(self, group, rank: int, world: int):
-        self.group = groups.group_for(group, "service", backend="gloo")
         self.rank, self.world = rank, world
-        self.global_ranks = dist.get_process_group_ranks(self.group)
         timeout = groups.timeout()
         self.timeout = timeout.total_seconds() if timeout is not None else 600.0
         store = dist.distributed_c10d._get_default_store()
@@ -102,13 +103,18 @@ class ShardService:
         # A key space per px.init: a store that outlives a shutdown and a new init (or a
         # launcher's restart) has the old tickets in it.
         # shard_size: one service per shard group, each with keys of its own (hybrid.py)
+        ranks = dist.get_process_group_ranks(group)
         key = _KEY if world == dist.get_world_size() else \
-            f"{_KEY}/ranks {','.join(map(str, self.global_ranks))}"
+            f"{_KEY}/ranks {','.join(map(str, ranks))}"
         members = elastic.current()  # --on-failure continue: each generation its own keys
         if members is not None:
             key = f"{key}/gen{members.gen}"
         attempt = (self._asking_store.add(f"{key}/joined", 1) - 1) // world
         self.prefix = f"{key}/{attempt}"
+        # Outside torch's registry (see the Note), bounded by the job's timeout; its ranks are
+        # the service's (ranks of `group`). Made by every rank of `group`, as the service is.
+        self.channel = dist.ProcessGroupGloo(dist.PrefixStore(f"{self.prefix}/channel", store),
+                                             rank, world, datetime.timedelta(seconds=self.timeout))
         self.parent = group
         self.engines: list = []  # weak references, by the order models were prepared
         self._held: dict[int, object] = {}   # engine id -> the engine, while its model lives
@@ -149,8 +155,9 @@ class ShardService:
             self._retired = [(e, mark) for e, mark in self._retired if mark >= done]
 
     def stop(self) -> None:
-        """End the serving thread: a request to itself that says stop (it answers in order);
-        let go of every engine."""
+        """End the serving thread (a request to itself that says stop: it answers in order)
+        and the channel, whose connections close, so a peer still waiting on this rank fails
+        at once; let go of every engine."""
         self._held.clear()
         self._retired = []
         try:
@@ -162,7 +169,9 @@ class ShardService:
         except Exception:  # noqa: BLE001 - the store is gone: the thread ends by itself
             pass
         finally:
-            self.group = self.parent = None  # nothing here keeps an ended group alive
+            channel, self.channel, self.parent = self.channel, None, None
+            if channel is not None and not self._thread.is_alive():
+                channel.shutdown()
 
     # -- asking ---------------------------------------------------------------------------
     def ask(self, peers: list[int], engine_id: int, kind: str, arg, step: int, what: str):
@@ -196,9 +205,8 @@ class ShardService:
         for shape, dtype in header["tensors"]:
             buf = torch.empty(shape, dtype=dtype)
             try:
-                dist.recv(buf, src=self.global_ranks[peer], group=self.group,
-                          tag=ticket % 2**20)
-            except RuntimeError as exc:
+                self.channel.recv([buf], peer, ticket % 2**20).wait()
+            except (RuntimeError, AttributeError) as exc:  # AttributeError: stopped meanwhile
                 raise PeerError(f"rank {peer} went away while sending {what}: {exc}") from None
             tensors.append(buf)
         return header, tensors
@@ -226,8 +234,7 @@ class ShardService:
                 self.served += 1  # before the answer: the asking rank may read it next
                 store.set(f"{self.prefix}/{self.rank}/answer/{ticket}", pickle.dumps(header))
                 for t in tensors:
-                    dist.send(t, dst=self.global_ranks[asker], group=self.group,
-                              tag=ticket % 2**20)
+                    self.channel.send([t], asker, ticket % 2**20).wait()
             except Exception as exc:  # noqa: BLE001 - the asking rank went away
                 if not warned:
                     warned = True
@@ -277,7 +284,8 @@ def service_for(comm) -> ShardService | None:
 
 
 def stop_all() -> None:
-    """End every service (`px.shutdown()`, after its barrier, before the groups end)."""
+    """End every service (`px.shutdown()`, once every peer has reached its end, before the
+    groups end; a generation's end under --on-failure continue)."""
     entries, _ = list(_services.values()), _services.clear()
     for _, service in entries:
         service.stop()

@@ -99,6 +99,9 @@ def leave(code: int) -> None:
     for thread in threading.enumerate():
         if thread is not main and not thread.daemon:
             thread.join()
+    if code:  # a failed worker does not wait at its end for its peers (phalanx/leaving.py)
+        with contextlib.suppress(Exception):
+            sys.modules["phalanx.leaving"].failing()
     atexit._run_exitfuncs()
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):

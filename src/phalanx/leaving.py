@@ -1,0 +1,200 @@
+"""A rank's end: one way out for every rank, whatever ends it, with its shards readable until its
+peers are done with them.
+
+[Note: a rank's end]
+Under zero1, zero2 and zero3 a rank's peers may read its shards one-sidedly, from its shard
+service thread ([Note: reading a peer's shards] in engine/remote.py): a torch DDP script's rank 0
+saves `model.module.state_dict()` or evaluates under `torch.no_grad()` alone, after the other
+ranks have finished their own loops. So a rank that has finished must not take its shards away
+while a peer may still ask for them. A rank reaches its end in one of three ways, and each goes
+through `leave` here:
+
+- it calls `px.shutdown()`;
+- its script ends (returns from main, `sys.exit(0)`, the end of the file): `px.init` registers
+  an `atexit` handler that calls `px.shutdown()` (runtime.py);
+- it fails (an exception ends the script, or a launcher's worker exits with a non-zero status):
+  it says so and leaves at once, without waiting for anyone.
+
+- it calls torch's `destroy_process_group()` for the whole job (no argument, or the WORLD
+  group), as torch DDP scripts do last: while `px.init`'s group lives, that name in
+  `torch.distributed` (and in `torch.distributed.distributed_c10d`) is a function that calls
+  `px.shutdown()` and then torch's own for what is left (a group the script made); any other
+  group goes straight to torch's. It is the one function of torch's that phalanx replaces
+  besides `clip_grad_norm_` (engine/clipping.py), and torch's is put back by `px.shutdown()`.
+
+A name bound before `px.init` (the tutorial's `from torch.distributed import
+destroy_process_group`, at the top of the script) keeps torch's own function, which ends every
+group torch lists. The shard service's channel is not one of them: it is a gloo group made
+outside torch's registry (engine/remote.py), so such a rank still answers for its shards, and
+its end is the exit that follows (or the next `px.init`/`px.prepare`, which notices that the
+group it joined is gone and ends it as `px.shutdown()` would).
+
+At its end a rank writes its key, `phalanx/leaving/<attempt>/<rank>`, in the job's store, with
+how it ended ("px.shutdown", "failed"), and counts itself in; the rank that completes the count
+writes `all`. A rank that has not failed then waits for `all`, its shard service answering
+meanwhile: a peer's key is written after its last read (reads are synchronous), so when every
+key is there nobody reads any more, and the groups can end with no peer still talking (what
+keeps gloo from aborting a peer at exit). The wait is a poll of one store key, not a
+collective: the hang watcher does not report it (a peer that is only slower is not a hang), but
+a peer stuck in a collective that this rank will never join is still reported (faults/hangs.py:
+the watcher keeps running until the wait is over).
+
+The wait is bounded by `px.init(timeout=)`: a peer that never comes (killed, or stuck outside
+Python) costs its peers at most the timeout, after which each leaves with a message naming the
+ranks it waited for. A store that has gone away (the process that hosted it has ended) ends the
+wait at once: that process was the last to need it. Under a launcher, a killed worker makes the
+launcher end the others sooner (phalanx run, torchrun, px.spawn).
+
+Under `phalanx run --on-failure continue` none of this runs: the ranks meet at px.shutdown's
+barrier, where a member lost after its last step is recovered from (elastic/), and the agents
+record who has left (elastic/store.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = ["failing", "forget", "how", "leave", "start"]
+
+_KEY = "phalanx/leaving"
+_POLL_MIN, _POLL_MAX = 0.002, 0.05  # seconds between two looks at the store while waiting
+_now: dict = {}
+_at_exit_registered: list = []
+
+
+def start(store, rank: int, world: int, timeout: float, end) -> None:
+    """`px.init` with peers: this rank's end will be announced in `store` and waited for
+    there; `end` (`px.shutdown`) is called at the end of a script that did not call it. A key
+    space per px.init: a store that outlives a shutdown and a new init (or a launcher's
+    restart) holds the old keys."""
+    attempt = (store.add(f"{_KEY}/joined", 1) - 1) // world
+    _now.clear()
+    _now.update(store=store, rank=rank, world=world, timeout=timeout, end=end,
+                prefix=f"{_KEY}/{attempt}", left=False, failing=False)
+    if not _at_exit_registered:  # once per process (a forked child inherits it)
+        atexit.register(_at_exit)
+        _at_exit_registered.append(True)
+    if "destroy" not in _torch:
+        _torch["destroy"] = c10d.destroy_process_group
+        dist.destroy_process_group = c10d.destroy_process_group = _destroy_process_group
+
+
+_torch: dict = {}  # "destroy" -> torch's destroy_process_group while ours is installed
+
+
+def _destroy_process_group(group=None):
+    """torch's `destroy_process_group`, which for the whole job is first this rank's end
+    (`px.shutdown()`: see the Note)."""
+    original = _torch.get("destroy", c10d.destroy_process_group)
+    end = _now.pop("end", None)
+    if end is not None and (group is None or group is c10d.GroupMember.WORLD):
+        end()
+        if not dist.is_initialized():  # px.init made it, and px.shutdown ended it
+            return None
+    elif end is not None:
+        _now["end"] = end
+    return original(group)
+
+
+_destroy_process_group.__doc__ = c10d.destroy_process_group.__doc__
+
+
+def _at_exit() -> None:
+    """The script has ended without `px.shutdown()`: end as it would, or, on a failure, say so
+    and leave at once (see the Note)."""
+    if "store" not in _now:
+        return
+    if ending_on_failure():
+        leave("failed")
+        return
+    rank = _now["rank"]
+    try:
+        _now["end"]()
+    except Exception as exc:  # noqa: BLE001 - said, as nothing is left to raise it to
+        print(f"phalanx: rank {rank}: px.shutdown() at the end of the script "
+              f"failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+def failing() -> None:
+    """This process ends on a failure: its end will not wait for its peers (a launcher's
+    worker says so before its `atexit` handlers run; see the Note)."""
+    _now["failing"] = True
+
+
+def ending_on_failure() -> bool:
+    """Whether this process is ending on a failure: `failing()` was called, or the interpreter
+    is ending on an uncaught exception (it sets `sys.last_value` before the `atexit` handlers
+    run; `sys.last_exc` from Python 3.12). A `sys.exit(1)` of a script run by plain `python`
+    leaves no such trace: that rank waits for its peers as at a clean end, and a peer stuck in a
+    collective with it ends the job by the hang report."""
+    return bool(_now.get("failing")) or getattr(sys, "last_value", None) is not None \
+        or getattr(sys, "last_exc", None) is not None
+
+
+def how(rank: int) -> str | None:
+    """How `rank` ended ("px.shutdown", "failed"), or None while it has not (or unknown)."""
+    if "store" not in _now:
+        return None
+    key = f"{_now['prefix']}/{rank}"
+    try:
+        return _now["store"].get(key).decode() if _now["store"].check([key]) else None
+    except Exception:  # noqa: BLE001 - the store is gone
+        return None
+
+
+def leave(how_: str) -> None:
+    """This rank has reached its end (see the Note): announce it, and unless it fails, wait
+    until every rank has, or the timeout passes. Once per `start`; a no-op without peers."""
+    if "store" not in _now or _now["left"]:
+        return
+    _now["left"] = True
+    fails = how_ == "failed" or ending_on_failure()
+    store, prefix, world = _now["store"], _now["prefix"], _now["world"]
+    try:
+        store.set(f"{prefix}/{_now['rank']}", "failed" if fails else how_)
+        if store.add(f"{prefix}/count", 1) == world:
+            store.set(f"{prefix}/all", "1")
+    except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
+        return
+    if not fails:
+        _wait_for_all(store, prefix)
+
+
+def _wait_for_all(store, prefix: str) -> None:
+    deadline = time.monotonic() + _now["timeout"]
+    poll = _POLL_MIN
+    while True:
+        try:
+            if store.check([f"{prefix}/all"]):
+                return
+        except Exception:  # noqa: BLE001 - the store's host has ended: nobody reads any more
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(poll)
+        poll = min(2 * poll, _POLL_MAX)
+    rank, timeout = _now["rank"], _now["timeout"]
+    missing = [r for r in range(_now["world"]) if r != rank and how(r) is None]
+    names = ", ".join(map(str, missing))
+    who = f"rank {names} has" if len(missing) == 1 else f"ranks {names} have"
+    print(f"phalanx: rank {rank} waited {timeout:.0f} s at its end for its peers to finish "
+          f"reading its shards; {who} not reached {'its' if len(missing) == 1 else 'their'} "
+          "own end (px.shutdown() or the end of the script): killed, or stuck outside Python? "
+          "Leaving without them (px.init(timeout=) bounds this wait)",
+          file=sys.stderr, flush=True)
+
+
+def forget() -> None:
+    """`px.shutdown` has waited: nothing of this px.init's end is kept, and torch's
+    `destroy_process_group` is torch's again."""
+    _now.clear()
+    original = _torch.pop("destroy", None)
+    if original is not None:
+        for module in (dist, c10d):
+            if module.destroy_process_group is _destroy_process_group:
+                module.destroy_process_group = original
