@@ -297,7 +297,7 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
                             "storage_options")
         path = self.broadcast(os.fspath(path))
         if self._face == _TRAINER:
-            checkpoints.save_trainer(checkpoint, path, self.model, self.optimizers)
+            checkpoints.save_trainer(checkpoint, path, self._trained_model(), self.optimizers)
         else:
             checkpoints.save_fabric(path, state)
 
@@ -309,11 +309,19 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
             path = self.broadcast(os.fspath(path))
             module = self.lightning_module
             return checkpoints.load_trainer(
-                path, self.model, self.optimizers, module.trainer.state.fn == TrainerFn.FITTING,
+                path, self._trained_model(), self.optimizers, module.trainer.state.fn == TrainerFn.FITTING,
                 module.strict_loading, self.checkpoint_io)
         path, state, strict, _ = _args(args, kwargs, "path", "state", "strict", "weights_only",
                                        defaults={"strict": True})
         return checkpoints.load_fabric(self.broadcast(os.fspath(path)), state, strict)
+
+    def _trained_model(self):
+        """The model a Trainer's checkpoint holds: the prepared one, also after fit (when
+        `self.model` is the LightningModule again, whose zero3 parameters hold no values)."""
+        prepared = self._prepared
+        if prepared is not None and px.unwrap(prepared) is self.lightning_module:
+            return prepared
+        return self.model
 
     def remove_checkpoint(self, filepath) -> None:
         checkpoints.remove(os.fspath(filepath), self.is_global_zero, self.checkpoint_io)
