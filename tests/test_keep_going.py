@@ -129,6 +129,39 @@ def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_join
     assert "membership/joined" in metrics
 
 
+@pytest.mark.parametrize("strategy", ["zero2", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_a_rank_killed_in_the_save_after_an_epochs_last_step_loses_no_epoch(tmp_path, strategy):
+    """Rank 2 killed in the px.save after the last step of epoch 1 (step 39): the others see
+    it in that save, and in the first step of epoch 2 go back to step 39's checkpoint, whose
+    sampler stands in epoch 1 while the loop's `for` is in epoch 2. That iteration must serve
+    the rest of epoch 1 and then all of epoch 2 (it once ended after one batch: a whole epoch
+    lost, and the job completed)."""
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--die-in-save", "2@39", "--strategy", strategy,
+                                   restarts=2)
+    _close(weights, reference, stderr)
+    assert "rank 2 was killed by SIGKILL at step 40; step 40 redone by 2 ranks from " \
+           "step00039" in stderr
+
+
+@pytest.mark.slow
+def test_a_step_lost_after_the_loop_ended_fails_the_job_with_the_ledgers_counts(tmp_path):
+    """Killed in the save after the very last step under zero2: the others go back to the
+    checkpoint before it, and no loop is left to train that step again. The job ends with
+    an error that says what is missing ([Note: the ledger]), not as completed."""
+    token = f"keep-going-{random.Random().getrandbits(64):x}"
+    result = phalanx("run", "-n", 3, "--on-failure", "continue", "--max-restarts", 2, SCRIPT,
+                     tmp_path / "o.pt", tmp_path / token, "--strategy", "zero2",
+                     "--die-in-save", "2@59", timeout=TIMEOUT)
+    assert result.returncode == 1, result.stderr
+    assert "MembershipError: phalanx: at the end of the job, the model does not hold what the " \
+           "loop was served after a recovery from a lost rank: epoch 2: the loop took 240 " \
+           "samples in 20 optimizer steps, the model holds 228 samples in 19 optimizer " \
+           "steps" in result.stderr
+    assert "the job completed" not in result.stderr
+    assert processes_running(token) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,strategy,reference,line", [
     ("--kill", "zero3", (), "rank 2 was killed by SIGKILL at step 10; step 10 redone by 2 ranks"),

@@ -191,3 +191,100 @@ def test_a_sampler_loaded_during_a_replay_leaves_out_what_the_replay_will():
     rest = [[8, 9, 10, 11], [12, 13, 14, 15], [20, 21, 22, 23]]
     assert list(joined.batches()) == rest and list(batches) == rest
     assert joined.batches_left() == 3 and len(joined) == 24
+
+
+# -- a replay into a finished epoch, and the ledger that checks every replay -------------------
+def _with_ledger(sampler):
+    """A sampler as continue mode makes it (with a ledger), in a process without a job."""
+    from phalanx.data.ledger import Ledger
+
+    sampler._ledger = Ledger()
+    return sampler
+
+
+def _step(*samplers, commits=True):
+    """`optimizer.step()` as the step gate sees it: called, and committed unless lost."""
+    from phalanx.data.ledger import step_called
+
+    step_called(samplers)
+    if commits:
+        for sampler in samplers:
+            sampler._commit()
+
+
+def test_a_replay_back_into_the_epoch_the_loop_finished_goes_on_through_the_loops_epoch():
+    """The issue's case in one process: a checkpoint saved before the last step of epoch 0, a
+    rank lost in the save after that step, and the loss seen in the first step of epoch 1 (the
+    loop's set_epoch(1) and `for` already begun). A sharded engine goes back to the checkpoint:
+    the loader's iteration serves the rest of epoch 0, then the whole of epoch 1 (it once
+    ended after epoch 0's last batch, and epoch 1 was lost)."""
+    loader = px.data_loader(list(range(24)), 4, shuffle=False)
+    sampler = _with_ledger(loader.sampler)
+    loader.sampler.set_epoch(0)
+    for i, batch in enumerate(loader):
+        _step(sampler)
+        if i == 4:
+            checkpoint = sampler.state_dict()  # px.save after step 4: position 20
+    loader.sampler.set_epoch(1)
+    served = []
+    for batch in loader:
+        served.append(batch.tolist())
+        if len(served) == 1:  # step 6 (epoch 1's first) is where the loss is seen: thrown away
+            _step(sampler, commits=False)
+            sampler._rewind(checkpoint)
+            sampler._resume(skip=False)
+        else:
+            _step(sampler)
+    epoch1 = [[i, i + 1, i + 2, i + 3] for i in range(0, 24, 4)]
+    assert served == [epoch1[0], [20, 21, 22, 23]] + epoch1
+    assert (sampler.epoch, sampler.position()) == (2, 0)
+    assert sampler._ledger.mismatches() == []
+    assert sampler._ledger.done == {0: [24, 6], 1: [24, 6]}
+
+
+def test_the_ledger_makes_a_lost_batch_an_error_and_a_replay_balances_it():
+    """One mechanism for every way a recovery could lose data: the loop's batches each count
+    once (the first time it steps after one), the model's go back with it; a step thrown away
+    and never served again is an error naming the epoch and both counts."""
+    from phalanx.elastic.steps import StepGate
+
+    train = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
+                                               world_size=1, shuffle=False))
+    evaluation = _with_ledger(px.DistributedSampler(list(range(8)), batch_size=4, rank=0,
+                                                    world_size=1, shuffle=False))
+    batches = iter(train.batches())
+    for _ in range(3):
+        next(batches)
+        train._batch_consumed()
+        _step(train, evaluation)
+        for _ in evaluation.batches():  # an evaluation between steps: in no step's count
+            evaluation._batch_consumed()
+    next(batches)
+    train._batch_consumed()
+    _step(train, evaluation, commits=False)   # step 3, lost with a rank
+    train._resume(skip=False)
+    evaluation._resume(skip=False)
+    gate = StepGate(None)
+    with pytest.raises(MembershipError, match="at the end of the job, the model does not hold "
+                       "what the loop was served after a recovery from a lost rank: epoch 0: "
+                       "the loop took 16 samples in 4 optimizer steps, the model holds 12 "
+                       "samples in 3 optimizer steps"):
+        gate.check_ledgers([train, evaluation], "at the end of the job")
+    replay = iter(train.batches())           # the replay serves step 3's batch again
+    assert next(replay) == [12, 13, 14, 15]
+    train._batch_consumed()
+    _step(train, evaluation)
+    gate.check_ledgers([train, evaluation], "at the end of the job")
+    assert evaluation._ledger.due == evaluation._ledger.done == {}
+    next(replay)                             # step 4, lost after a rank raised: left out
+    train._batch_consumed()
+    _step(train, evaluation, commits=False)
+    train._resume(skip=True)
+    gate.check_ledgers([train], "at the end of the job")
+    assert train._ledger.done == {0: [16, 4]} and list(train.batches()) == [[20, 21, 22, 23]]
+    state = train.state_dict()               # what a px.save keeps, and a load starts from
+    assert state["ledger"] == [[0, 16, 4]]
+    loaded = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
+                                                world_size=1, shuffle=False))
+    loaded.load_state_dict(state)
+    assert loaded._ledger.due == loaded._ledger.done == {0: [16, 4]}

@@ -151,6 +151,10 @@ class DistributedLoader(DataLoader):
             try:
                 batch = next(batches)
             except StopIteration:
+                if sampler is not None and sampler._catching_up():  # [Note: a step redone]
+                    sampler._pass_finished()  # a replayed epoch ended: on with the next one
+                    batches = super().__iter__()
+                    continue
                 break
             if device is not None:  # in this process: loader workers never touch the GPU
                 batch = to_device(batch, device)
@@ -163,6 +167,7 @@ class DistributedLoader(DataLoader):
         self._stream_taken = 0
         if sampler is not None:
             sampler._pass_finished()
+            elastic.pass_ended(sampler)  # its ledger must balance: [Note: the ledger]
 
 
 # -- empty batches ---------------------------------------------------------------------------

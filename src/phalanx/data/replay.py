@@ -1,7 +1,8 @@
 """The part of `DistributedSampler` that steps redone under `phalanx run --on-failure continue`
 need: where the last committed step left the order, going back there (or to a sharded engine's
-checkpoint) after a rank is lost, and leaving out the lost steps' batches when a replay reaches
-them. elastic/steps.py drives it through `_commit`, `_rewind` and `_resume`.
+checkpoint) after a rank is lost, leaving out the lost steps' batches when a replay reaches
+them, and the ledger that checks the result (ledger.py). elastic/steps.py drives it through
+`_commit`, `_rewind` and `_resume`, and `ledger.step_called` at every `optimizer.step()`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ __all__ = ["Replays"]
 
 class Replays:
     """Mixed into `DistributedSampler` (sampler.py), whose state it reads and moves: `epoch`,
-    `_start`, the pass in progress, `_committed`, `_redo_from` and `_left_out`."""
+    `_start`, the pass in progress, `_committed`, `_redo_from`, `_left_out`, `_through`,
+    `_replay_until` and `_ledger`."""
 
-    def _skipped(self, start: int, upto: int) -> int:
-        """Samples of this epoch's order from `start` to before `upto` left out (see
-        [Note: a step redone])."""
-        return sum(to - frm for epoch, frm, to in self._left_out
-                   if epoch == self.epoch and start <= frm < upto)
+    def _skipped(self, start: int, upto: int, epoch: int | None = None) -> int:
+        """Samples of the epoch's order (this one's by default) from `start` to before `upto`
+        left out (see [Note: a step redone])."""
+        epoch = self.epoch if epoch is None else epoch
+        return sum(to - frm for e, frm, to in self._left_out if e == epoch and start <= frm < upto)
 
     def _after_skips(self, start: int, pos: int) -> int:
         """`pos` moved past every part left out that a pass from `start` reached by then."""
@@ -37,6 +39,18 @@ class Replays:
     def _commit(self) -> None:
         """A step every rank committed: a redo goes back no further than here."""
         self._committed = self._where()
+        if self._ledger is not None:
+            self._ledger.committed()
+
+    def _served(self) -> None:
+        """The loop is about to be served the pass's next batch: the ledger counts it, as a
+        replay's while the replay has not reached where the loop stood (`_replay_until`)."""
+        at = (self.epoch, self.position())
+        fresh = self._replay_until is None or at >= self._replay_until
+        if fresh:
+            self._replay_until = None
+        self._ledger.served(self.epoch, min(self.global_batch_size,
+                                            self._end(self._pass_start) - at[1]), fresh)
 
     def _resume(self, skip: bool) -> None:
         """[Note: a step redone]
@@ -50,8 +64,19 @@ class Replays:
         `_rewind` instead of a load: the order the lost steps consumed is still needed). Then
         the steps from there to the last committed one are trained again, and with `skip` the
         lost steps' part of the order is left out when the replay reaches it (`_left_out`):
-        the result is the same as skipping those batches where they fell."""
+        the result is the same as skipping those batches where they fell.
+
+        The place to go back to can lie in an epoch the loop has finished: a checkpoint saved
+        before the last step of epoch e, reloaded after the loop went on to epoch e + 1 (its
+        `set_epoch` called, its `for x, y in loader` begun). The loader's iteration in progress
+        is then the loop's epoch e + 1, and it must not end where epoch e ends (that lost the
+        whole of epoch e + 1 once): `_through` holds the loop's epoch, and the loader goes on
+        from the end of each replayed epoch to the next (`_catching_up`) until it stands in
+        the loop's epoch again, so this one iteration serves the rest of epoch e and then all
+        of epoch e + 1, as the uninterrupted run's two iterations did. The ledger (ledger.py)
+        checks that the redo served exactly what was thrown away."""
         lost_end = self._where()
+        loop_epoch = self.epoch if self._through is None else max(self._through, self.epoch)
         start = self._committed if self._redo_from is None else self._redo_from
         self._redo_from = None
         if skip and start == self._committed:
@@ -64,13 +89,48 @@ class Replays:
                 self._left_out.append((e0, p0, self.dataset_length))
                 if p1:
                     self._left_out.append((e1, 0, p1))
+        if self._ledger is not None:
+            self._ledger.thrown_away(skip)
+            until = self._replay_until
+            self._replay_until = lost_end if until is None else max(until, lost_end)
         self._committed = start
         self._continuing = None
         self.epoch, self._start = start
+        self._through = loop_epoch if start[0] < loop_epoch else None
         self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
         self.restart = True
 
     def _rewind(self, state: dict) -> None:
         """A sharded engine reloaded the checkpoint holding `state` after a loss: training goes
-        back there at the next resume (see `_resume`)."""
+        back there at the next resume (see `_resume`), and so does the ledger's `done`."""
         self._redo_from = self._next_from(int(state["epoch"]), int(state["consumed"]))
+        if self._ledger is not None:
+            self._ledger.rewound(state.get("ledger"))
+
+    def _left_to_catch_up(self) -> int:
+        """Samples of the whole epochs a replay passes through before the loop's own."""
+        return sum(self._end(0) - self._skipped(0, self._end(0), epoch)
+                   for epoch in range(self.epoch + 1, (self._through or 0) + 1))
+
+    def _replay_state(self) -> dict:
+        """What a state (`state_dict`) adds for a replay: the loop's epoch while the replay
+        stands in an earlier one, and the ledger's counts (ledger.py)."""
+        state: dict = {}
+        if self._through is not None:
+            state["through"] = self._through
+        if self._ledger is not None:
+            state["ledger"] = self._ledger.rows()
+        return state
+
+    def _load_replay_state(self, state: dict) -> None:
+        """`load_state_dict`: a load begins the ledger's counts again from the state's."""
+        through = state.get("through")
+        self._through = int(through) if through is not None and through > self.epoch else None
+        self._replay_until = None
+        if self._ledger is not None:
+            self._ledger.load(state.get("ledger"))
+
+    def _catching_up(self) -> bool:
+        """Whether a replay stands in an epoch before the loop's (see [Note: a step redone]):
+        at the end of this pass the loader goes on with the next epoch's."""
+        return self._through is not None and self.epoch < self._through

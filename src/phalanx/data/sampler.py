@@ -60,6 +60,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .. import elastic, runtime
+from .ledger import Ledger
 from .replay import Replays
 
 __all__ = ["DistributedSampler", "split_evenly", "check_batch_size"]
@@ -153,9 +154,12 @@ class DistributedSampler(Replays, Sampler[int]):
         self._committed = (0, 0)  # (epoch, position) at the last step all ranks committed
         self._redo_from = None    # where a sharded engine's reload sent training back
         self._left_out: list = []  # (epoch, from, to): global order skipped after a replay
+        self._through = None      # the loop's epoch while a replay stands in an earlier one
+        self._replay_until = None  # (epoch, position) where the loop stood when it was sent back
         self.restart = False      # the loader must start its iteration again (a rewind)
         self._continuing = None   # (epoch, position, restore): see [Note: a pass continued]
         gate = elastic.step_gate()
+        self._ledger = Ledger() if gate is not None else None  # See [Note: the ledger]
         if gate is not None:
             gate.samplers.add(self)
 
@@ -212,10 +216,11 @@ class DistributedSampler(Replays, Sampler[int]):
 
     def _left(self) -> int:
         """Samples of the epoch's global order still to be consumed (by all ranks), less what
-        a replay leaves out ([Note: a step redone] in replay.py)."""
+        a replay leaves out, and the whole of each epoch up to the loop's while a replay stands
+        in an earlier one ([Note: a step redone] in replay.py)."""
         start = self._pass_start if self._in_pass else self._start
         end, pos = self._end(start), self.position()
-        return max(0, end - pos - self._skipped(pos, end))
+        return max(0, end - pos - self._skipped(pos, end)) + self._left_to_catch_up()
 
     def _rank_share(self, samples: int) -> int:
         """This rank's part of `samples` consecutive samples of the order cut into global
@@ -247,7 +252,7 @@ class DistributedSampler(Replays, Sampler[int]):
 
     def __iter__(self):
         for batch in self._pass():
-            self._steps_done += 1  # See [Note: counting consumed samples]
+            self._batch_consumed()  # See [Note: counting consumed samples]
             yield from batch
         self._pass_finished()
 
@@ -257,6 +262,8 @@ class DistributedSampler(Replays, Sampler[int]):
 
     # -- progress, reported by the loader ---------------------------------------------------
     def _batch_consumed(self) -> None:
+        if self._ledger is not None:
+            self._served()  # See [Note: the ledger] in ledger.py
         self._steps_done += 1
 
     def _pass_finished(self) -> None:
@@ -264,6 +271,8 @@ class DistributedSampler(Replays, Sampler[int]):
         self.epoch += 1
         self._start = self._pass_start = self._steps_done = 0
         self._in_pass = False
+        if self._through is not None and self.epoch >= self._through:
+            self._through = None  # a replay caught up with the loop's epoch (replay.py)
 
     def position(self) -> int:
         """Samples of the current epoch's global order consumed so far (by all ranks)."""
@@ -278,13 +287,15 @@ class DistributedSampler(Replays, Sampler[int]):
         """Select the epoch whose order the next pass follows.
 
         Setting the epoch the sampler is already in keeps its position, so the usual
-        `set_epoch(epoch)` at the top of the epoch loop does not undo a resume.
+        `set_epoch(epoch)` at the top of the epoch loop does not undo a resume (nor does
+        setting the epoch a replay is on its way to: [Note: a step redone] in replay.py).
         """
         epoch = int(epoch)
-        if epoch != self.epoch:
+        if epoch != self.epoch and epoch != self._through:
             self.epoch, self._start, self._in_pass = epoch, 0, False
             self._left_out = [j for j in self._left_out if j[0] >= epoch]
             self._continuing = None
+            self._through = None
 
     def state_dict(self) -> dict:
         """Epoch and samples consumed: enough to resume at the next sample at any world size.
@@ -300,6 +311,7 @@ class DistributedSampler(Replays, Sampler[int]):
                  if j[0] > self.epoch or (j[0] == self.epoch and j[1] >= consumed)]
         if ahead:  # a replay's batches left out and not reached yet (replay.py)
             state["left_out"] = ahead
+        state.update(self._replay_state())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -330,6 +342,7 @@ class DistributedSampler(Replays, Sampler[int]):
         self._committed = self._next_from(self.epoch, consumed)
         self._redo_from = None
         self._left_out = [tuple(int(v) for v in j) for j in state.get("left_out", [])]
+        self._load_replay_state(state)
         self._continuing = None  # px.load sets it after restoring the generators
         self.restart = True  # a loader iterating now starts again from here
 

@@ -30,7 +30,8 @@ import weakref
 from .gate import gate
 
 __all__ = ["active", "step_gate", "current", "start", "finish", "stop", "raised",
-           "iteration_starts", "watch_model", "models", "check_options", "ON_FAILURE"]
+           "iteration_starts", "pass_ended", "watch_model", "models", "check_options",
+           "ON_FAILURE"]
 
 ON_FAILURE = "PHALANX_ON_FAILURE"
 _now: dict = {}
@@ -88,6 +89,22 @@ def iteration_starts() -> bool:
     return steps is not None and steps.iteration_starts()
 
 
+def pass_ended(sampler) -> None:
+    """A `px.data_loader` pass ran to its end: its sampler's ledger must balance, unless a
+    recovery is still under way ([Note: the ledger] in data/ledger.py)."""
+    steps = _now.get("steps")
+    if steps is not None and not _now.get("failed"):
+        _checked(steps, [sampler], "at the end of a pass over the data")
+
+
+def _checked(steps, samplers, when: str) -> None:
+    try:
+        steps.check_ledgers(samplers, when)
+    except Exception:
+        _now["failed"] = True  # it does not say `done` (stop)
+        raise
+
+
 def watch_model(prepared) -> None:
     """A prepared model whose engine follows the members (joining.py: its launch order and
     step count agreed, its layout rebuilt where sharded)."""
@@ -114,16 +131,21 @@ def start(env, backend: str, timeout, device) -> None:
 
 def finish() -> None:
     """`px.shutdown`, first: a loss seen after this rank's last step is recovered from here,
-    so that the survivors end together on one group (steps.py)."""
+    so that the survivors end together on one group (steps.py); then every sampler's ledger
+    must balance (a step thrown away here is not redone: [Note: the ledger])."""
     steps = _now.get("steps")
-    if steps is not None and gate.cut:
+    if steps is None or _now.get("failed"):
+        return
+    if gate.cut:
         steps.finish()
+    _checked(steps, list(steps.samplers), "at the end of the job")
 
 
 def raised(exc: BaseException) -> None:
     """The worker ends on `exc` (launch/worker.py): say so before the process goes, so that
     the others skip this step's batch rather than redo it (steps.py)."""
     m, steps = _now.get("membership"), _now.get("steps")
+    _now["failed"] = True  # no ledger is checked after this, and stop() does not say `done`
     if m is None or m.joining or m.admitting:  # not in a step: a replacement's own failure
         return
     from . import store as keys
@@ -135,7 +157,7 @@ def raised(exc: BaseException) -> None:
 def stop() -> None:
     """`px.shutdown`: nothing of continue mode outlives it."""
     m = _now.get("membership")
-    if m is not None:
+    if m is not None and not _now.get("failed"):
         from . import store as keys
 
         try:

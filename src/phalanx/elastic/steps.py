@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..data.ledger import step_called
 from . import joining, store as keys
 from .gate import gate
 from .membership import Membership, MembershipError, debug
@@ -114,6 +115,7 @@ class StepGate:
         self._vote = None
         self.events = None          # events.py's Events, once made
         self.last_save = None       # (path, model, optimizer, stateful) of the last px.save
+        self.unsaved: dict = {}     # path -> [(sampler ref, its ledger)] of samplers not in it
 
     # -- the wire is cut ------------------------------------------------------------------------
     def lost(self, exc: BaseException) -> None:
@@ -134,6 +136,7 @@ class StepGate:
         drops its gradients so that the step changes nothing)."""
         self.calls += 1
         call = self.calls
+        step_called(self.samplers)  # See [Note: the ledger] in data/ledger.py
         if not gate.cut and self.decision is None:
             self.voting = call
             if self._vote is None or self._vote.device != comm.device:
@@ -226,6 +229,26 @@ class StepGate:
         """A `px.save` completed: where a sharded engine takes the state back from after a
         loss (see [Note: a sharded engine after a loss])."""
         self.last_save = (path, model, optimizer, stateful)
+        self.unsaved[path] = [(weakref.ref(s), s._ledger.rows()) for s in list(self.samplers)
+                              if s._ledger is not None and all(v is not s for v in stateful.values())]
+        for old in list(self.unsaved)[:-4]:
+            del self.unsaved[old]
+
+    def check_ledgers(self, samplers, when: str) -> None:
+        """Every sampler's counts balance ([Note: the ledger] in data/ledger.py), unless a
+        recovery is under way (its replay is counted at the next check)."""
+        if gate.cut or self.decision is not None or self.resume_due:
+            return
+        wrong = [line for s in samplers if s._ledger is not None
+                 for line in s._ledger.mismatches()]
+        if wrong:
+            raise MembershipError(
+                f"phalanx: {when}, the model does not hold what the loop was served after a "
+                f"recovery from a lost rank: {'; '.join(wrong)}. A lost step's batches are "
+                "served again only by px.data_loader, and under zero1/zero2/zero3 only from "
+                "a px.save that was given sampler=loader.sampler; otherwise this is a bug in "
+                "phalanx (please report it with the console output). The job ends here rather "
+                "than complete with weights an uninterrupted run would not have")
 
     def _reload(self, rebuilt: list, decision: Decision) -> None:
         """[Note: a sharded engine after a loss]
@@ -259,6 +282,8 @@ class StepGate:
                 "flight is redone)")
         stateful = {name: _Rewind(v) if isinstance(v, DistributedSampler) else v
                     for name, v in save[3].items()}
+        unsaved = [s for s in self.samplers if s._ledger is not None
+                   and all(v is not s for v in save[3].values())]
         skipped = []
         for path in fallbacks(newest[1]):  # newest first, this job's only (checkpoint/api.py)
             try:  # a damaged one raises alike on every rank (its files are checked collectively)
@@ -274,6 +299,11 @@ class StepGate:
         if skipped and self.m.rank == 0:
             print(f"phalanx: skipped damaged checkpoint(s), reloading {decision.checkpoint}: "
                   + "; ".join(skipped), file=sys.stderr, flush=True)
+        # A sampler the checkpoint does not hold cannot go back with the model: its ledger
+        # does (as it stood at that save; unknown: nothing) and finds the batches lost.
+        kept = {id(ref()): rows for ref, rows in self.unsaved.get(decision.checkpoint, [])}
+        for sampler in unsaved:
+            sampler._ledger.rewound(kept.get(id(sampler)))
 
     def watch_tick(self, oldest_in_flight: dict) -> None:
         """[Note: a member left behind]
