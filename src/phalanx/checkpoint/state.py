@@ -25,7 +25,7 @@ import torch
 from ..collectives import Comm
 from ..runtime import default_comm
 from ..engine.flat import Piece
-from ..engine.optim import adapter_of, native_load_state_dict, per_element
+from ..engine.optim import adapter_of, held_groups, native_load_state_dict, per_element
 from ..model.prepare import prepared_or_none, uncompiled
 
 __all__ = ["ModelState", "OptimizerState", "Range"]
@@ -191,8 +191,8 @@ class OptimizerState:
         """Give the optimizer the saved state of every piece it holds, and the saved groups'
         hyperparameters, through its own load_state_dict."""
         state, groups, position = {}, [], 0
-        for g, group in enumerate(self.optimizer.param_groups):
-            for m in group["params"]:
+        for g, group in enumerate(held_groups(self.optimizer)):  # the master pieces
+            for m in group:
                 name, piece = self.held.get(id(m), (None, None))
                 if name is not None and name in names:
                     entry = dict(saved["whole"].get(name, {}))
@@ -203,5 +203,5 @@ class OptimizerState:
                         state[position] = entry
                 position += 1
             groups.append({**saved["hyperparameters"][g],
-                           "params": list(range(position - len(group["params"]), position))})
+                           "params": list(range(position - len(group), position))})
         native_load_state_dict(self.optimizer)({"state": state, "param_groups": groups})

@@ -15,9 +15,11 @@ works on a prepared model under every strategy, with the steps torch DDP skips s
 every rank. GradScaler looks for the gradients in `optimizer.param_groups`, checks them for
 inf/NaN and divides them by the scale in place (`_unscale_grads_`); `step` runs the optimizer
 only where that check found nothing, and `update` moves the scale from the same finding. An
-adopted optimizer (optim.py) holds master pieces whose `.grad` exists only inside the step, so
-GradScaler found nothing to check ("No inf checks were recorded for this optimizer"); and where
-gradients are sharded, what a rank holds is its shard only, so its finding is its own.
+adopted optimizer (optim.py) steps master pieces whose `.grad` exists only inside the step, and
+under zero2 and zero3 the model's parameters have no `.grad` either (the reduced gradients live
+in the engine's shards), so GradScaler found nothing to check ("No inf checks were recorded for
+this optimizer"); and where gradients are sharded, what a rank holds is its shard only, so its
+finding is its own.
 
 So while a model is prepared, GradScaler's `_unscale_grads_` hands an adopted optimizer's
 gradients to its engine (`unscale_units`), every other optimizer's to torch's own code:

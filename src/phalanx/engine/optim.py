@@ -1,11 +1,20 @@
-"""Adopting the user's optimizer: its params become the master pieces of this rank's shards.
+"""Adopting the user's optimizer: it steps the master pieces of this rank's shards.
 
-The optimizer keeps its class, hyper-parameters and param groups; only the tensors in its
-groups change (flat.py: one piece per parameter overlapping the owned slice), and `step`,
-`zero_grad`, `state_dict` and `load_state_dict` are routed through the engine, as instance
-attributes so the class stays the user's. That is done only when masters differ from the
-parameters (sharded optimizer state or low-precision compute); under fp32 ddp the optimizer is
-left exactly as built.
+The optimizer keeps its class, hyper-parameters and param groups; what it steps are the master
+pieces (flat.py: one piece per parameter overlapping the owned slice), and `step`, `zero_grad`,
+`state_dict` and `load_state_dict` are routed through the engine, as instance attributes so the
+class stays the user's. That is done only when masters differ from the parameters (sharded
+optimizer state or low-precision compute); under fp32 ddp the optimizer is left exactly as
+built.
+
+[Note: the param groups hold the user's parameters between steps]
+`optimizer.param_groups` hold the parameters the user built them over, as in one process, and
+hold the master pieces only while the optimizer steps or loads its own state
+(`holding_masters`). Tools that map an optimizer's parameters to the model's by identity see
+the model's: torch's distributed checkpoint functions (`get_optimizer_state_dict` keys the state
+by the names of `model.named_parameters()` found in the param groups, and raised KeyError with
+the masters there), a clip over the optimizer's parameters, a name per learning rate in a log.
+The optimizer's state (`optimizer.state`) stays keyed by the master pieces.
 
 Sharding the optimizer is exact for optimizers whose update of each element depends only on
 that element's gradient, its own state and the group's hyper-parameters, which is why others
@@ -28,11 +37,12 @@ resumes in) is taken over the same way.
 from __future__ import annotations
 
 import types
+from contextlib import contextmanager
 
 import torch
 
 __all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict", "adapter_of",
-           "native_load_state_dict", "per_element"]
+           "held_groups", "native_load_state_dict", "per_element"]
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name) for name in
@@ -98,11 +108,12 @@ class OptimizerAdapter:
         for unit in engine.units:
             for piece in unit.pieces:
                 self.pieces_of.setdefault(id(unit.params[piece.param_index]), []).append(piece)
-        for g, param_group in enumerate(optimizer.param_groups):
-            param_group["params"] = [piece.master for unit in engine.units for piece in unit.pieces
-                                     if group_of[unit.params[piece.param_index]] == g]
-        self._masters = {id(m) for g in optimizer.param_groups for m in g["params"]}
-        _init_state_for_masters(optimizer)
+        # what each group steps: see [Note: the param groups hold the user's parameters ...]
+        self.held = [[piece.master for unit in engine.units for piece in unit.pieces
+                      if group_of[unit.params[piece.param_index]] == g]
+                     for g in range(len(optimizer.param_groups))]
+        with self.holding_masters():
+            _init_state_for_masters(optimizer)
         # Plain functions bound to the optimizer rather than this object's methods: an LR
         # scheduler created later re-binds `step.__func__` to the optimizer, which must still
         # land here.
@@ -119,6 +130,19 @@ class OptimizerAdapter:
         if loaded is not None:
             self.load_state_dict(loaded)
 
+    @contextmanager
+    def holding_masters(self):
+        """The param groups hold the master pieces for the duration (see the Note)."""
+        groups = self.optimizer.param_groups
+        shown = [group["params"] for group in groups]
+        for group, masters in zip(groups, self.held):
+            group["params"] = masters
+        try:
+            yield
+        finally:  # on the groups there now: torch's own load_state_dict makes new ones
+            for group, params in zip(self.optimizer.param_groups, shown):
+                group["params"] = params
+
     def release(self) -> None:
         """Give the optimizer back as the user built it: its groups' parameters, its own
         methods, no state (an engine rebuilt for another layout adopts it again and loads its
@@ -133,20 +157,27 @@ class OptimizerAdapter:
         optimizer.__dict__.pop(_ADAPTER_ATTR, None)
 
     # -- step -----------------------------------------------------------------------------
+    def _as_built(self) -> bool:
+        """Whether the param groups hold the parameters they held at px.prepare, no more."""
+        groups = self.optimizer.param_groups
+        return len(groups) == len(self.original) and all(
+            len(g["params"]) == len(built) and all(p is q for p, q in zip(g["params"], built))
+            for g, built in zip(groups, self.original))
+
     def step(self, closure=None):
-        for param_group in self.optimizer.param_groups:
-            for p in param_group["params"]:
-                if id(p) not in self._masters:
-                    raise RuntimeError(
-                        "the optimizer holds a parameter that was added after px.prepare; "
-                        "add every parameter to the optimizer before calling px.prepare")
+        if not self._as_built():
+            raise RuntimeError(
+                "the optimizer holds a parameter or param group added after px.prepare (or its "
+                "groups' parameters were replaced); add every parameter to the optimizer before "
+                "calling px.prepare")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self.before_step is not None and not self.before_step():
             self.engine.drop_grads()  # the step is thrown away: it changes nothing
-        stepped = self.engine.step_units(self._user["step"])
+        with self.holding_masters():
+            stepped = self.engine.step_units(self._user["step"])
         if not stepped and self.engine.loss_scaler is not None:
             self.zero_grad()  # overflowed gradients are of no use to a later step
         for fn in self.after_step:
@@ -199,7 +230,8 @@ class OptimizerAdapter:
                 out[key] = full.view(p.shape)
             state[index] = out
         groups = []
-        user_groups = self._user["state_dict"]()["param_groups"]
+        with self.holding_masters():  # the state is keyed by the masters
+            user_groups = self._user["state_dict"]()["param_groups"]
         position = 0
         for g, group in enumerate(self.original):
             groups.append({**user_groups[g], "params": list(range(position, position + len(group)))})
@@ -222,17 +254,25 @@ class OptimizerAdapter:
         return self._assemble(self.engine.comm.all_gather_object(local, tag="optimizer state"))
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """The single-process format; each saved group's "params" names its parameters in the
+        order this optimizer's group holds them, by position (0 .. n-1, or the names torch's
+        distributed checkpoint functions give them), as torch's own load matches them."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.original):
             raise ValueError(f"the saved optimizer state has {len(saved_groups)} param groups, "
                              f"this optimizer {len(self.original)}")
+        for saved, built in zip(saved_groups, self.original):
+            if len(saved["params"]) != len(built):
+                raise ValueError(f"a saved param group has {len(saved['params'])} parameters, "
+                                 f"this optimizer's {len(built)}")
+        saved_ids = [key for group in saved_groups for key in group["params"]]
         params = [q for group in self.original for q in group]
         saved_state = state_dict["state"]
         state, groups, position = {}, [], 0
-        piece_index = {id(m): i for i, m in enumerate(
-            m for g in self.optimizer.param_groups for m in g["params"])}
+        piece_index = {id(m): i for i, m in enumerate(m for g in self.held for m in g)}
         for index, p in enumerate(params):
-            s = saved_state.get(index, saved_state.get(str(index)))
+            saved_id = saved_ids[index]
+            s = saved_state.get(saved_id, saved_state.get(str(saved_id)))
             if s is None:
                 continue
             for piece in self.pieces_of.get(id(p), []):
@@ -242,20 +282,34 @@ class OptimizerAdapter:
                         value = value.reshape(-1)[piece.start:piece.end].view_as(piece.master)
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
                 state[piece_index[id(piece.master)]] = entry
-        for g, group in enumerate(self.optimizer.param_groups):
+        for g, held in enumerate(self.held):
             groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"},
-                           "params": list(range(position, position + len(group["params"])))})
-            position += len(group["params"])
-        self._user["load_state_dict"]({"state": state, "param_groups": groups})
+                           "params": list(range(position, position + len(held)))})
+            position += len(held)
+        with self.holding_masters():
+            self._user["load_state_dict"]({"state": state, "param_groups": groups})
+
+
+def held_groups(optimizer) -> list[list[torch.Tensor]]:
+    """The tensors each param group steps: the master pieces once adopted (see [Note: the param
+    groups hold the user's parameters between steps]), else the parameters."""
+    adapter = adapter_of(optimizer)
+    if adapter is None or not adapter.adopted:
+        return [list(g["params"]) for g in optimizer.param_groups]
+    return [list(held) for held in adapter.held]
 
 
 def native_load_state_dict(optimizer):
-    """The optimizer's own `load_state_dict`, which indexes the tensors it holds now (the
+    """The optimizer's own `load_state_dict`, which indexes the tensors of `held_groups` (the
     master pieces, once adopted), not the single-process format the patched one takes."""
     adapter = adapter_of(optimizer)
     if adapter is None or not adapter.adopted:
         return optimizer.load_state_dict
-    return adapter._user["load_state_dict"]
+
+    def load(state_dict):
+        with adapter.holding_masters():
+            adapter._user["load_state_dict"](state_dict)
+    return load
 
 
 def optimizer_state_dict(optimizer) -> dict:

@@ -19,7 +19,10 @@ class Stepping:
         """Run `step_one()` (the user's optimizer step) over the master pieces of every unit
         that has a reduced gradient, those pieces holding their gradient in the master dtype,
         and publish each unit's update, a run of units at a time (see [Note: fp32 gradients a
-        few units at a time] in units.py)."""
+        few units at a time] in units.py). Where no backward left a reduced gradient, the
+        gradients given to the parameters by hand, if any (`_step_given_grads`)."""
+        if self.delayed is None and all(u.reduced is None for u in self.units):
+            return self._step_given_grads(step_one)
         with self.lock:  # see [Note: reading a peer's shards] in remote.py
             try:
                 if self.delayed is not None:
@@ -29,6 +32,33 @@ class Stepping:
                 self.version += 1
                 if self.delayed is not None:
                     self.delayed.stepped()
+
+    def _step_given_grads(self, step_one) -> bool:
+        """A step where no backward left a reduced gradient but the parameters were given a
+        `.grad` by hand: each master piece takes its slice of its parameter's gradient as given
+        (on every rank alike: torch's distributed checkpoint functions create a fresh
+        optimizer's state so, with zero gradients at learning rate 0), the user's optimizer
+        steps, and the parameters are refreshed from the masters (a collective where they are
+        sharded, as the step always is)."""
+        given = {id(p): p.grad for p in self.params if p.grad is not None}
+        with self.lock:  # see [Note: reading a peer's shards] in remote.py
+            try:
+                if not given:
+                    return False
+                for unit in self.units:
+                    unit.sync_master_from_cache()  # See [Note: the shard is the truth] in flat.py
+                    for piece in unit.pieces:
+                        grad = given.get(id(unit.params[piece.param_index]))
+                        piece.master.grad = None if grad is None else \
+                            grad.detach().reshape(-1)[piece.start:piece.end].to(
+                                unit.master_dtype).view_as(piece.master)
+                step_one()
+            finally:
+                for unit in self.units:
+                    unit.set_piece_grads(None)
+                self.version += 1
+        self.publish_masters()
+        return True
 
     def _step_units(self, step_one) -> bool:
         ready = [u for u in self.units if u.reduced is not None]

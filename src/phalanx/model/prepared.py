@@ -3,12 +3,13 @@
 Around the user's forward it moves the inputs to the model's device (as torch DDP does with
 `device_ids`: tensors anywhere in the arguments, nested in tuples, lists, dicts and dataclasses,
 without blocking the host; `px.data_loader` pins its batches on a GPU machine so the copy is
-asynchronous), keeps buffers equal across ranks (rank 0's, broadcast before each
-forward that records a graph, unless `broadcast_buffers=False`), applies the precision policy
+asynchronous), keeps buffers equal across ranks (rank 0's, broadcast before each forward that
+records a graph, unless `broadcast_buffers=False`), applies the precision policy
 (model/precision.py: inputs to the compute dtype, the forward under autocast to it, outputs to
-fp32), and returns every floating output through the gate of model/loss_scaling.py, which tells
-the engine that backward started and, under fp16, scales the gradient exactly once. Everything else (hooks, buckets, the optimizer) belongs
-to the engine it holds, called through the `Engine` protocol (engine/__init__.py).
+fp32), and returns every floating output through the gate of model/loss_scaling.py, which tells the
+engine that backward started and, under fp16, scales the gradient exactly once. Everything else
+(hooks, buckets, the optimizer) belongs to the engine it holds, called through the `Engine`
+protocol (engine/__init__.py).
 
 Buffers are broadcast on a forward with gradients enabled, whatever the module's train/eval
 mode (as DDP keys it): a rank that evaluates under `torch.no_grad()` broadcasts nothing and
@@ -23,6 +24,15 @@ hold are read from the peers one unit at a time onto the CPU, without their taki
 ([Note: reading a peer's shards] in engine/remote.py), so one rank may call it alone (nanoGPT
 saves `raw_model.state_dict()` inside `if master_process:`). Frozen parameters and cast buffers
 are widened back. With `keep_vars=True` the live tensors are returned as torch returns them.
+
+[Note: the prepared model's names]
+The prepared model names its parameters and buffers as the user's module does, in
+`state_dict()`, `named_parameters()` and `named_buffers()` alike (torch DDP prefixes them all
+with `module.`). torch's distributed checkpoint functions (`get_model_state_dict`,
+`get_optimizer_state_dict`, `set_*`: torch.distributed.checkpoint.state_dict) key the model's
+state by `state_dict()`'s names and the optimizer's by `named_parameters()`'s, and walk the
+modules, where `_fqn_modifiers` (their hook for a wrapper that adds no level) skips the child
+`module`; so both carry the names an FSDP2 or single-process checkpoint has.
 
 `load_state_dict()` likewise, through the prepared model or through `px.unwrap(model)` (as
 Accelerate's `unwrap_model(model).load_state_dict(sd)`): load hooks on the user's module set
@@ -189,6 +199,26 @@ class PreparedModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["module"], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """The user's module's, under the names its state_dict has (no `module.` prefix): see
+        [Note: the prepared model's names]."""
+        if not recurse:  # the prepared model has no parameters of its own
+            return iter(())
+        return self.module.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
+        """The user's module's, as `named_parameters`."""
+        if not recurse:
+            return iter(())
+        return self.module.named_buffers(prefix=prefix, remove_duplicate=remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch's distributed checkpoint functions (torch.distributed.checkpoint.
+        state_dict): the child `module` adds no level to the names (see the Note)."""
+        return {"module": "module"}
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The user's module's state, as one process would hold it (see the module docstring);
