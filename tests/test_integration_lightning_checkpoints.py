@@ -55,6 +55,13 @@ def _checkpoint_job(root: str) -> dict:
     out["px_load_values"] = px.load(first, model=plain)
     out["px_loaded"] = _weights(plain)
 
+    # evaluation of a model never fitted: replicated, with the checkpoint's values
+    fresh = BoringModel()
+    L.Trainer(accelerator="cpu", devices=2, strategy=PhalanxStrategy("zero3"),
+              precision="64-true", limit_val_batches=2, **QUIET).validate(fresh, ckpt_path=first,
+                                                                          verbose=False)
+    out["validated"] = _weights(fresh)
+
     model, trainer, _ = _fit(PhalanxStrategy("zero2"), f"{root}/resumed", 2, ckpt_path=first)
     out["resumed"] = _weights(model)
     out["resumed_lr"] = trainer.optimizers[0].param_groups[0]["lr"]
@@ -82,6 +89,7 @@ def test_modelcheckpoint_and_resume(tmp_path):
     # px.load reads it into a plain model: the weights at the end of the first epoch, and
     # Lightning's own state beside them
     assert _max_difference(out["px_loaded"], out["epoch0"]) == 0
+    assert _max_difference(out["validated"], out["epoch0"]) == 0
     assert out["px_load_values"]["lightning"]["epoch"] == 0
     assert out["px_load_values"]["lightning"]["global_step"] == 2
     # the resumed runs end where the uninterrupted one ends, the scheduler too

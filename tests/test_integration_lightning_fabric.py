@@ -160,6 +160,13 @@ def _refusals() -> dict:
     catch("two optimizers", lambda: _trainer(PhalanxStrategy("ddp")).fit(TwoOptimizers()))
     catch("clip by value", lambda: _trainer(PhalanxStrategy("zero2"), gradient_clip_val=1.0,
                                             gradient_clip_algorithm="value").fit(BoringModel()))
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=PhalanxStrategy("zero2"))
+    fabric.launch()
+    model = fabric.setup_module(torch.nn.Linear(4, 2))
+    catch("optimizer alone", lambda: fabric.setup_optimizers(
+        torch.optim.SGD(model.parameters(), lr=0.1)))
+    catch("filter", lambda: fabric.save("unused", {"model": model},
+                                        filter={"model": lambda k, v: True}))
     return said
 
 
@@ -170,6 +177,8 @@ def test_what_is_not_supported_is_refused_by_name():
     assert "Trainer(precision=...)" in said["precision"]
     assert "2 optimizers" in said["two optimizers"]
     assert "gradient_clip_algorithm='norm'" in said["clip by value"]
+    assert "setup_module_and_optimizers" in said["optimizer alone"]
+    assert "filter=" in said["filter"]
 
 
 def _too_few_devices():
