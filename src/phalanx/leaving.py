@@ -59,23 +59,24 @@ import time
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["failing", "forget", "how", "leave", "start"]
+__all__ = ["done", "failing", "how", "leave", "start"]
 
 _KEY = "phalanx/leaving"
 _POLL_MIN, _POLL_MAX = 0.002, 0.05  # seconds between two looks at the store while waiting
 _now: dict = {}
+_torch: dict = {}  # "destroy" -> torch's destroy_process_group while ours is installed
 _at_exit_registered: list = []
 
 
 def start(store, rank: int, world: int, timeout: float, end) -> None:
     """`px.init` with peers: this rank's end will be announced in `store` and waited for
-    there; `end` (`px.shutdown`) is called at the end of a script that did not call it. A key
-    space per px.init: a store that outlives a shutdown and a new init (or a launcher's
-    restart) holds the old keys."""
+    there; `end` (`px.shutdown`) is what the end of a script, or torch's
+    `destroy_process_group()` for the whole job, calls. A key space per px.init: a store that
+    outlives a shutdown and a new init (or a launcher's restart) holds the old keys."""
     attempt = (store.add(f"{_KEY}/joined", 1) - 1) // world
     _now.clear()
     _now.update(store=store, rank=rank, world=world, timeout=timeout, end=end,
-                prefix=f"{_KEY}/{attempt}", left=False, failing=False)
+                prefix=f"{_KEY}/{attempt}", left=False, all_came=False)
     if not _at_exit_registered:  # once per process (a forked child inherits it)
         atexit.register(_at_exit)
         _at_exit_registered.append(True)
@@ -84,20 +85,14 @@ def start(store, rank: int, world: int, timeout: float, end) -> None:
         dist.destroy_process_group = c10d.destroy_process_group = _destroy_process_group
 
 
-_torch: dict = {}  # "destroy" -> torch's destroy_process_group while ours is installed
-
-
 def _destroy_process_group(group=None):
-    """torch's `destroy_process_group`, which for the whole job is first this rank's end
-    (`px.shutdown()`: see the Note)."""
+    # For the whole job, first this rank's end (px.shutdown(): see the Note); torch's own after.
     original = _torch.get("destroy", c10d.destroy_process_group)
-    end = _now.pop("end", None)
-    if end is not None and (group is None or group is c10d.GroupMember.WORLD):
-        end()
+    if "store" in _now and not _now["left"] and (group is None
+                                                  or group is c10d.GroupMember.WORLD):
+        _now["end"]()
         if not dist.is_initialized():  # px.init made it, and px.shutdown ended it
             return None
-    elif end is not None:
-        _now["end"] = end
     return original(group)
 
 
@@ -116,8 +111,8 @@ def _at_exit() -> None:
     try:
         _now["end"]()
     except Exception as exc:  # noqa: BLE001 - said, as nothing is left to raise it to
-        print(f"phalanx: rank {rank}: px.shutdown() at the end of the script "
-              f"failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"phalanx: rank {rank}: px.shutdown() at the end of the script failed: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def failing() -> None:
@@ -159,42 +154,59 @@ def leave(how_: str) -> None:
         store.set(f"{prefix}/{_now['rank']}", "failed" if fails else how_)
         if store.add(f"{prefix}/count", 1) == world:
             store.set(f"{prefix}/all", "1")
+        if fails:  # it talks to nobody any more
+            store.add(f"{prefix}/done", 1)
+            return
     except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
         return
-    if not fails:
-        _wait_for_all(store, prefix)
+    came = _poll(lambda: store.check([f"{prefix}/all"]))
+    _now["all_came"] = came is True
+    if came is False:
+        rank, timeout = _now["rank"], _now["timeout"]
+        missing = [r for r in range(world) if r != rank and how(r) is None]
+        names = ", ".join(map(str, missing))
+        who = f"rank {names} has" if len(missing) == 1 else f"ranks {names} have"
+        print(f"phalanx: rank {rank} waited {timeout:.0f} s at its end for its peers to finish "
+              f"reading its shards; {who} not reached "
+              f"{'its' if len(missing) == 1 else 'their'} own end (px.shutdown() or the end "
+              "of the script): killed, or stuck outside Python? Leaving without them "
+              "(px.init(timeout=) bounds this wait)", file=sys.stderr, flush=True)
 
 
-def _wait_for_all(store, prefix: str) -> None:
-    deadline = time.monotonic() + _now["timeout"]
-    poll = _POLL_MIN
-    while True:
-        try:
-            if store.check([f"{prefix}/all"]):
-                return
-        except Exception:  # noqa: BLE001 - the store's host has ended: nobody reads any more
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(poll)
-        poll = min(2 * poll, _POLL_MAX)
-    rank, timeout = _now["rank"], _now["timeout"]
-    missing = [r for r in range(_now["world"]) if r != rank and how(r) is None]
-    names = ", ".join(map(str, missing))
-    who = f"rank {names} has" if len(missing) == 1 else f"ranks {names} have"
-    print(f"phalanx: rank {rank} waited {timeout:.0f} s at its end for its peers to finish "
-          f"reading its shards; {who} not reached {'its' if len(missing) == 1 else 'their'} "
-          "own end (px.shutdown() or the end of the script): killed, or stuck outside Python? "
-          "Leaving without them (px.init(timeout=) bounds this wait)",
-          file=sys.stderr, flush=True)
-
-
-def forget() -> None:
-    """`px.shutdown` has waited: nothing of this px.init's end is kept, and torch's
-    `destroy_process_group` is torch's again."""
+def done() -> None:
+    """This rank's groups and shard services have ended. Rank 0, which may host the job's
+    store (`phalanx run` and torchrun's env:// put it there), stays until every rank has ended
+    its own, which talk to the store as they end (a store that goes first makes torch print
+    "Connection reset by peer" on each of them). Then nothing of this px.init's end is kept,
+    and torch's `destroy_process_group` is torch's again."""
+    store, prefix = _now.get("store"), _now.get("prefix")
+    try:
+        if _now.get("all_came"):
+            count = store.add(f"{prefix}/done", 1)
+            if _now["rank"] == 0 and count < _now["world"]:
+                _poll(lambda: store.add(f"{prefix}/done", 0) >= _now["world"])
+    except Exception:  # noqa: BLE001 - the store is gone
+        pass
     _now.clear()
     original = _torch.pop("destroy", None)
     if original is not None:
         for module in (dist, c10d):
             if module.destroy_process_group is _destroy_process_group:
                 module.destroy_process_group = original
+
+
+def _poll(ready) -> bool | None:
+    """Look at `ready()` until it is true (True), the timeout passes (False), or the store has
+    gone (None: its host has ended, and nobody reads any more)."""
+    deadline = time.monotonic() + _now["timeout"]
+    poll = _POLL_MIN
+    while True:
+        try:
+            if ready():
+                return True
+        except Exception:  # noqa: BLE001
+            return None
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+        poll = min(2 * poll, _POLL_MAX)

@@ -370,10 +370,12 @@ def shutdown() -> None:
             elastic.finish()  # ... or in this very barrier
     finally:
         _stop_watching()
-        leaving.forget()  # torch's destroy_process_group back before _end_groups calls it
-        _end_groups()
-        elastic.stop()
-        _state.__init__()
+        try:
+            _end_groups()
+        finally:
+            leaving.done()
+            elastic.stop()
+            _state.__init__()
     if error is not None:
         raise error
 
