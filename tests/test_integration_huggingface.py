@@ -24,7 +24,7 @@ PAGE = Path(__file__).resolve().parent.parent / "docs/guides/integrations/huggin
 
 
 def _recipe() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.DOTALL)
     (recipe,) = [b for b in blocks if "px.export" in b]
     return recipe
 

@@ -28,7 +28,7 @@ from phalanx.integrations.lightning import PhalanxStrategy  # noqa: E402
 from phalanx.testing import run_ranks  # noqa: E402
 
 KINDS = ("ddp", "zero2", "zero3")
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 class LoggedBoring(BoringModel):

@@ -22,7 +22,7 @@ import phalanx as px  # noqa: E402
 from phalanx.integrations.lightning import PhalanxStrategy  # noqa: E402
 from phalanx.testing import run_ranks  # noqa: E402
 
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def _fit(strategy, directory: str, epochs: int, ckpt_path=None, keep: int = -1):

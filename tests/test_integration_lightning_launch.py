@@ -72,7 +72,7 @@ def _launch(name: str, tmp_path) -> None:
                "phalanx run": [os.path.join(os.path.dirname(sys.executable), "phalanx"), "run",
                                "-n", "2", str(script)]}[name]
     done = subprocess.run(command + [str(out)], cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240, check=False)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{name}:\n{output[-4000:]}"
     assert "rank 0 of 2" in output and "rank 1 of 2" in output, f"{name}:\n{output[-4000:]}"

@@ -113,7 +113,7 @@ def load_fabric(path, state, strict: bool) -> dict:
                          "from: fabric.load(path, {'model': model, 'optimizer': optimizer, "
                          "...}); the weights alone: fabric.load(path, model)")
     if isinstance(state, torch.optim.Optimizer):
-        raise ValueError("PhalanxStrategy loads an optimizer together with its model: "
+        raise TypeError("PhalanxStrategy loads an optimizer together with its model: "
                          "fabric.load(path, {'model': model, 'optimizer': optimizer})")
     _, model, _, optimizer, rest = _split(state)
     with _generators_kept():

@@ -21,7 +21,7 @@ __all__ = ["FabricOptimizer", "prepared_optimizer"]
 class FabricOptimizer(torch.optim.Optimizer):
     """The prepared optimizer, seen through methods of a class (see the Note above)."""
 
-    def __init__(self, prepared: torch.optim.Optimizer) -> None:  # noqa: D107 - no base init
+    def __init__(self, prepared: torch.optim.Optimizer) -> None:  # no Optimizer.__init__: a view
         self.__dict__["prepared"] = prepared
 
     def __getattr__(self, name):  # what the class does not define: the prepared optimizer's

@@ -39,20 +39,26 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import ParallelStrategy as FabricParallel
 from lightning.fabric.strategies import Strategy as FabricStrategy
-from lightning.fabric.strategies.launchers.subprocess_script import \
-    _SubprocessScriptLauncher as FabricLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as FabricLauncher,
+)
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy as TrainerParallel
 from lightning.pytorch.strategies import Strategy as TrainerStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as TrainerLauncher
+from lightning.pytorch.strategies.launchers import (
+    _SubprocessScriptLauncher as TrainerLauncher,
+)
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only as trainer_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import (
+    rank_zero_only as trainer_rank_zero_only,
+)
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import phalanx as px
 
 from . import checkpoints
+from .collectives import Collectives, broadcast_module
 from .optimizer import FabricOptimizer
 from .precision import fabric_plugin, phalanx_precision, trainer_plugin
 
@@ -61,7 +67,7 @@ __all__ = ["PhalanxStrategy"]
 _TRAINER, _FABRIC = "Trainer", "Fabric"
 
 
-class PhalanxStrategy(TrainerParallel, FabricParallel):
+class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
     """phalanx's data parallelism as a Lightning strategy, for `lightning.Trainer(strategy=...)`
     and `lightning.Fabric(strategy=...)`.
 
@@ -213,7 +219,7 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
             # DDPStrategy does); ckpt_path= loads into it
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
-            _broadcast_module(self.model)
+            broadcast_module(self.model)
         else:
             if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
                 self.precision_plugin.clip_grad_by_value(None, trainer.gradient_clip_val)
@@ -347,49 +353,6 @@ class PhalanxStrategy(TrainerParallel, FabricParallel):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    # -- collectives Lightning asks for ----------------------------------------------------
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed():
-            px.barrier()
-
-    def broadcast(self, obj, src: int = 0):
-        if not _distributed():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def reduce(self, tensor, group=None, reduce_op="mean"):
-        """`self.log(..., sync_dist=True)` and Lightning's own reductions: sum, mean, max, min
-        over the ranks, as DDPStrategy computes them."""
-        if not isinstance(tensor, torch.Tensor) or not _distributed():
-            return tensor
-        op = str(getattr(reduce_op, "name", reduce_op) or "sum").lower()
-        op = {"mean": "avg", "redop_sum": "sum"}.get(op, op)
-        if op not in ("sum", "avg", "max", "min"):
-            raise ValueError(f"PhalanxStrategy reduces by 'sum', 'mean', 'max' or 'min', not "
-                             f"{reduce_op!r}")
-        wire = {"avg": dist.ReduceOp.SUM}.get(op, getattr(dist.ReduceOp, op.upper()))
-        dist.all_reduce(tensor, op=wire, group=group)
-        if op == "avg":
-            tensor = tensor.copy_(tensor / dist.get_world_size(group)) \
-                if tensor.is_floating_point() else tensor / dist.get_world_size(group)
-        return tensor
-
-    all_reduce = reduce  # Fabric's name
-
-    def all_gather(self, tensor, group=None, sync_grads: bool = False):
-        if not _distributed():
-            return tensor.unsqueeze(0)
-        if sync_grads:  # differentiable: each rank's gradient flows back to its own tensor
-            from torch.distributed.nn.functional import all_gather
-            return torch.stack(all_gather(tensor.contiguous(), group=group or dist.group.WORLD))
-        return torch.stack(px.gather(tensor.contiguous(), group=group))
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
-        return bool(votes == self.world_size) if all else bool(votes)
-
     def teardown(self) -> None:
         """The end of a fit, test or Fabric run. The model stays prepared (its parameters
         live in phalanx's buffers, so it is not moved to the CPU as DDPStrategy moves its
@@ -407,19 +370,6 @@ class _NoSync:
 
     def no_backward_sync(self, module, enabled: bool):
         return px.no_sync(module) if enabled else contextlib.nullcontext()
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-@torch.no_grad()
-def _broadcast_module(module) -> None:
-    """Every rank gets rank 0's parameters and buffers (a model evaluated unprepared)."""
-    if _distributed():
-        for tensor in module.state_dict().values():
-            if isinstance(tensor, torch.Tensor):
-                dist.broadcast(tensor, 0)
 
 
 def _args(args, kwargs, *names, defaults=None) -> list:
