@@ -181,3 +181,25 @@ def test_export_replaces_only_an_earlier_export(tmp_path):
     errors = run_ranks(_export_to, 2, args=(str(tmp_path / "proj"),))
     assert all(e and "is a directory" in e for e in errors), errors
     assert _tree(str(tmp_path / "proj"))["README.md"] == b"# my project\n"
+
+
+def _save_unwrapped_zero3(root):
+    model, opt = _prepared("zero3")
+    errors = []
+    for fn in (lambda: px.save(os.path.join(root, "c"), model=px.unwrap(model)),
+               lambda: px.export(os.path.join(root, "w.safetensors"), px.unwrap(model))):
+        try:
+            fn()
+        except ValueError as exc:
+            errors.append(str(exc))
+    px.save(os.path.join(root, "ok"), model=model, optimizer=opt)  # the ranks still meet
+    return errors
+
+
+def test_saving_the_module_inside_a_zero3_model_is_refused_naming_the_prepared_one(tmp_path):
+    """The module inside a zero3 model holds no parameter values between uses: saving it is a
+    clear error on every rank (it crashed in the write), and the prepared model saves."""
+    for errors in run_ranks(_save_unwrapped_zero3, 2, args=(str(tmp_path),), timeout=120):
+        assert len(errors) == 2
+        assert all("pass the model px.prepare returned" in e for e in errors)
+    assert px.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ok")

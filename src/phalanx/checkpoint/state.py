@@ -48,6 +48,13 @@ class ModelState:
         # Names as the uncompiled module has them, so a checkpoint moves between a compiled and
         # a plain model (a compiled module's own names start with "_orig_mod.").
         self.module = uncompiled(self.prepared.module if self.prepared is not None else model)
+        if self.prepared is None and any(p.numel() and not p.untyped_storage().size()
+                                         for p in self.module.parameters()):
+            # zero3's parameters between uses: nothing to read here (a segfault in the write)
+            raise ValueError(
+                "this module's parameters hold no values: it is the module inside a zero3 "
+                "model (px.unwrap(model)), whose parameters exist only while their unit "
+                "computes; pass the model px.prepare returned (px.save(path, model=model))")
         self.engine = self.prepared._engine if self.prepared is not None else None
         # the prepared model's Comm: the job's, also where the engine's is a world of one (DiLoCo)
         self.comm: Comm = self.prepared._comm if self.prepared is not None else default_comm()
