@@ -1,4 +1,5 @@
-"""What a worker leaves behind when it ends: files flushed, groups ended."""
+"""What a worker leaves behind when it ends: files flushed, groups ended, torch's functions
+put back."""
 
 from __future__ import annotations
 
@@ -53,15 +54,19 @@ def _groups_after_shutdown():
                 for g in made]
     service = engine_of(model).remote  # its channel lies outside torch's registry
     timeouts.append(service.channel.options._timeout.total_seconds())
+    # routed to px.shutdown while the group lives, torch's own again after (leaving.py)
+    routed = [dist.destroy_process_group.__module__]
     px.shutdown()
-    return timeouts, len(groups.made()), dist.is_initialized(), service.channel is None
+    routed.append(dist.destroy_process_group.__module__)
+    return timeouts, len(groups.made()), dist.is_initialized(), service.channel is None, routed
 
 
 def test_the_groups_phalanx_made_are_bounded_by_the_jobs_timeout_and_end_at_shutdown():
     """zero3's gathers group had torch's default timeout (30 min on gloo) and outlived
     px.shutdown."""
-    for timeouts, left, initialized, channel_ended in run_workers(
+    for timeouts, left, initialized, channel_ended, routed in run_workers(
             _groups_after_shutdown, 2, rendezvous="tcp", timeout=60, shutdown=False):
         # zero3's gathers and the shard service's channel (engine/remote.py); torch's
         # default: 1800
         assert timeouts == [600.0, 600.0] and left == 0 and not initialized and channel_ended
+        assert routed == ["phalanx.leaving", "torch.distributed.distributed_c10d"]
