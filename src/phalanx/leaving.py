@@ -62,7 +62,7 @@ import torch.distributed.distributed_c10d as c10d
 __all__ = ["done", "failing", "how", "leave", "start"]
 
 _KEY = "phalanx/leaving"
-_POLL_MIN, _POLL_MAX = 0.002, 0.05  # seconds between two looks at the store while waiting
+_POLL_MIN, _POLL_MAX = 0.002, 0.1  # seconds between two looks at the store while waiting
 _now: dict = {}
 _torch: dict = {}  # "destroy" -> torch's destroy_process_group while ours is installed
 _at_exit_registered: list = []
