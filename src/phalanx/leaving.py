@@ -6,21 +6,20 @@ Under zero1, zero2 and zero3 a rank's peers may read its shards one-sidedly, fro
 service thread ([Note: reading a peer's shards] in engine/remote.py): a torch DDP script's rank 0
 saves `model.module.state_dict()` or evaluates under `torch.no_grad()` alone, after the other
 ranks have finished their own loops. So a rank that has finished must not take its shards away
-while a peer may still ask for them. A rank reaches its end in one of three ways, and each goes
+while a peer may still ask for them. A rank reaches its end in one of four ways, and each goes
 through `leave` here:
 
 - it calls `px.shutdown()`;
-- its script ends (returns from main, `sys.exit(0)`, the end of the file): `px.init` registers
-  an `atexit` handler that calls `px.shutdown()` (runtime.py);
-- it fails (an exception ends the script, or a launcher's worker exits with a non-zero status):
-  it says so and leaves at once, without waiting for anyone.
-
 - it calls torch's `destroy_process_group()` for the whole job (no argument, or the WORLD
   group), as torch DDP scripts do last: while `px.init`'s group lives, that name in
   `torch.distributed` (and in `torch.distributed.distributed_c10d`) is a function that calls
   `px.shutdown()` and then torch's own for what is left (a group the script made); any other
   group goes straight to torch's. It is the one function of torch's that phalanx replaces
-  besides `clip_grad_norm_` (engine/clipping.py), and torch's is put back by `px.shutdown()`.
+  besides `clip_grad_norm_` (engine/clipping.py), and torch's is put back by `px.shutdown()`;
+- its script ends (returns from main, `sys.exit(0)`, the end of the file): `px.init` registers
+  an `atexit` handler that calls `px.shutdown()`;
+- it fails (an exception ends the script, or a launcher's worker exits with a non-zero status):
+  it says so and leaves at once, without waiting for anyone.
 
 A name bound before `px.init` (the tutorial's `from torch.distributed import
 destroy_process_group`, at the top of the script) keeps torch's own function, which ends every
