@@ -204,6 +204,9 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
             runtime.shutdown()
         except Exception:  # noqa: BLE001 - the result is delivered; a peer may be gone
             pass
+    if code:  # a failed worker does not wait at its end for its peers (phalanx/leaving.py)
+        with contextlib.suppress(Exception):
+            sys.modules["phalanx.leaving"].failing()
     try:  # what a normal exit runs (files a writer still holds: px.log's TensorBoard events)
         atexit._run_exitfuncs()
     except Exception:  # noqa: BLE001
