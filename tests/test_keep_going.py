@@ -137,8 +137,8 @@ def test_a_rank_killed_in_the_save_after_an_epochs_last_step_loses_no_epoch(tmp_
     the rest of epoch 1 and then all of epoch 2 (it once ended after one batch: a whole epoch
     lost, and the job completed)."""
     reference = _reference(tmp_path)
-    weights, stdout, stderr = _job(tmp_path, "--die-in-save", "2@39", "--strategy", strategy,
-                                   restarts=2)
+    weights, _, stderr = _job(tmp_path, "--die-in-save", "2@39", "--strategy", strategy,
+                              restarts=2)
     _close(weights, reference, stderr)
     assert "rank 2 was killed by SIGKILL at step 40; step 40 redone by 2 ranks from " \
            "step00039" in stderr
@@ -270,6 +270,17 @@ def test_an_exception_in_one_ranks_backward_skips_that_batch_on_every_rank(tmp_p
     assert "phalanx: rank 2 raised RuntimeError: CUDA out of memory (simulated) at step 7; " \
            "step 7 skipped by 2 ranks" in stderr
     assert "[rank2]: RuntimeError: CUDA out of memory (simulated)" in stderr  # its traceback
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_an_exception_in_an_epochs_last_step_skips_only_that_batch(tmp_path, strategy):
+    """The step after the skipped one is the next epoch's first: the survivors' pass of epoch
+    0 must end there (it once served all of epoch 1 inside it, then epoch 1 again)."""
+    skipped = _reference(tmp_path, "--skip", 19)
+    weights, _, stderr = _job(tmp_path, "--raise", "2@19", "--strategy", strategy, restarts=0)
+    _close(weights, skipped, stderr)
+    assert "at step 19; step 19 skipped by 2 ranks" in stderr
 
 
 @pytest.mark.slow

@@ -288,3 +288,66 @@ def test_the_ledger_makes_a_lost_batch_an_error_and_a_replay_balances_it():
                                                 world_size=1, shuffle=False))
     loaded.load_state_dict(state)
     assert loaded._ledger.due == loaded._ledger.done == {0: [16, 4]}
+    loaded.set_epoch(1)                      # a pass begun in epoch 0 that ends in epoch 1
+    loaded._pass_ended(0)
+    with pytest.raises(MembershipError, match="a pass the loop began in epoch 0 ended in "
+                       "epoch 1"):
+        gate.check_ledgers([loaded], "at the end of a pass over the data")
+
+
+@pytest.mark.parametrize("how", ["plain DataLoader", "sampler left out of px.save"])
+def test_a_batch_not_served_again_after_a_loss_fails_the_ledger(how):
+    """A torch DataLoader over the sampler goes on with its own iterator after a loss (only
+    px.data_loader begins its iteration again); a sharded engine goes back to a checkpoint
+    that does not hold the sampler, which stays where it was. Either way a batch the model
+    lost is not trained again, and the ledger says which epoch and how much."""
+    from phalanx.elastic.steps import StepGate
+
+    sampler = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
+                                                 world_size=1, shuffle=False))
+    gate = StepGate(None)
+    gate.samplers.add(sampler)
+    if how == "plain DataLoader":
+        loader = torch.utils.data.DataLoader(list(range(24)), batch_size=4, sampler=sampler)
+        for i, _ in enumerate(loader):
+            _step(sampler, commits=i != 2)    # step 2 lost with a rank
+            if i == 2:
+                sampler._resume(skip=False)
+        lost = "the loop took 24 samples in 6 optimizer steps, the model holds 20 samples in 5"
+    else:
+        batches = iter(sampler.batches())
+        for i in range(4):
+            next(batches)
+            sampler._batch_consumed()
+            _step(sampler)
+            if i == 1:                        # saved after step 1, without the sampler
+                gate.saved("checkpoint", None, None, {})
+        gate.ledgers_back_to("checkpoint", {})  # a loss: the model goes back to step 1's
+        sampler._resume(skip=False)
+        lost = "the loop took 16 samples in 4 optimizer steps, the model holds 8 samples in 2"
+    with pytest.raises(MembershipError, match=f"epoch 0: {lost}"):
+        gate.check_ledgers([sampler], "at the end of the job")
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skipped", "redone"])
+def test_a_recovery_at_an_epochs_last_step_does_not_start_the_next_epoch_inside_its_pass(skip):
+    """The last step of epoch 0 lost, and the survivors resuming inside that pass: after a
+    rank raised (its batch left out), or after a member that saw the step's vote complete
+    committed it late (nothing to redo). The place after that step is epoch 1's start, and
+    the pass must end there: it once served all of epoch 1 inside epoch 0's pass, and epoch 1
+    again after the loop's set_epoch(1)."""
+    loader = px.data_loader(list(range(24)), 4, shuffle=False)
+    sampler = _with_ledger(loader.sampler)
+    served = {0: [], 1: []}
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            served[epoch].append(batch.tolist())
+            last = epoch == 0 and len(served[0]) == 6
+            _step(sampler, commits=not (last and skip))
+            if last:
+                sampler._resume(skip=skip)
+    epoch1 = [[i, i + 1, i + 2, i + 3] for i in range(0, 24, 4)]
+    assert served == {0: [[i, i + 1, i + 2, i + 3] for i in range(0, 24, 4)], 1: epoch1}
+    assert sampler._ledger.mismatches() == []
+    assert sampler._ledger.done == {0: [20 if skip else 24, 5 if skip else 6], 1: [24, 6]}

@@ -21,7 +21,10 @@ and not done until the replay serves it again and its steps commit. So at the en
 the loop takes to its end (`px.data_loader`) and at the end of the job (`px.shutdown`), an epoch
 whose counts differ is an error that names it and both counts, and the job ends non-zero
 instead of completing with weights an uninterrupted run would not have. Every member counts the
-same global samples and steps, so every member finds it at the same point.
+same global samples and steps, so every member finds it at the same point. A pass of the loop
+that ends in another epoch than it began in is reported the same way: a replay that ran on
+into the next epoch inside the loop's pass would have the loop take that epoch twice, in
+counts that balance.
 
 A step's batches are those the sampler that served last before `optimizer.step()` served since
 the step before: an evaluation loader's batches, served before the next training batch, belong
@@ -53,6 +56,7 @@ class Ledger:
         self.unstepped: list = []    # (epoch, samples, fresh) served since the last step call
         self.uncommitted: list = []  # per step called and not committed: its batches
         self.back_to: list | None = None  # a reloaded checkpoint's counts, due at the resume
+        self.astray: list[str] = []  # passes that ended in another epoch than they began in
         self.last = 0                # when this sampler last served a batch (_serial)
 
     # -- what the loop and the steps do -------------------------------------------------------
@@ -116,8 +120,10 @@ class Ledger:
 
     # -- the check --------------------------------------------------------------------------------
     def mismatches(self) -> list[str]:
-        """Each epoch whose counts differ, in words; empty when the ledger balances."""
-        out = []
+        """Each epoch whose counts differ, and each pass that ended in another epoch than it
+        began in (a replay that served an epoch the loop then asked for again), in words;
+        empty when the ledger balances."""
+        out = list(self.astray)
         for epoch in sorted(set(self.due) | set(self.done)):
             due, done = self.due.get(epoch, [0, 0]), self.done.get(epoch, [0, 0])
             if due != done:

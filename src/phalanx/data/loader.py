@@ -140,6 +140,7 @@ class DistributedLoader(DataLoader):
         sampler, device = self.distributed_sampler, self.device
         if sampler is not None:
             sampler.restart = False
+            epoch = sampler._loop_epoch()  # where this pass must end: [Note: a step redone]
         self._stream_taken = 0
         batches = super().__iter__()
         while True:
@@ -166,6 +167,7 @@ class DistributedLoader(DataLoader):
             yield batch
         self._stream_taken = 0
         if sampler is not None:
+            sampler._pass_ended(epoch)
             sampler._pass_finished()
             elastic.pass_ended(sampler)  # its ledger must balance: [Note: the ledger]
 

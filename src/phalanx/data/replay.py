@@ -42,15 +42,17 @@ class Replays:
         if self._ledger is not None:
             self._ledger.committed()
 
-    def _served(self) -> None:
-        """The loop is about to be served the pass's next batch: the ledger counts it, as a
-        replay's while the replay has not reached where the loop stood (`_replay_until`)."""
-        at = (self.epoch, self.position())
-        fresh = self._replay_until is None or at >= self._replay_until
+    def _served(self, at: tuple | None) -> None:
+        """The loop is about to be served the pass's next batch, `at` (epoch, position, size)
+        or else the one after those it took: the ledger counts it, as a replay's while the
+        replay has not reached where the loop stood (`_replay_until`)."""
+        if at is None:
+            pos = self.position()
+            at = (self.epoch, pos, min(self.global_batch_size, self._end(self._pass_start) - pos))
+        fresh = self._replay_until is None or at[:2] >= self._replay_until
         if fresh:
             self._replay_until = None
-        self._ledger.served(self.epoch, min(self.global_batch_size,
-                                            self._end(self._pass_start) - at[1]), fresh)
+        self._ledger.served(at[0], at[2], fresh)
 
     def _resume(self, skip: bool) -> None:
         """[Note: a step redone]
@@ -73,8 +75,12 @@ class Replays:
         whole of epoch e + 1 once): `_through` holds the loop's epoch, and the loader goes on
         from the end of each replayed epoch to the next (`_catching_up`) until it stands in
         the loop's epoch again, so this one iteration serves the rest of epoch e and then all
-        of epoch e + 1, as the uninterrupted run's two iterations did. The ledger (ledger.py)
-        checks that the redo served exactly what was thrown away."""
+        of epoch e + 1, as the uninterrupted run's two iterations did. Nor may it go past the
+        loop's epoch: the last committed step (or, with `skip`, the last lost one) can be the
+        last of the epoch whose pass is still in progress, and the place after it, the next
+        epoch's start, is then where that pass ends, not one to serve the next epoch from
+        (that served it twice: inside this pass, and again after the loop's `set_epoch`). The
+        ledger (ledger.py) checks that the redo served exactly what was thrown away."""
         lost_end = self._where()
         loop_epoch = self.epoch if self._through is None else max(self._through, self.epoch)
         start = self._committed if self._redo_from is None else self._redo_from
@@ -89,6 +95,8 @@ class Replays:
                 self._left_out.append((e0, p0, self.dataset_length))
                 if p1:
                     self._left_out.append((e1, 0, p1))
+        if start[0] > loop_epoch:  # the loop's pass is at its end: it ends there
+            start = (loop_epoch, self.dataset_length)
         if self._ledger is not None:
             self._ledger.thrown_away(skip)
             until = self._replay_until
@@ -129,6 +137,17 @@ class Replays:
         self._replay_until = None
         if self._ledger is not None:
             self._ledger.load(state.get("ledger"))
+
+    def _loop_epoch(self) -> int:
+        """The epoch of the loop's pass: the one a replay is on its way to, else this one."""
+        return self.epoch if self._through is None else self._through
+
+    def _pass_ended(self, began_in: int) -> None:
+        """A loader's pass the loop began in epoch `began_in` came to its end: in that epoch,
+        unless a replay went astray, which the ledger reports."""
+        if self._ledger is not None and self.epoch != began_in:
+            self._ledger.astray.append(f"a pass the loop began in epoch {began_in} ended in "
+                                       f"epoch {self.epoch}")
 
     def _catching_up(self) -> bool:
         """Whether a replay stands in an epoch before the loop's (see [Note: a step redone]):

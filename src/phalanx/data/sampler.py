@@ -235,7 +235,7 @@ class DistributedSampler(Replays, Sampler[int]):
 
         Starting the generator marks the beginning of a pass; the caller reports progress.
         """
-        start = pos = self._start
+        start, pos, epoch = self._start, self._start, self.epoch
         self._continue_pass()
         order = self.global_order()
         end = self._end(start)
@@ -247,12 +247,13 @@ class DistributedSampler(Replays, Sampler[int]):
                 continue
             size = min(self.global_batch_size, end - pos)
             lo, hi = split_evenly(size, self.world_size, self.rank)
+            self._yielding = (epoch, pos, size)  # for __iter__'s count (the loader is behind)
             yield order[pos + lo:pos + hi].tolist()
             pos += self.global_batch_size
 
     def __iter__(self):
         for batch in self._pass():
-            self._batch_consumed()  # See [Note: counting consumed samples]
+            self._batch_consumed(self._yielding)  # See [Note: counting consumed samples]
             yield from batch
         self._pass_finished()
 
@@ -261,9 +262,9 @@ class DistributedSampler(Replays, Sampler[int]):
         return _BatchView(self)
 
     # -- progress, reported by the loader ---------------------------------------------------
-    def _batch_consumed(self) -> None:
+    def _batch_consumed(self, at: tuple | None = None) -> None:
         if self._ledger is not None:
-            self._served()  # See [Note: the ledger] in ledger.py
+            self._served(at)  # See [Note: the ledger] in ledger.py
         self._steps_done += 1
 
     def _pass_finished(self) -> None:

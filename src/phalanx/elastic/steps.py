@@ -282,8 +282,6 @@ class StepGate:
                 "flight is redone)")
         stateful = {name: _Rewind(v) if isinstance(v, DistributedSampler) else v
                     for name, v in save[3].items()}
-        unsaved = [s for s in self.samplers if s._ledger is not None
-                   and all(v is not s for v in save[3].values())]
         skipped = []
         for path in fallbacks(newest[1]):  # newest first, this job's only (checkpoint/api.py)
             try:  # a damaged one raises alike on every rank (its files are checked collectively)
@@ -299,11 +297,16 @@ class StepGate:
         if skipped and self.m.rank == 0:
             print(f"phalanx: skipped damaged checkpoint(s), reloading {decision.checkpoint}: "
                   + "; ".join(skipped), file=sys.stderr, flush=True)
-        # A sampler the checkpoint does not hold cannot go back with the model: its ledger
-        # does (as it stood at that save; unknown: nothing) and finds the batches lost.
-        kept = {id(ref()): rows for ref, rows in self.unsaved.get(decision.checkpoint, [])}
-        for sampler in unsaved:
-            sampler._ledger.rewound(kept.get(id(sampler)))
+        self.ledgers_back_to(decision.checkpoint, save[3])
+
+    def ledgers_back_to(self, path: str, stateful: dict) -> None:
+        """The model went back to checkpoint `path`: a sampler it does not hold (not among
+        `stateful`) cannot go back with it, but its ledger does (to its counts at that save,
+        or to nothing where unknown) and finds the batches lost ([Note: the ledger])."""
+        kept = {id(ref()): rows for ref, rows in self.unsaved.get(path, [])}
+        for sampler in list(self.samplers):
+            if sampler._ledger is not None and all(v is not sampler for v in stateful.values()):
+                sampler._ledger.rewound(kept.get(id(sampler)))
 
     def watch_tick(self, oldest_in_flight: dict) -> None:
         """[Note: a member left behind]
