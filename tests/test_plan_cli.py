@@ -69,7 +69,7 @@ def test_comm_volume_over_a_ring_per_strategy():
     # ddp: one all-reduce (2x); zero2: reduce-scatter + all-gather of the update (2x);
     # zero1 keeps full gradients, so all-reduce + all-gather (3x); zero3 gathers twice (3x).
     n, psi = 8, 1_000_000_000
-    r = px.plan(params=psi, gpus=n, precision="bf16-mixed")
+    r = px.plan(params=psi, gpus=n, precision="bf16")
     grad_bytes = 2 * psi
     ring = (n - 1) / n
     for name, times in (("ddp", 2), ("zero1", 3), ("zero2", 2), ("zero3", 3)):
@@ -174,7 +174,7 @@ def test_config_missing_a_field_and_a_failing_factory_are_one_line(capsys, tmp_p
 
 
 def test_recommendation_is_what_fits_and_communicates_least():
-    r = px.plan(params=7.5e9, gpus=64, precision="bf16-mixed", gpu_memory="80GB")
+    r = px.plan(params=7.5e9, gpus=64, precision="bf16", gpu_memory="80GB")
     assert not r["ddp"].fits_with_headroom and r["zero1"].fits_with_headroom
     # zero1 fits too, but moves 3x the gradients' bytes where zero2 moves 2x
     assert r["zero2"].comm_bytes_per_step < r["zero1"].comm_bytes_per_step
@@ -245,7 +245,7 @@ def test_help_gives_every_default():
              and "(default" not in (action.help or "")]
     assert not quiet, f"phalanx plan --help gives no default for {quiet}"
     help_text = " ".join(sub.choices["plan"].format_help().split())
-    assert "or all (default all)" in help_text and "(default bf16-mixed)" in help_text
+    assert "or all (default all)" in help_text and "(default bf16)" in help_text
 
 
 def test_a_device_given_its_own_figures_is_not_named_for_the_preset(capsys):

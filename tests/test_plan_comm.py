@@ -97,8 +97,7 @@ def test_planned_payload_matches_the_collectives_counter():
     world = 2
     measured = run_ranks(_counted_payload, world, timeout=120)
     for (strategy, precision, blocks), counted in zip(CASES, measured[0]):
-        planned = px.plan(_model(blocks), gpus=world, precision={"fp32": "fp32"}.get(precision,
-                                                                                 "bf16-mixed"),
+        planned = px.plan(_model(blocks), gpus=world, precision=precision,
                           optimizer="sgd-momentum", strategy=strategy, backend="gloo",
                           grad_accum=2, input_shape="32")[strategy].comm_payload_bytes
         assert set(counted) == set(planned), (strategy, precision)

@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.planner.memory import PRECISIONS, model_states, optimizer_state_elements
+from phalanx.planner.memory import model_states, optimizer_state_elements
+from phalanx.precisions import PLANNER_PRECISIONS as PRECISIONS
 from phalanx.testing import run_ranks
 
 
 def test_zero_paper_figures_for_7_5b_on_64_gpus():
     # ZeRO (arXiv:1910.02054), Figure 1: 7.5B parameters, N = 64, mixed-precision Adam (K = 12).
-    r = px.plan(params=7.5e9, gpus=64, precision="bf16-mixed", optimizer="adam")
+    r = px.plan(params=7.5e9, gpus=64, precision="bf16", optimizer="adam")
     published = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
     for name, gb in published.items():
         assert round(r[name].model_states_bytes / 1e9, 1) == gb
@@ -35,7 +36,7 @@ def test_8b_fp32_adamw_is_32_plus_32_plus_64_gb_and_does_not_fit_replicated():
 
 
 def test_1b_in_pure_bf16_is_8_gb():
-    r = px.plan(params=1e9, gpus=1, precision="bf16", optimizer="adamw")
+    r = px.plan(params=1e9, gpus=1, precision="bf16-true", optimizer="adamw")
     assert r["ddp"].model_states_bytes == 8e9
     assert (r["ddp"].params_bytes, r["ddp"].grads_bytes, r["ddp"].optimizer_bytes) == (2e9, 2e9, 4e9)
 
@@ -44,21 +45,20 @@ def test_1b_in_pure_bf16_is_8_gb():
 FORMULAS = {
     ("fp32", "adamw"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 8 * p + 8 * p / n,
                         "zero2": lambda p, n: 4 * p + 12 * p / n, "zero3": lambda p, n: 16 * p / n},
-    ("bf16-mixed", "adamw"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 4 * p + 12 * p / n,
-                              "zero2": lambda p, n: 2 * p + 14 * p / n,
-                              "zero3": lambda p, n: 16 * p / n},
-    ("fp16-mixed", "adam"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 4 * p + 12 * p / n,
-                             "zero2": lambda p, n: 2 * p + 14 * p / n,
-                             "zero3": lambda p, n: 16 * p / n},
-    ("bf16", "adamw"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 4 * p + 4 * p / n,
-                        "zero2": lambda p, n: 2 * p + 6 * p / n, "zero3": lambda p, n: 8 * p / n},
+    ("bf16", "adamw"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 4 * p + 12 * p / n,
+                        "zero2": lambda p, n: 2 * p + 14 * p / n, "zero3": lambda p, n: 16 * p / n},
+    ("fp16", "adam"): {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 4 * p + 12 * p / n,
+                       "zero2": lambda p, n: 2 * p + 14 * p / n, "zero3": lambda p, n: 16 * p / n},
+    ("bf16-true", "adamw"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 4 * p + 4 * p / n,
+                             "zero2": lambda p, n: 2 * p + 6 * p / n,
+                             "zero3": lambda p, n: 8 * p / n},
     ("fp32", "sgd"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 8 * p,
                       "zero2": lambda p, n: 4 * p + 4 * p / n, "zero3": lambda p, n: 8 * p / n},
     ("fp32", "sgd-momentum"): {"ddp": lambda p, n: 12 * p, "zero1": lambda p, n: 8 * p + 4 * p / n,
                                "zero2": lambda p, n: 4 * p + 8 * p / n,
                                "zero3": lambda p, n: 12 * p / n},
-    ("bf16-mixed", "sgd"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 4 * p + 4 * p / n,
-                            "zero2": lambda p, n: 2 * p + 6 * p / n, "zero3": lambda p, n: 8 * p / n},
+    ("bf16", "sgd"): {"ddp": lambda p, n: 8 * p, "zero1": lambda p, n: 4 * p + 4 * p / n,
+                      "zero2": lambda p, n: 2 * p + 6 * p / n, "zero3": lambda p, n: 8 * p / n},
 }
 
 
@@ -118,30 +118,35 @@ def test_optimizer_state_matches_what_torch_allocates(name, make):
 
 
 def _engine_state_bytes(strategy, precision):
+    """Optimizer bytes (masters included) and weight bytes per rank after one step. The
+    planner's "bf16-true" is px.prepare's precision="fp32" of a model cast to bf16 (see
+    phalanx/precisions.py): the parameters are their own masters, the moments bf16."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Linear(64, 3))
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    model.to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
-    model(torch.randn(4, 64)).sum().backward()
+    model, opt = px.prepare(model, opt, strategy=strategy,
+                            precision="fp32" if precision == "bf16-true" else precision)
+    model(torch.randn(4, 64, dtype=dtype)).float().sum().backward()
     opt.step()
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)
-    # Under mixed precision the optimizer's parameters are separate fp32 masters.
-    masters = sum(p.numel() * 4 for g in opt.param_groups for p in g["params"]) \
-        if precision != "fp32" else 0
+    # Under mixed precision the optimizer steps separate fp32 masters, which key its state
+    # (its param groups show the user's parameters between steps: engine/optim.py)
+    masters = sum(p.numel() * 4 for p in opt.state) if PRECISIONS[precision].mixed else 0
     weights = sum(p.numel() * p.element_size() for p in px.unwrap(model).parameters())
     return state + masters, weights
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-true"])
 def test_optimizer_and_weight_bytes_per_rank_match_the_engine(precision):
     world = 2
-    strategies = ["ddp", "zero1", "zero2"] if precision == "bf16" else ["zero1", "zero2"]
+    strategies = ["zero1", "zero2"] if precision == "fp32" else ["ddp", "zero1", "zero2"]
     measured = run_ranks(lambda: [_engine_state_bytes(s, precision) for s in strategies], world,
                          timeout=90)
     model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Linear(64, 3))
-    plan_precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[precision]
-    r = px.plan(model, gpus=world, precision=plan_precision, optimizer="adamw", input_shape="64",
+    r = px.plan(model, gpus=world, precision=precision, optimizer="adamw", input_shape="64",
                 backend="gloo")
     for rank_result in measured:
         for strategy, (optimizer_bytes, weight_bytes) in zip(strategies, rank_result):
@@ -214,7 +219,7 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
 def test_the_flat_engine_steps_runs_of_units():
     from phalanx.planner.memory import step_working_bytes
     units = [300, 1000, 700]
-    bf16, fp32 = PRECISIONS["bf16-mixed"], PRECISIONS["fp32"]
+    bf16, fp32 = PRECISIONS["bf16"], PRECISIONS["fp32"]
     # mixed precision, a run of one unit (a budget below two units' fp32 gradients): one
     # unit's fp32 gradient (4 B/element), plus Adam's temporaries of that unit alone: one
     # state-sized tensor with foreach, two with the single-tensor loop
@@ -324,8 +329,7 @@ def test_kept_buffers_and_step_gradient_match_the_engine(precision):
                                   for s in strategies], world, timeout=90)
     with torch.device("meta"):
         model = _BufferModel()
-    plan_precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[precision]
-    r = px.plan(model, gpus=world, precision=plan_precision, optimizer="sgd-momentum",
+    r = px.plan(model, gpus=world, precision=precision, optimizer="sgd-momentum",
                 input_shape="64", backend="gloo", bucket_mb=bucket_mb)
     for rank_result in measured:
         for strategy, (kept, step_grad, calls) in zip(strategies, rank_result):

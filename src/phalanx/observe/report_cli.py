@@ -114,9 +114,6 @@ def summary(series: dict, skip: int = 1) -> str:
     return "\n".join(lines)
 
 
-_PLAN_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
-
-
 def plan_for_run(run: dict):
     """`phalanx plan` for a run, from what px.prepare recorded of it (RUN_DIR/run.json): its
     StrategyPlan. A zero3 run also recorded its roots and gathering options, which say what
@@ -128,7 +125,7 @@ def plan_for_run(run: dict):
     zero3 = run.get("zero3") or {}
     desc.zero3_roots = zero3.get("roots")
     return plan(desc, gpus=run["world"], strategy=run["strategy"],
-                precision=_PLAN_PRECISION[run["precision"]],
+                precision=run["precision"],  # one vocabulary: phalanx.precisions
                 optimizer=run.get("optimizer") or "adamw",
                 backend="gloo" if run["backend"] == "gloo" else "nccl",
                 bucket_mb=run["bucket_mb"],

@@ -7,7 +7,9 @@
     result.to_dict()                   # the JSON of `phalanx plan --json`
 
 Pure arithmetic over a model description (model_desc.py): no process group, no GPU, and a
-module is only ever built on the meta device.
+module is only ever built on the meta device. `plan` checks the options once (setting.py),
+describes the model and applies the fine-tuning options (finetune.py); `plan_described` does
+the arithmetic; when nothing fits, alternatives.py plans the same model with LoRA or offload.
 """
 
 from __future__ import annotations
@@ -16,45 +18,29 @@ import math
 
 import torch
 
-from ..engine.units import borrowing, check_gather_options, step_run_bytes
+from ..engine.units import borrowing, step_run_bytes
+from .alternatives import alternatives
 from .comm import collectives, step_time
-from .hardware import LINKS, gpu_spec
-from .hybrid import across_groups, check_plan_shard_size
+from .finetune import finetuned
+from .hybrid import across_groups
 from .layout import unit_sizes, zero3_gathering
-from .link import link_report, parse_link
-from .memory import (OPTIMIZERS, PRECISIONS, STRATEGIES, buffer_bytes, model_states,
-                     optimizer_state_elements, peak_bytes, step_working_bytes)
+from .link import link_report
+from .memory import (STRATEGIES, buffer_bytes, model_states, optimizer_state_elements,
+                     peak_bytes, step_working_bytes)
 from .model_desc import ModelDesc, describe, input_from_shape
+from .offload import device_states, host_side, offload_seconds
 from .recommend import recommend
 from .report import PlanResult, StrategyPlan
-from .sizes import parse_bandwidth, parse_bytes
-from .trace import trace_module
+from .setting import Setting, check_setting
 from .transformer import nominal_shape
+from .workload import activations_and_flops
 
-__all__ = ["plan"]
-
-_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16,
-           "fp16-mixed": torch.float16}
-_COMM_DTYPES = {None: None, "none": None, "bf16": 2, "fp16": 2, "fp32": 4,
-                torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
-
-
-def _choice(value, choices, what):
-    key = str(value).strip().lower()
-    if key not in choices:
-        raise ValueError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
-    return key
-
-
-def _positive_int(value, what):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return value
+__all__ = ["plan", "plan_described"]
 
 
 def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          gpu: str = "h100", gpu_memory=None, peak_tflops: float | None = None, mfu: float = 0.4,
-         strategy: str = "all", precision: str = "bf16-mixed", optimizer: str = "adamw",
+         strategy: str = "all", precision: str = "bf16", optimizer: str = "adamw",
          batch: int = 1, seq: int | None = None, grad_accum: int = 1,
          activation_checkpointing: bool = False, intra_node_bw=None,
          inter_node_bw="ib-400g", bucket_mb: float = 25.0, comm_dtype=None,
@@ -62,7 +48,9 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
          input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB",
          blocks=None, prefetch: int = 1, max_gathered_mb: float | None = None,
          reshard_after_forward: bool = True, link=None, powersgd_rank: int = 4,
-         sync_every: int = 50, shard_size=None) -> PlanResult:
+         sync_every: int = 50, shard_size=None, lora_rank: int | None = None,
+         lora_targets=None, trainable: float | None = None, offload: str | None = None,
+         host_memory=None, host_link=None, host_memory_bw=None) -> PlanResult:
     """Plan data-parallel training of a model: memory per device, communication and step time
     of each strategy, and which to use. Pure arithmetic: no process group, no GPU, and a module
     is only ever built on the meta device.
@@ -76,6 +64,9 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     config dict or config.json path), or `model` (an nn.Module, a factory callable, a
     "PATH:FUNCTION" string, or any of the former). `gpus` is per node; the data-parallel world
     is gpus x nodes. `batch` is the micro-batch per device, `seq` its sequence length.
+    `precision` is px.prepare's: "fp32", "bf16" or "fp16" ("bf16" and "fp16" are mixed: fp32
+    masters and optimizer state; "bf16-mixed" and "fp16-mixed" are the same), or "bf16-true"
+    (everything in bf16, optimizer moments included, no master).
     Bandwidths are GB/s or presets ("nvlink4", "pcie5", "ib-400g", "eth-25g", ...: the list is
     `phalanx plan --help`'s); the intra-node default is the GPU preset's own link.
     `blocks` names the repeated blocks' classes as px.prepare's `blocks=` does (a module or
@@ -86,6 +77,17 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     what PowerSGD rank `powersgd_rank` or DiLoCo `sync_every` would send instead.
     `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within groups of K
     ranks and replicated across them, the replicas' average timed on the inter-node link.
+    Fine-tuning: `lora_rank` freezes the model and adds LoRA adapters of
+    that rank beside each `lora_targets` projection of every block (default q_proj, v_proj);
+    `trainable` (a fraction in (0, 1]) plans that share of the parameters learning, the rest
+    frozen. Frozen parameters are held in the compute dtype, whole under ddp/zero1/zero2 and
+    sharded under zero3, with no gradient, master or optimizer state.
+    `offload`: "optimizer" keeps masters and optimizer state in pinned host
+    memory and steps there (zero1/zero2/zero3); "params" also keeps zero3's parameter shards
+    there. `host_memory` (per node, e.g. "128GB") is checked against it; `host_link` (GB/s or
+    a preset; default the GPU's, PCIe) and `host_memory_bw` (GB/s per node, default 51.2) time
+    the copies and the host step.
+    When no strategy fits, the result's `alternatives` say what does: LoRA, or offload.
     Raises ValueError with a one-line message for bad input.
     """
     desc = describe(model, params=params, config=config,
@@ -93,203 +95,202 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
                     blocks=blocks)
     if blocks is not None and desc.module is None:
         raise ValueError("blocks names module classes: give the model as a module or a factory")
-    gpus, nodes = _positive_int(gpus, "gpus"), _positive_int(nodes, "nodes")
-    batch, grad_accum = _positive_int(batch, "batch"), _positive_int(grad_accum, "grad_accum")
-    world = gpus * nodes
-    shard_size = check_plan_shard_size(shard_size, world, gpus)
-    precision_key = _choice(precision, PRECISIONS, "precision")
-    prec = PRECISIONS[precision_key]
-    optimizer = _choice(optimizer, OPTIMIZERS, "optimizer")
-    strategy = _choice(strategy, STRATEGIES + ("fsdp", "all"), "strategy")
-    shown = STRATEGIES if strategy == "all" else ("zero3" if strategy == "fsdp" else strategy,)
-    attention = _choice(attention, ("eager", "flash"), "attention")
-    backend = _choice(backend, ("nccl", "gloo"), "backend")
-    units = {"gb": "GB", "gib": "GiB"}[_choice(units, ("gb", "gib"), "units")]
-    if comm_dtype not in _COMM_DTYPES:
-        raise ValueError(f"unknown comm_dtype {comm_dtype!r}: choose bf16, fp16 or none")
-    comm_bytes = _COMM_DTYPES[comm_dtype.lower() if isinstance(comm_dtype, str) else comm_dtype]
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    setting = check_setting(
+        gpus=gpus, nodes=nodes, gpu=gpu, gpu_memory=gpu_memory, peak_tflops=peak_tflops,
+        mfu=mfu, strategy=strategy, precision=precision, optimizer=optimizer, batch=batch,
+        seq=seq, grad_accum=grad_accum, activation_checkpointing=activation_checkpointing,
+        intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, bucket_mb=bucket_mb,
+        comm_dtype=comm_dtype, attention=attention, backend=backend, headroom=headroom,
+        units=units, prefetch=prefetch, max_gathered_mb=max_gathered_mb,
+        reshard_after_forward=reshard_after_forward, link=link, powersgd_rank=powersgd_rank,
+        sync_every=sync_every, shard_size=shard_size, lora_rank=lora_rank,
+        lora_targets=lora_targets, trainable=trainable, offload=offload,
+        host_memory=host_memory, host_link=host_link, host_memory_bw=host_memory_bw)
+    result = plan_described(finetuned(desc, setting.lora_rank, setting.lora_targets,
+                                      setting.trainable), setting)
+    if result.recommended is None:
+        result.alternatives = alternatives(desc, setting, result, plan_described)
+    return result
 
-    spec = gpu_spec(gpu)
-    memory = parse_bytes(gpu_memory, "GPU memory") if gpu_memory is not None else spec.memory_bytes
-    peak = float(peak_tflops) if peak_tflops is not None else spec.peak_tflops(precision_key)
-    intra = parse_bandwidth(intra_node_bw if intra_node_bw is not None else spec.link, LINKS,
-                            "intra-node bandwidth")
-    link_bps = parse_link(link) if link is not None else None
-    if link_bps is not None and nodes == 1:
-        raise ValueError("link is the bandwidth between nodes, and one node has none to cross: "
-                         "give the number of nodes (--nodes 2 or more)")
-    inter = link_bps / 1e9 if link_bps is not None else \
-        parse_bandwidth(inter_node_bw, LINKS, "inter-node bandwidth")
-    bandwidth = intra if nodes == 1 else min(intra, inter)
-    notes = list(desc.notes)
+
+def _seq(desc: ModelDesc, seq: int | None) -> int:
+    learned = desc.transformer.learned_positions if desc.transformer is not None else 0
     if seq is None:
-        seq = 2048
-        if desc.transformer is not None and 0 < desc.transformer.learned_positions < seq:
-            seq = desc.transformer.learned_positions
-    seq = _positive_int(seq, "seq")
-    if desc.transformer is not None and 0 < desc.transformer.learned_positions < seq:
-        raise ValueError(f"seq {seq} exceeds the model's {desc.transformer.learned_positions} "
-                         f"learned positions")
+        return learned if 0 < learned < 2048 else 2048
+    if 0 < learned < seq:
+        raise ValueError(f"seq {seq} exceeds the model's {learned} learned positions")
+    return seq
 
-    activations, flops = _activations_and_flops(desc, prec, batch, seq, grad_accum,
-                                                activation_checkpointing, attention, notes)
-    compute_s = flops / (peak * 1e12 * mfu)
+
+def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
+    """The plan of a described model (its frozen and trainable parameters already set) in a
+    checked setting: memory, communication and time of every strategy, and the pick."""
+    prec, world, notes = s.precision, s.world, list(desc.notes)
+    seq = _seq(desc, s.seq)
+    activations, flops = activations_and_flops(desc, prec, s.batch, seq, s.grad_accum,
+                                               s.checkpointing, s.attention, notes)
+    compute_s = flops / (s.peak * 1e12 * s.mfu)
     nominal = nominal_shape(desc.trainable_params) if desc.trainable_shapes is None else None
-    state_elements = optimizer_state_elements(optimizer, desc.trainable_params,
+    state_elements = optimizer_state_elements(s.optimizer, desc.trainable_params,
                                               desc.trainable_shapes, nominal)
-    reduce_scatter = backend == "nccl"
-    units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight, bucket_mb,
-                        desc.trainable_blocks)
+    reduce_scatter = s.backend == "nccl"
+    units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight_bytes,
+                        s.bucket_mb, desc.trainable_blocks)
     largest_unit = max(units_)
-    gathering = zero3_gathering(desc, prec.weight, bucket_mb, **check_gather_options(
-        "zero3", prefetch, max_gathered_mb, reshard_after_forward))
-    largest_param = (max((math.prod(s) for s in desc.trainable_shapes), default=0)
+    gathering = zero3_gathering(desc, prec.weight_bytes, s.bucket_mb, **s.gather)
+    largest_param = (max((math.prod(x) for x in desc.trainable_shapes), default=0)
                      if desc.trainable_shapes is not None else largest_unit)
-    grad_comm = (comm_bytes or prec.grad) * desc.trainable_params
-
+    grad_comm = (s.comm_bytes or prec.grad_bytes) * desc.trainable_params
     replicated = not prec.mixed  # ddp without masters: the model's own parameters, as they are
+    run_bytes = step_run_bytes(s.bucket_mb)
 
     def _stepped(strategy, n):
         """What the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
         one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)."""
         if strategy == "ddp" and replicated and desc.trainable_shapes is not None:
-            return [math.prod(s) for s in desc.trainable_shapes]
+            return [math.prod(x) for x in desc.trainable_shapes]
         n = 1 if strategy == "ddp" else n
         return [-(-u // n) for u in units_]
 
+    def _offload(strategy):
+        return s.offload if strategy in s.candidates else None
+
     def memory_at(strategy, n):
-        """Model states, buffers, step temporaries and the peak of `strategy` on n ranks."""
+        """Model states and buffers on the device, its step temporaries and peak, and what
+        offload puts on the host, of `strategy` on n ranks."""
         states = model_states(strategy, prec, desc.params, desc.trainable_params,
                               state_elements, n)
         lent = None if desc.trainable_shapes is None else borrowing(
-            [math.prod(s) for s in desc.trainable_shapes], desc.trainable_blocks, prec.weight,
-            bucket_mb, n)
+            [math.prod(x) for x in desc.trainable_shapes], desc.trainable_blocks,
+            prec.weight_bytes, s.bucket_mb, n)
         buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
-                               comm_bytes, largest_unit, largest_param,
+                               s.comm_bytes, largest_unit, largest_param,
                                gathered_numel=gathering[0], borrowing=lent)
-        step_bytes = step_working_bytes(optimizer, prec, _stepped(strategy, n),
-                                        foreach=backend == "nccl",
-                                        per_unit=not (strategy == "ddp" and replicated),
-                                        run_bytes=step_run_bytes(bucket_mb))
-        return (states, buffers, step_bytes) + peak_bytes(states.total, buffers, activations,
-                                                          step_bytes)
+        stepped, offload = _stepped(strategy, n), _offload(strategy)
+        host = None
+        if offload is None:
+            step_bytes = step_working_bytes(s.optimizer, prec, stepped,
+                                            foreach=s.backend == "nccl",
+                                            per_unit=not (strategy == "ddp" and replicated),
+                                            run_bytes=run_bytes)
+        else:
+            step_bytes = 0  # the step runs on the host
+            host = host_side(offload, prec, s.optimizer, stepped,
+                             -(-state_elements // (1 if strategy == "ddp" else n)),
+                             -(-desc.params // n),
+                             {"forward": -(-desc.params // n),
+                              "backward": -(-(desc.params - gathering[1]) // n)},
+                             run_bytes)
+            states = device_states(states, offload)
+        return (states, buffers, step_bytes, host) + peak_bytes(states.total, buffers,
+                                                                activations, step_bytes)
 
-    tokens = world * batch * seq * grad_accum
+    tokens = world * s.batch * seq * s.grad_accum
+    host_limit = None if s.host_memory is None else (1 - s.headroom) * s.host_memory
     plans = {}
     for name in STRATEGIES:
-        n = shard_size if shard_size is not None and name != "ddp" else world
-        states, buffers, step_bytes, total, phase = memory_at(name, n)
-        gathered = prec.weight * (desc.params if name == "zero3" else desc.trainable_params)
-        kept = prec.weight * gathering[1] if name == "zero3" else 0
+        n = s.shard_size if s.shard_size is not None and name != "ddp" else world
+        states, buffers, step_bytes, host, total, phase = memory_at(name, n)
+        gathered = prec.weight_bytes * (desc.params if name == "zero3" else desc.trainable_params)
+        kept = prec.weight_bytes * gathering[1] if name == "zero3" else 0
         colls = collectives(name, grad_comm, gathered, n, reduce_scatter, kept)
-        within = intra if n < world and gpus % n == 0 else bandwidth  # the group in a node
-        t = step_time(colls, n, compute_s, grad_accum, within, activation_checkpointing,
-                      units=len(units_), across=across_groups(name, grad_comm, shard_size),
-                      replicas=world // n, across_gbps=inter if nodes > 1 else intra)
+        within = s.intra if n < world and s.gpus % n == 0 else s.bandwidth  # a group in a node
+        uploads = None if host is None else {
+            phase_: b / (s.host_link * 1e9) for phase_, b in host.gather_up_bytes.items()}
+        t = step_time(colls, n, compute_s, s.grad_accum, within, s.checkpointing,
+                      units=len(units_), across=across_groups(name, grad_comm, s.shard_size),
+                      replicas=world // n, across_gbps=s.inter if s.nodes > 1 else s.intra,
+                      host_phase_s=uploads)
+        step_s, no_overlap_s, extra = t.step_s, t.step_no_overlap_s, {}
+        if host is not None:
+            off = offload_seconds(host, s.gpus, s.host_link, s.host_memory_bw, compute_s,
+                                  s.grad_accum, s.checkpointing, len(units_))
+            step_s, no_overlap_s = step_s + off.exposed_s, no_overlap_s + off.serial_s
+            per_node = s.gpus * host.bytes_per_rank
+            extra = dict(host_bytes=host.bytes_per_rank, host_bytes_per_node=per_node,
+                         fits_host=None if s.host_memory is None else per_node <= s.host_memory,
+                         host_transfer_bytes=off.transfer_bytes,
+                         host_transfer_s=off.transfer_s, host_step_s=off.host_step_s)
+        host_ok = host is None or host_limit is None or s.gpus * host.bytes_per_rank <= host_limit
         plans[name] = StrategyPlan(
             strategy=name, params_bytes=states.params, grads_bytes=states.grads,
             optimizer_bytes=states.optimizer, activations_bytes=activations,
             buffers_bytes=sum(buffers.values()), buffers_detail=buffers,
             step_working_bytes=step_bytes, total_bytes=total, peak_at=phase,
-            fits=total <= memory, fits_with_headroom=total <= (1 - headroom) * memory,
+            fits=total <= s.memory and extra.get("fits_host") is not False,
+            fits_with_headroom=total <= (1 - s.headroom) * s.memory and host_ok,
             comm_bytes_per_step=t.comm_bytes, comm_payload_bytes=t.payload_by_op,
-            comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=t.step_s,
-            step_time_no_overlap_s=t.step_no_overlap_s,
-            scaling_efficiency=t.scaling_efficiency,
-            tokens_per_s=tokens / t.step_s if t.step_s > 0 else None,
+            comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=step_s,
+            step_time_no_overlap_s=no_overlap_s,
+            scaling_efficiency=compute_s / step_s if step_s > 0 else 1.0,
+            tokens_per_s=tokens / step_s if step_s > 0 else None,
             intra_group_payload_bytes=sum(t.payload_by_op.values()),
-            inter_group_payload_bytes=t.across_payload)
+            inter_group_payload_bytes=t.across_payload, **extra)
 
     def zero3_total(n):
-        return memory_at("zero3", n)[3]
+        return memory_at("zero3", n)[4]
 
-    recommended, reason = recommend(plans, memory, headroom, units, world, zero3_total,
-                                     activations, activation_checkpointing)
-    notes += _standard_notes(prec, optimizer, spec, precision_key, desc, peak_tflops)
-    if "zero3" in shown and desc.source == "count" and desc.zero3_roots is None:
-        notes.append("zero3 from a bare count: backward is planned to gather every unit again, "
-                     "where the engine keeps the units rooted at the model itself and the "
-                     "root the forward ends with; give the model (--model) for its exact bytes")
-    if peak_tflops is None:
-        notes.append(f"peak compute: {spec.name}, {peak:g} TFLOP/s dense "
-                     f"{'fp32' if precision_key == 'fp32' else '16-bit'} (vendor figure)")
-    setting = {
-        "gpus_per_node": gpus, "nodes": nodes, "world_size": world,
-        "gpu": _gpu_name(spec, memory, peak, precision_key),
-        "gpu_memory_bytes": memory, "peak_tflops": peak, "mfu": mfu,
-        "precision": precision_key, "optimizer": optimizer, "batch": batch, "seq": seq,
-        "grad_accum": grad_accum, "activation_checkpointing": bool(activation_checkpointing),
-        "attention": attention, "intra_node_GBps": intra, "inter_node_GBps": inter,
-        "bandwidth_GBps": bandwidth, "backend": backend, "bucket_mb": bucket_mb,
-        "comm_dtype": None if comm_bytes is None else str(comm_dtype).replace("torch.", ""),
-        "headroom": headroom, "flops_per_step": flops, "shard_size": shard_size,
-        "optimizer_state_bytes_per_param": (prec.master * desc.trainable_params
-                                            + prec.state * state_elements)
-        / max(desc.trainable_params, 1),
-    }
-    shown_plans = {n: plans[n] for n in shown}
-    over_link = None if link_bps is None else link_report(
-        shown_plans, plans["ddp"], desc.trainable_shapes, comm_bytes or prec.grad,
-        desc.trainable_params, world, link_bps, powersgd_rank, sync_every)
-    return PlanResult(model=desc.summary(), setting=setting, strategies=shown_plans,
-                      recommended=recommended, reason=reason, notes=notes, units=units,
+    candidates = {n: plans[n] for n in s.candidates}
+    recommended, reason = recommend(candidates, s.memory, s.headroom, s.units, world,
+                                    zero3_total, activations, s.checkpointing,
+                                    host_memory=s.host_memory, gpus_per_node=s.gpus,
+                                    per_param=None if s.offload else _per_param(
+                                        prec, s.optimizer, state_elements, desc))
+    notes += _standard_notes(desc, s)
+    setting = _setting_dict(desc, s, seq, flops, state_elements)
+    shown = {n: plans[n] for n in s.shown}
+    over_link = None if s.link_bps is None else link_report(
+        shown, plans["ddp"], desc.trainable_shapes, s.comm_bytes or prec.grad_bytes,
+        desc.trainable_params, world, s.link_bps, s.powersgd_rank, s.sync_every)
+    return PlanResult(model=desc.summary(), setting=setting, strategies=shown,
+                      recommended=recommended, reason=reason, notes=notes, units=s.units,
                       link=over_link)
 
 
-def _gpu_name(spec, memory: int, peak: float, precision_key: str) -> str:
+def _per_param(prec, optimizer, state_elements, desc) -> str:
+    """Why model states cost what they do, for a plan that does not fit."""
+    k = (prec.master_bytes * desc.trainable_params + prec.state_bytes * state_elements) \
+        / max(desc.trainable_params, 1)
+    line = (f"{prec.weight_bytes} + {prec.grad_bytes} + {k:g} bytes of weights, gradients "
+            f"and optimizer state per trainable parameter ({prec.name}, {optimizer})")
+    if desc.frozen_params:
+        line += f", {prec.weight_bytes} per frozen one"
+    return line
+
+
+def _gpu_name(s: Setting) -> str:
     """The preset's name, or where a figure was given in its place, what is left of it: a
     24 GB device planned with `--gpu h100` is not an H100."""
-    kept = [what for what, given in (("compute", peak != spec.peak_tflops(precision_key)),
-                                     ("memory", memory != spec.memory_bytes)) if not given]
+    spec = s.spec
+    kept = [what for what, given in (("compute", s.peak != spec.peak_tflops(s.precision.name)),
+                                     ("memory", s.memory != spec.memory_bytes)) if not given]
     if len(kept) == 2:
         return spec.name
     return f"GPU with {spec.name}'s {kept[0]}" if kept else "GPU"
 
 
-def _activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpointing,
-                           attention, notes):
-    """Activation bytes of one micro-batch (saved tensors plus the loss's gradients at the start
-    of backward, when memory peaks) and training FLOPs of one step on one device."""
-    recompute = 4 / 3 if checkpointing else 1.0
-    if desc.transformer is not None:
-        acts = desc.transformer.activation_bytes(batch, seq, prec.activation, checkpointing,
-                                                 attention)
-        acts += desc.transformer.loss_transient_bytes(batch, seq)
-        flops = desc.transformer.flops_per_token(seq) * batch * seq * grad_accum * recompute
-        notes.append("compute is 6 x matmul weights x tokens + 12 x layers x seq x hidden per "
-                     "token for attention (PaLM, Chowdhery et al. 2022, App. B)"
-                     + (", x 4/3 for recomputation" if checkpointing else ""))
-        return acts, flops
-    fallback = 6.0 * desc.trainable_params * batch * seq * grad_accum * recompute
-    if desc.module is None or desc.make_input is None:
-        if desc.source == "count":
-            notes.append("compute is 6 x parameters x tokens (Kaplan et al. 2020), attention "
-                         "FLOPs excluded")
-        return 0, fallback
-    try:
-        with torch.device("meta"):
-            inputs = desc.make_input(batch, seq)
-        traced = trace_module(desc.module, inputs, _DTYPES[prec.name])
-    except Exception as exc:  # noqa: BLE001 - a forward that fails on meta: say so, go on
-        first = (str(exc).strip().splitlines() or [""])[0]
-        notes.append(f"activations not traced (the forward failed on the meta device: "
-                     f"{type(exc).__name__}: {first[:200]}); compute is 6 x parameters x tokens")
-        return 0, fallback
-    if checkpointing and not traced.blocks:
-        notes.append("no repeated blocks (nn.ModuleList) found: activation checkpointing is "
-                     "not modelled")
-    acts = traced.checkpointed_bytes if checkpointing else traced.activation_bytes
-    acts += traced.loss_transient_bytes
-    notes.append("compute is 3 x the forward FLOPs counted on the meta device"
-                 + (" (4 x with recomputation)" if checkpointing else ""))
-    return acts, 3.0 * traced.forward_flops * grad_accum * recompute
+def _setting_dict(desc, s: Setting, seq, flops, state_elements) -> dict:
+    prec = s.precision
+    return {
+        "gpus_per_node": s.gpus, "nodes": s.nodes, "world_size": s.world,
+        "gpu": _gpu_name(s), "gpu_memory_bytes": s.memory, "peak_tflops": s.peak,
+        "mfu": s.mfu, "precision": prec.name, "optimizer": s.optimizer, "batch": s.batch,
+        "seq": seq, "grad_accum": s.grad_accum, "activation_checkpointing": s.checkpointing,
+        "attention": s.attention, "intra_node_GBps": s.intra, "inter_node_GBps": s.inter,
+        "bandwidth_GBps": s.bandwidth, "backend": s.backend, "bucket_mb": s.bucket_mb,
+        "comm_dtype": None if s.comm_bytes is None
+        else str(s.comm_dtype).replace("torch.", ""),
+        "headroom": s.headroom, "flops_per_step": flops, "shard_size": s.shard_size,
+        "optimizer_state_bytes_per_param": (prec.master_bytes * desc.trainable_params
+                                            + prec.state_bytes * state_elements)
+        / max(desc.trainable_params, 1),
+        "offload": s.offload, "host_memory_bytes": s.host_memory,
+        "host_link_GBps": s.host_link, "host_memory_GBps": s.host_memory_bw,
+    }
 
 
-def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):
+def _standard_notes(desc, s: Setting) -> list[str]:
+    prec, spec = s.precision, s.spec
     notes = [f"precision {prec.name}: {prec.description}",
              "total is the peak: model states and kept buffers, plus the largest of what "
              "lives at the start of backward (activations, with the loss's gradients), at its "
@@ -298,17 +299,28 @@ def _standard_notes(prec, optimizer, spec, precision_key, desc, peak_given):
              "GB = 1e9 bytes, GiB = 2^30",
              "communication and step times use nominal link rates and a bandwidth-only ring "
              "model: expect real collectives to reach 70-90% of them"]
-    if optimizer == "adafactor":
+    if s.optimizer == "adafactor":
         notes.append("adafactor: factored second moments (row + column per matrix), no "
                      "momentum; an approximation" + (" from a stand-in transformer shape, since "
                                                       "a bare count has no shapes"
                                                       if desc.trainable_shapes is None else ""))
-    if precision_key == "fp32" and peak_given is None:
+    if prec.name == "fp32" and not s.peak_given:
         notes.append(f"fp32 compute at {spec.tflops_fp32:g} TFLOP/s (no TF32); with TF32 "
                      f"matmuls enabled give --peak-tflops")
-    if precision_key in ("bf16", "bf16-mixed") and not spec.has_bf16:
-        notes.append(f"{spec.name} has no bf16 tensor cores: use fp16-mixed")
-    if precision_key == "bf16":
-        notes.append("precision bf16 (no fp32 master) is not a px.prepare precision: phalanx "
-                     "always keeps fp32 masters (bf16-mixed)")
+    if prec.compute_dtype == torch.bfloat16 and not spec.has_bf16:
+        notes.append(f"{spec.name} has no bf16 tensor cores: use fp16")
+    if "zero3" in s.shown and desc.source == "count" and desc.zero3_roots is None:
+        notes.append("zero3 from a bare count: backward is planned to gather every unit again, "
+                     "where the engine keeps the units rooted at the model itself and the "
+                     "root the forward ends with; give the model (--model) for its exact bytes")
+    if s.offload is not None:
+        notes.append(f"offload={s.offload!r}: a model of the host side (planner/offload.py): "
+                     f"pinned host memory per node for {s.gpus} ranks, copies over "
+                     f"{s.host_link:g} GB/s of host link per GPU, the host step at "
+                     f"{s.host_memory_bw:g} GB/s of host memory shared by the node"
+                     + ("" if s.host_memory is not None
+                        else "; host memory not checked: give --host-memory"))
+    if not s.peak_given:
+        notes.append(f"peak compute: {spec.name}, {s.peak:g} TFLOP/s dense "
+                     f"{'fp32' if prec.name == 'fp32' else '16-bit'} (vendor figure)")
     return notes

@@ -5,20 +5,27 @@ Describe the model once, by count, config or factory, and the setting:
     phalanx plan --params 8e9 --gpus 8 --gpu-memory 80GB --precision fp32
     phalanx plan --config config.json --gpus 8 --nodes 4 --batch 4 --seq 4096 --activation-checkpointing
     phalanx plan --model models.py:build --gpus 2 --gpu a100 --strategy zero2 --json
+    phalanx plan --params 8e9 --gpus 2 --gpu rtx3090 --lora-rank 16
+    phalanx plan --params 8e9 --gpus 2 --gpu rtx3090 --offload optimizer --host-memory 128GB
 
 Memory is per device: parameters, gradients and optimizer state by ZeRO's layout (Rajbhandari
 et al. 2020), activations from the transformer formula of Korthikanti et al. 2022 (configs) or a
 traced forward on the meta device (factories), and the engine's buffers. Time is a ring-model
 communication volume at the given link bandwidths against compute at a stated fraction of the
-GPU's peak. GB = 1e9 bytes, GiB = 2^30 bytes.
+GPU's peak. GB = 1e9 bytes, GiB = 2^30 bytes. Fine-tuning (--lora-rank, --trainable) freezes
+parameters; --offload puts the optimizer (and zero3's parameters) in host memory. When nothing
+fits, the plan says what would: LoRA, or offload, with the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from ..precisions import PLANNER_PRECISIONS
+from .finetune import DEFAULT_LORA_TARGETS
 from .hardware import GPUS, LINKS
-from .memory import OPTIMIZERS, PRECISIONS
+from .memory import OPTIMIZERS
+from .offload import DEFAULT_HOST_MEMORY_BW
 
 __all__ = ["add_arguments", "main"]
 
@@ -67,8 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("training")
     run.add_argument("--strategy", default="all",
                      help="ddp, zero1, zero2, zero3 (alias fsdp) or all (default all)")
-    run.add_argument("--precision", default="bf16-mixed",
-                     help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")
+    run.add_argument("--precision", default="bf16",
+                     help=f"px.prepare's: {', '.join(PLANNER_PRECISIONS)}; bf16 and fp16 are "
+                          "mixed (fp32 masters and optimizer state; bf16-mixed and fp16-mixed "
+                          "name the same), bf16-true is everything in bf16 (default bf16)")
     run.add_argument("--optimizer", default="adamw",
                      help=f"{', '.join(OPTIMIZERS)} (default adamw)")
     run.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
@@ -97,6 +106,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--shard-size", metavar="K",
                      help="zero1/2/3 sharded within groups of K ranks ('node': --gpus), "
                           "replicated across them; bytes within and across groups apart")
+
+    tune = p.add_argument_group("fine-tuning and offload")
+    tune.add_argument("--lora-rank", type=int, metavar="R",
+                      help="freeze the model and add LoRA adapters of rank R beside the "
+                           "--lora-targets projections of every block")
+    tune.add_argument("--lora-targets", metavar="NAME[,NAME]",
+                      help=f"with --lora-rank: the projections adapted, by module name as PEFT's "
+                           f"target_modules (default {','.join(DEFAULT_LORA_TARGETS)})")
+    tune.add_argument("--trainable", type=float, metavar="FRACTION",
+                      help="the fraction of the parameters that learn, the rest frozen")
+    tune.add_argument("--offload", choices=("optimizer", "params"),
+                      help="optimizer: fp32 masters and optimizer state in pinned host memory, "
+                           "stepped there (zero1/zero2/zero3); params: zero3's parameter shards "
+                           "there too")
+    tune.add_argument("--host-memory", metavar="SIZE",
+                      help="with --offload: the host's memory per node, e.g. 128GB, checked "
+                           "against the pinned memory offload needs")
+    tune.add_argument("--host-link", metavar="BANDWIDTH",
+                      help="GB/s or preset: each GPU's link to host memory (default: the GPU "
+                           "preset's PCIe link)")
+    tune.add_argument("--host-memory-bw", type=float, metavar="GBPS",
+                      help=f"the host's memory bandwidth per node in GB/s, for the host step "
+                           f"(default {DEFAULT_HOST_MEMORY_BW:g}: two channels of DDR4-3200)")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -140,7 +172,7 @@ def main(args: argparse.Namespace) -> int:
             prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
             reshard_after_forward=not args.keep_until_backward, link=args.link,
             powersgd_rank=args.powersgd_rank, sync_every=args.sync_every,
-            shard_size=args.shard_size)
+            shard_size=args.shard_size, **_finetune_options(args))
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(result.to_json() if args.json else result)
@@ -165,4 +197,10 @@ def _plan_options(args) -> dict:
                 backend=args.backend, headroom=args.headroom, units=args.units,
                 prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
                 reshard_after_forward=not args.keep_until_backward, link=args.link,
-                shard_size=args.shard_size)
+                shard_size=args.shard_size, **_finetune_options(args))
+
+
+def _finetune_options(args) -> dict:
+    return dict(lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                trainable=args.trainable, offload=args.offload, host_memory=args.host_memory,
+                host_link=args.host_link, host_memory_bw=args.host_memory_bw)

@@ -97,10 +97,13 @@ class StepTime:
 def step_time(colls: list[Collective], world: int, compute_s: float, grad_accum: int,
               bandwidth_gbps: float, checkpointing: bool, units: int = 1,
               across: list[Collective] = (), replicas: int = 1,
-              across_gbps: float | None = None) -> StepTime:
+              across_gbps: float | None = None, host_phase_s: dict | None = None) -> StepTime:
     """Combine collectives and compute into a step time (see [Note: Overlap model]). `across`:
     with shard_size, the backward's collectives over the `replicas` groups, at `across_gbps`
-    (planner/hybrid.py); `colls` and `world` are then the group's."""
+    (planner/hybrid.py); `colls` and `world` are then the group's. `host_phase_s`: seconds on
+    the host link per micro-step by phase (zero3's shard uploads under offload="params",
+    planner/offload.py), a third resource beside compute and the network."""
+    host = {"forward": 0.0, "backward": 0.0, **(host_phase_s or {})}
     by_phase = {"forward": 0.0, "backward": 0.0, "after_step": 0.0}
     comm_bytes = 0.0
     payload: dict[str, int] = {}
@@ -124,12 +127,14 @@ def step_time(colls: list[Collective], world: int, compute_s: float, grad_accum:
     bwd = micro - fwd
     per_micro = any(c.per_micro_step for c in colls)
     if per_micro:  # zero3: every micro-step gathers and reduces
-        exposed = (t["forward"] + t["backward"]) / max(units, 1)  # first gather, last reduce
-        step = grad_accum * (max(fwd, t["forward"]) + max(bwd, t["backward"]) + exposed) \
+        exposed = (t["forward"] + t["backward"] + host["forward"] + host["backward"]) \
+            / max(units, 1)  # first gather, last reduce
+        step = grad_accum * (max(fwd, t["forward"], host["forward"])
+                             + max(bwd, t["backward"], host["backward"]) + exposed) \
             + t["after_step"]
     else:
         step = (grad_accum - 1) * micro + fwd + max(bwd, t["backward"]) + t["after_step"]
-    no_overlap = compute_s + comm_s
+    no_overlap = compute_s + comm_s + grad_accum * (host["forward"] + host["backward"])
     eff = compute_s / step if step > 0 else 1.0
     return StepTime(comm_bytes=comm_bytes, payload_by_op=payload, comm_s=comm_s,
                     compute_s=compute_s, step_s=step, step_no_overlap_s=no_overlap,

@@ -7,7 +7,9 @@ repeated block it sits in where the model or config says), so its layout cannot 
 engine's. The planner needs the sizes for what scales with a unit rather than with the model:
 ZeRO-2's pool of bucket buffers, the fp32 gradient that a mixed-precision step makes for one
 unit at a time, the optimizer's per-call temporaries and, for zero3, the parameters gathered at
-once.
+once. Under zero3 frozen parameters (a LoRA model's base) are sharded in the same units as the
+trainable ones and gathered with them, so what zero3 gathers is laid out over every parameter;
+what is reduced and stepped, over the trainable ones.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     model_rooted, sizes = zero3_roots(desc, compute_bytes, bucket_mb)
     last = next(iter(sizes.values()), 0)  # the root the forward ends with, kept
     if not sizes and not known:
-        units = unit_sizes(desc.trainable_shapes, desc.trainable_params, compute_bytes,
-                           bucket_mb, desc.trainable_blocks)
+        units = unit_sizes(desc.param_shapes, desc.params, compute_bytes, bucket_mb,
+                           desc.param_blocks)
         sizes, last = dict(enumerate(units)), 0
     if not reshard_after_forward:
         everything = model_rooted + sum(sizes.values())
@@ -63,7 +65,8 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
 
 def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int, dict]:
     """(elements of the units rooted at the model itself, {root: elements} of the other
-    roots in backward order, the root the forward ends with first). From what a run's engine
+    roots in backward order, the root the forward ends with first), frozen parameters included
+    (zero3 shards and gathers them in the units of the trainable ones). From what a run's engine
     recorded (`desc.zero3_roots`, see `engine_roots`); from a module, the engine's own roots,
     the last registered taken as the last to run; from a config, each repeated block is a root
     and the rest is left out (a model-level embedding tied to the head would add its size);
@@ -73,12 +76,12 @@ def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int,
     elif desc.module is not None:
         from ..engine.units import module_units, unit_roots
 
-        params = [p for p in desc.module.parameters() if p.requires_grad]
+        params = list(desc.module.parameters())  # frozen ones too: zero3 gathers them
         runs = module_units(desc.module, params, compute_bytes, bucket_mb, desc.block_classes)
         pairs = [(root, sum(p.numel() for p in run))
                  for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes))]
     else:
-        shapes, blocks = desc.trainable_shapes, desc.trainable_blocks
+        shapes, blocks = desc.param_shapes, desc.param_blocks
         pairs = [(block, math.prod(shape))
                  for shape, block in reversed(list(zip(shapes or [], blocks or [])))
                  if block is not None]

@@ -8,9 +8,13 @@ bytes, gradients of g bytes and K bytes of optimizer state per parameter,
     ddp    (w + g + K) Psi          zero1  (w + g) Psi + K Psi / N
     zero2  w Psi + (g + K) Psi / N  zero3  (w + g + K) Psi / N
 
-Mixed precision Adam (bf16/fp16 weights and gradients, fp32 master + two moments): w = g = 2,
-K = 12, so ddp costs 16 Psi. Pure fp32 Adam: w = g = 4 and K = 8 (the fp32 weights are the
-master). "bf16" keeps everything, moments included, in bf16: 2 + 2 + 4 = 8 Psi.
+Mixed precision Adam ("bf16"/"fp16": bf16/fp16 weights and gradients, fp32 master + two
+moments): w = g = 2, K = 12, so ddp costs 16 Psi. Pure fp32 Adam: w = g = 4 and K = 8 (the fp32
+weights are the master). "bf16-true" keeps everything, moments included, in bf16: 2 + 2 + 4 =
+8 Psi. (The names are phalanx.precisions', shared with px.prepare.)
+Frozen parameters (a LoRA model's base, `requires_grad=False`) have weights only: w bytes each,
+whole on every rank under ddp, zero1 and zero2, sharded 1/N under zero3; no gradient, master or
+optimizer state. With Psi_t trainable of Psi parameters, g and K multiply Psi_t.
 
 [Note: Engine buffers]
 `buffers_bytes` is what phalanx's engine (engine/flat_engine.py, flat.py, reducer.py, buckets.py)
@@ -74,39 +78,12 @@ import math
 from dataclasses import dataclass
 
 from ..engine.units import step_runs
+from ..precisions import PrecisionSpec
 
-__all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "STRATEGIES", "optimizer_state_elements",
-           "ModelStates", "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes"]
+__all__ = ["OPTIMIZERS", "STRATEGIES", "optimizer_state_elements", "ModelStates",
+           "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str
-    weight: int       # bytes per parameter of the weights the model computes with
-    grad: int         # bytes per gradient element
-    master: int       # bytes of a separate fp32 master copy (0: the weights are the master)
-    state: int        # bytes per optimizer-state element (moments, momentum)
-    activation: int   # bytes per activation element
-    description: str
-
-    @property
-    def mixed(self) -> bool:
-        return self.master > 0
-
-
-PRECISIONS = {
-    "fp32": Precision("fp32", 4, 4, 0, 4, 4, "fp32 weights, gradients and optimizer state"),
-    "bf16-mixed": Precision("bf16-mixed", 2, 2, 4, 4, 2,
-                            "bf16 weights and gradients, fp32 master weights and optimizer state "
-                            "(px.prepare precision='bf16')"),
-    "fp16-mixed": Precision("fp16-mixed", 2, 2, 4, 4, 2,
-                            "fp16 weights and gradients, fp32 master weights and optimizer state, "
-                            "dynamic loss scaling (px.prepare precision='fp16')"),
-    "bf16": Precision("bf16", 2, 2, 0, 2, 2,
-                      "everything in bf16, optimizer moments included, no master copy"),
-}
 
 # Optimizer-state elements per trainable parameter, for element-wise optimizers.
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adafactor": None}
@@ -151,12 +128,13 @@ def _shard(nbytes: int, n: int) -> int:
     return math.ceil(nbytes / n)
 
 
-def model_states(strategy: str, precision: Precision, params: int, trainable: int,
+def model_states(strategy: str, precision: PrecisionSpec, params: int, trainable: int,
                  state_elements: int, world: int) -> ModelStates:
-    """Bytes per device of weights, gradients and optimizer state (see [Note: Model states])."""
-    w = precision.weight * params
-    g = precision.grad * trainable
-    k = precision.master * trainable + precision.state * state_elements
+    """Bytes per device of weights, gradients and optimizer state (see [Note: Model states]).
+    `params` counts every parameter, frozen ones included; `trainable` those that learn."""
+    w = precision.weight_bytes * params
+    g = precision.grad_bytes * trainable
+    k = precision.master_bytes * trainable + precision.state_bytes * state_elements
     if strategy == "ddp":
         return ModelStates(w, g, k)
     if strategy == "zero1":
@@ -168,7 +146,7 @@ def model_states(strategy: str, precision: Precision, params: int, trainable: in
     raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
 
 
-def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int,
+def buffer_bytes(strategy: str, precision: PrecisionSpec, trainable: int, world: int,
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
                  largest_param: int = 0, gathered_numel: int | None = None,
                  borrowing: tuple[int, int] | None = None) -> dict:
@@ -178,9 +156,9 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
     # Only strategies that shard gradients reduce-scatter (zero1 keeps full gradients, so it
     # all-reduces whatever the backend: engine/policy.py).
     reduce_scatter = reduce_scatter and strategy in ("zero2", "zero3") and world > 1
-    g = precision.grad
+    g = precision.grad_bytes
     g_full = g * trainable
-    compressed = comm_bytes is not None and comm_bytes != precision.weight
+    compressed = comm_bytes is not None and comm_bytes != precision.weight_bytes
     out = dict.fromkeys(("grad_pool", "grad_shard", "comm_buffers", "comm_copies",
                          "gathered_params", "unit_grads"), 0)
     out["grad_staging"] = g * largest_param
@@ -191,7 +169,7 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
         out["unit_grads"] = g * lone
     elif strategy == "zero3" and world > 1:
         out["unit_grads"] = min(g_full, 2 * g * largest_unit)
-        out["gathered_params"] = precision.weight * (
+        out["gathered_params"] = precision.weight_bytes * (
             2 * largest_unit if gathered_numel is None else gathered_numel)
     comm_elem = comm_bytes if compressed else g
     if compressed and (strategy != "ddp" or precision.mixed):
@@ -203,9 +181,11 @@ def buffer_bytes(strategy: str, precision: Precision, trainable: int, world: int
     return out
 
 
-def _temporaries(optimizer: str, state: int, stepped: list[int], foreach: bool) -> int:
-    """Bytes the optimizer's own update makes while stepping `stepped` in one call."""
-    if optimizer not in ("adam", "adamw", "adafactor") or not stepped:
+def _temporaries(optimizer: str, state: int, stepped: list[int], foreach: bool,
+                 fused: bool = False) -> int:
+    """Bytes the optimizer's own update makes while stepping `stepped` in one call (a fused
+    kernel makes none)."""
+    if optimizer not in ("adam", "adamw", "adafactor") or not stepped or fused:
         return 0
     if foreach:
         return state * sum(stepped)
@@ -214,23 +194,25 @@ def _temporaries(optimizer: str, state: int, stepped: list[int], foreach: bool) 
     return state * max(2 * cur + prev for prev, cur in zip([0] + stepped[:-1], stepped))
 
 
-def step_working_bytes(optimizer: str, precision: Precision, stepped: list[int],
-                       foreach: bool, per_unit: bool = True, run_bytes: int | None = None) -> int:
+def step_working_bytes(optimizer: str, precision: PrecisionSpec, stepped: list[int],
+                       foreach: bool, per_unit: bool = True, run_bytes: int | None = None,
+                       fused: bool = False) -> int:
     """Transient bytes of one optimizer step (see [Note: Optimizer step working memory]).
     `stepped` are the element counts of the tensors this rank steps, in the optimizer's order:
     with `per_unit` (the flat engine) one master shard per unit; without it (fp32 ddp) the
     model's parameters. The flat engine steps every unit in one call when the gradients are
     already in the master dtype (fp32), and under mixed precision makes the fp32 gradients for
     a run of units at a time, up to `run_bytes` of them (engine/units.py: step_runs, the same
-    runs the engine steps)."""
+    runs the engine steps). `fused`: the optimizer's fused kernel, which makes no temporaries
+    (the host step of offload, planner/offload.py)."""
     if not stepped:
         return 0
-    state = 4 if precision.mixed else precision.state
+    state = precision.state_bytes
     if not per_unit or not precision.mixed:
-        return _temporaries(optimizer, state, stepped, foreach)
+        return _temporaries(optimizer, state, stepped, foreach, fused)
     runs = step_runs([4 * u for u in stepped], run_bytes if run_bytes is not None else 0)
     return max(4 * sum(stepped[i] for i in run)
-               + _temporaries(optimizer, state, [stepped[i] for i in run], foreach)
+               + _temporaries(optimizer, state, [stepped[i] for i in run], foreach, fused)
                for run in runs)
 
 

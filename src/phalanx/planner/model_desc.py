@@ -38,6 +38,10 @@ class ModelDesc:
     trainable_params: int            # those with requires_grad: they get gradients and state
     trainable_shapes: list[tuple[int, ...]] | None  # module order; None for a bare count
     trainable_blocks: list | None = None  # the repeated block of each (None outside), if known
+    # every parameter, frozen ones included (zero3 shards and gathers them with the trainable
+    # ones, in the same units): module order, and the block of each; None for a bare count
+    param_shapes: list[tuple[int, ...]] | None = None
+    param_blocks: list | None = None
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     block_classes: tuple | None = None  # px.plan's `blocks=`, resolved (engine/units.py)
@@ -45,11 +49,23 @@ class ModelDesc:
     # which units stay gathered from forward into backward, where a count cannot say
     zero3_roots: list | None = None
     make_input: Callable[[int, int], tuple] | None = None
+    # what made parameters frozen, when the plan did (finetune.py): {"lora_rank": ...,
+    # "lora_targets": [...], "adapter_params": ...} or {"trainable": fraction}
+    finetune: dict | None = None
+    # the share of the described model's own matrix weights that is frozen, where the FLOPs
+    # come from a formula (a config): their weight gradients are not computed
+    frozen_share: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def frozen_params(self) -> int:
+        return self.params - self.trainable_params
 
     def summary(self) -> dict[str, Any]:
         out = {"name": self.name, "source": self.source, "params": self.params,
                "trainable_params": self.trainable_params}
+        if self.finetune is not None:
+            out["finetune"] = dict(self.finetune)
         if self.transformer is not None:
             out["transformer"] = self.transformer.to_dict()
         return out
@@ -82,7 +98,8 @@ def from_config(config) -> ModelDesc:
     name = shape.name if shape.name != "transformer" else os.path.basename(source)
     return ModelDesc(name=name, source="config", params=shape.params(),
                      trainable_params=shape.params(), trainable_shapes=shapes,
-                     trainable_blocks=shape.param_blocks(), transformer=shape)
+                     trainable_blocks=shape.param_blocks(), param_shapes=shapes,
+                     param_blocks=shape.param_blocks(), transformer=shape)
 
 
 def _default_input(module: nn.Module) -> Callable[[int, int], tuple]:
@@ -149,7 +166,9 @@ def from_module(module: nn.Module, name: str | None = None,
                      params=sum(p.numel() for p in params),
                      trainable_params=sum(p.numel() for p in trainable),
                      trainable_shapes=[tuple(p.shape) for p in trainable],
-                     trainable_blocks=_blocks_of(module, trainable, classes), module=module,
+                     trainable_blocks=_blocks_of(module, trainable, classes),
+                     param_shapes=[tuple(p.shape) for p in params],
+                     param_blocks=_blocks_of(module, params, classes), module=module,
                      block_classes=classes)
     try:
         desc.make_input = make_input or _default_input(module)

@@ -37,6 +37,13 @@ class StrategyPlan:
     # shard_size (planner/hybrid.py): payload per step within a shard group and across groups
     intra_group_payload_bytes: int = 0
     inter_group_payload_bytes: int = 0
+    # offload (planner/offload.py): pinned host memory, and what the host side adds to a step
+    host_bytes: int = 0               # per rank
+    host_bytes_per_node: int = 0
+    fits_host: bool | None = None     # None: no offload, or host memory not given
+    host_transfer_bytes: float = 0    # over the host link per step and rank, both directions
+    host_transfer_s: float = 0.0
+    host_step_s: float = 0.0          # the optimizer step on the host
 
     @property
     def model_states_bytes(self) -> int:
@@ -55,6 +62,7 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     units: str = "GB"
     link: object = None  # a LinkReport (link.py) when a link was given
+    alternatives: list = field(default_factory=list)  # what fits instead (alternatives.py)
 
     def __getitem__(self, strategy: str) -> StrategyPlan:
         return self.strategies[strategy]
@@ -68,6 +76,7 @@ class PlanResult:
             "recommended": self.recommended,
             "reason": self.reason,
             "notes": list(self.notes),
+            "alternatives": [a.to_dict() for a in self.alternatives],
             **({"link": self.link.to_dict()} if self.link is not None else {}),
         }
 
@@ -84,14 +93,22 @@ def _mem(n: float, unit: str) -> str:
 
 def format_table(r: PlanResult) -> str:
     s, m, u = r.setting, r.model, r.units
+    offload = s.get("offload")
     names = list(r.strategies)
     scale_name = "1e9" if u == "GB" else "2^30"
     what = (f"{format_count(m['params'])} parameters (a count: no shapes)" if m["source"] == "count"
             else f"{m['name']} ({format_count(m['params'])} parameters, from a {m['source']})")
+    tune = m.get("finetune")
+    if tune:
+        trainable = format_count(m["trainable_params"])
+        what += (f"; LoRA rank {tune['lora_rank']} on {', '.join(tune['lora_targets'])}: "
+                 f"{trainable} trainable" if "lora_rank" in tune
+                 else f"; {tune['trainable']:g} of it trainable ({trainable})")
     lines = [
         f"phalanx plan: {what}",
         f"  {s['world_size']} x {s['gpu']} ({_mem(s['gpu_memory_bytes'], u)} {u}) on "
-        f"{s['nodes']} node(s); {s['precision']}, {s['optimizer']}; micro-batch {s['batch']} x "
+        f"{s['nodes']} node(s); {s['precision']}, {s['optimizer']}"
+        f"{f', offload={offload!r}' if offload else ''}; micro-batch {s['batch']} x "
         f"{s['seq']} tokens, grad-accum {s['grad_accum']}, activation checkpointing "
         f"{'on' if s['activation_checkpointing'] else 'off'}",
         "",
@@ -112,7 +129,11 @@ def format_table(r: PlanResult) -> str:
         row(label, [_mem(getattr(p, key), u) for p in r.strategies.values()])
     row("  peak at", [{"backward start": "bwd start", "end of backward": "bwd end",
                        "optimizer step": "opt step"}[p.peak_at] for p in r.strategies.values()])
-    row(f"fits in {_mem(s['gpu_memory_bytes'], u)} {u}",
+    if offload:
+        row("host memory per node (pinned)", [_mem(p.host_bytes_per_node, u)
+                                              for p in r.strategies.values()])
+    row(f"fits in {_mem(s['gpu_memory_bytes'], u)} {u}"
+        + (f" + {_mem(s['host_memory_bytes'], u)} host" if s.get("host_memory_bytes") else ""),
         ["yes" if p.fits_with_headroom else ("tight" if p.fits else "NO")
          for p in r.strategies.values()])
     lines.append("")
@@ -123,6 +144,11 @@ def format_table(r: PlanResult) -> str:
     row("communication time", [format_seconds(p.comm_time_s) for p in r.strategies.values()])
     row(f"compute ({s['mfu']:.0%} of {s['peak_tflops']:g} TFLOP/s)",
         [format_seconds(p.compute_time_s) for p in r.strategies.values()])
+    if offload:
+        row(f"host link ({s['host_link_GBps']:g} GB/s), per device",
+            [format_seconds(p.host_transfer_s) for p in r.strategies.values()])
+        row(f"host step ({s['host_memory_GBps']:g} GB/s memory)",
+            [format_seconds(p.host_step_s) for p in r.strategies.values()])
     row("step time, overlapped", [format_seconds(p.step_time_s) for p in r.strategies.values()])
     row("step time, no overlap", [format_seconds(p.step_time_no_overlap_s)
                                   for p in r.strategies.values()])
@@ -132,6 +158,9 @@ def format_table(r: PlanResult) -> str:
         lines.extend(r.link.lines())
         lines.append("")
     lines.append(f"recommended: {r.recommended or 'none'}: {r.reason}")
+    if r.alternatives:
+        lines.append("what fits instead (the same plan with one option changed):")
+        lines.extend(f"  - {a.line}" for a in r.alternatives)
     if r.notes:
         lines.append("notes:")
         lines.extend(f"  - {n}" for n in r.notes)

@@ -181,9 +181,12 @@ class TransformerShape:
         not matmuls) plus the
         attention scores and weighted sum, 12 * layers * seq * hidden (Chowdhery et al. 2022,
         PaLM, App. B)."""
+        return 6.0 * self.matmul_params() + 12.0 * self.layers * seq * self.hidden
+
+    def matmul_params(self) -> int:
+        """The weights of matrix multiplies: the layers' matrices and the LM head."""
         layer_matrices = sum(math.prod(s) for s in self.layer_param_shapes() if len(s) == 2)
-        matmul_params = self.layers * layer_matrices + self.vocab * self.hidden
-        return 6.0 * matmul_params + 12.0 * self.layers * seq * self.hidden
+        return self.layers * layer_matrices + self.vocab * self.hidden
 
 
 def _get(config: dict, field: str, source: str, required: bool = True):

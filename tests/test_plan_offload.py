@@ -1,0 +1,159 @@
+"""Offload in the plan, and the question users ask: an 8B model on two 24 GB cards. Every figure
+is computed by hand from the [Note: offload in the plan] in planner/offload.py and the engine's
+unit sizes (engine/units.py: a 25 MiB bucket of bf16 is 13,107,200 elements, the first unit
+1 MiB, and the step makes fp32 gradients four buckets at a time)."""
+
+import json
+
+import pytest
+
+import phalanx as px
+from phalanx.cli import main as phalanx_main
+from phalanx.planner.layout import unit_sizes
+
+PSI = 8 * 10**9
+OWN = PSI // 2                      # the shard each of 2 ranks steps
+BUCKET = 13_107_200                 # elements of a 25 MiB bf16 unit
+UNITS = len(unit_sizes(None, PSI, 2, 25.0))
+# per rank: fp32 masters (4) and AdamW's two fp32 moments (8) of its shard; the fp32 gradients
+# of a run of four units' shards; the bf16 gradients of two units' shards in flight
+HOST = 12 * OWN + 4 * 4 * (BUCKET // 2) + 2 * 2 * (BUCKET // 2)
+COMPUTE_S = 6 * PSI * 2048 / (71e12 * 0.4)  # a bare count: 6 x params x tokens, RTX 3090 bf16
+
+
+def _plan(**options):
+    return px.plan(params=PSI, gpus=2, gpu="rtx3090", precision="bf16", optimizer="adamw",
+                   **options)
+
+
+def test_offloading_the_optimizer_leaves_weights_and_gradients_on_the_device():
+    r = _plan(offload="optimizer", host_memory="128GB")
+    assert list(r.strategies) == ["zero1", "zero2", "zero3"]  # ddp's state is not sharded
+    z3 = r["zero3"]
+    assert (z3.params_bytes, z3.grads_bytes, z3.optimizer_bytes) == (2 * OWN, 2 * OWN, 0)
+    assert z3.step_working_bytes == 0  # the step runs on the host
+    assert (r["zero2"].params_bytes, r["zero2"].grads_bytes) == (2 * PSI, 2 * OWN)
+    assert z3.host_bytes == HOST and z3.host_bytes_per_node == 2 * HOST
+    assert z3.fits_host and r.recommended == "zero3"
+    # the link: bf16 gradients of the shard down, its updated bf16 weights up, PCIe 4.0 x16
+    assert z3.host_transfer_bytes == 2 * OWN + 2 * OWN
+    assert z3.host_transfer_s == pytest.approx(2 * OWN / 32e9)
+    # the host step streams master and moments (read and written), the bf16 gradient, its
+    # fp32 copy (written and read) and the new bf16 weights: 2 x 12 + 2 + 8 + 2 bytes per
+    # element, for both ranks of the node, at two channels of DDR4-3200
+    assert z3.host_step_s == pytest.approx(2 * 36 * OWN / 51.2e9)
+    # the pipeline beside the backward (2/3 of compute): the host step is the slowest stage,
+    # and one unit's share of the three stages is exposed
+    plain = _plan()["zero3"]
+    backward = COMPUTE_S * 2 / 3
+    exposed = z3.host_step_s - backward + (2 * z3.host_transfer_s + z3.host_step_s) / UNITS
+    assert z3.compute_time_s == pytest.approx(COMPUTE_S)
+    assert z3.step_time_s == pytest.approx(plain.step_time_s + exposed)
+    assert z3.comm_bytes_per_step == plain.comm_bytes_per_step
+
+
+def test_offloading_zero3_parameters_too():
+    r = _plan(offload="params")
+    assert list(r.strategies) == ["zero3"]
+    z3 = r["zero3"]
+    assert (z3.params_bytes, z3.grads_bytes, z3.optimizer_bytes) == (0, 2 * OWN, 0)
+    assert z3.host_bytes == HOST + 2 * OWN
+    # gradients down; each gather (forward, and backward again: a count keeps nothing)
+    # uploads the shard first; the updated shard stays on the host
+    assert z3.host_transfer_bytes == 2 * OWN + 2 * (2 * OWN)
+    assert z3.host_transfer_s == pytest.approx(3 * 2 * OWN / 32e9)
+    assert z3.fits_host is None  # no --host-memory: not checked, and said so
+    assert any("host memory not checked" in n for n in r.notes)
+
+
+def test_host_memory_is_checked_and_named_when_short():
+    r = _plan(offload="optimizer", host_memory="64GB")
+    assert r.recommended is None and r["zero3"].fits_host is False
+    assert "zero3 needs 96.3 GB of host memory per node" in r.reason
+    assert "57.6 GB of host memory per node" in r.reason  # 90% of 64 GB
+    params = next(a for a in r.alternatives if a.change == {"offload": "params"})
+    assert not params.fits and "does not fit either" in params.line
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"offload": "optimizer", "strategy": "ddp"}, "ddp steps the whole optimizer"),
+    ({"offload": "params", "strategy": "zero2"}, "only zero3 keeps parameter shards"),
+    ({"offload": "disk"}, "unknown offload 'disk'"),
+    ({"offload": "optimizer", "host_memory": "128"}, "has no unit"),
+])
+def test_bad_offload_options_are_one_line(options, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(**options)
+
+
+def _run(capsys, *argv):
+    code = phalanx_main(["plan", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("device", [["--gpu-memory", "24GB"], ["--gpu", "rtx3090"]])
+def test_8b_on_two_24gb_cards_names_what_fits_and_why_the_rest_does_not(capsys, device):
+    argv = ["--params", "8e9", "--gpus", "2", *device]
+    data = json.loads(_run(capsys, *argv, "--json"))
+    assert data["recommended"] is None
+    # a full fine-tune: bf16 weights and gradients and 12 bytes of fp32 state per parameter,
+    # 16 x 8e9 under ddp, 4 + 12/2 under zero1, 2 + 14/2 under zero2, 16/2 under zero3
+    states = {"ddp": 16 * PSI, "zero1": 10 * PSI, "zero2": 9 * PSI, "zero3": 8 * PSI}
+    for name, bytes_ in states.items():
+        entry = data["strategies"][name]
+        assert entry["params_bytes"] + entry["grads_bytes"] + entry["optimizer_bytes"] == bytes_
+        assert f"{name} needs {entry['total_bytes'] / 1e9:.1f} GB" in data["reason"]
+    assert "2 + 2 + 12 bytes of weights, gradients and optimizer state" in data["reason"]
+    lora, offload = data["alternatives"]
+    # LoRA rank 8 on q_proj and v_proj of the stand-in shape (34 layers of 4428)
+    adapters = 34 * 2 * 2 * 8 * 4428
+    assert lora["change"] == {"lora_rank": 8, "lora_targets": ["q_proj", "v_proj"]}
+    assert lora["trainable_params"] == adapters
+    z3_states = (2 * (PSI + adapters) + 2 * adapters + 12 * adapters) // 2
+    assert z3_states < lora["fits"]["zero3"] < z3_states + 0.1e9
+    assert set(lora["fits"]) == {"ddp", "zero1", "zero2", "zero3"}  # no activations counted
+    # a full fine-tune with the optimizer offloaded: zero3 only, and the host memory it needs
+    assert offload["change"] == {"offload": "optimizer"}
+    assert list(offload["fits"]) == ["zero3"]
+    assert offload["host_bytes_per_node"]["zero3"] == 2 * HOST
+    assert offload["too_big"]["zero2"] > 0.9 * 24e9  # whole bf16 weights + half the gradients
+    text = _run(capsys, *argv)
+    assert "what fits instead" in text
+    assert "zero3 (8.1 GB) per device" in text and "zero3 leaves the most room" in text
+    assert ("a full fine-tune with the optimizer offloaded (offload='optimizer'): fits under "
+            "zero3 (16.2 GB per device, 96.3 GB of pinned host memory per node)") in text
+
+
+def test_with_activations_the_8b_full_fine_tune_needs_the_parameters_offloaded_too():
+    """A Llama-3.1-8B-shaped config at 2048 tokens with activation checkpointing: zero3 with the
+    optimizer offloaded still holds 8 GB of weights, 8 GB of gradients and the activations."""
+    config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "vocab_size": 128256, "tie_word_embeddings": False}
+    r = px.plan(config=config, gpus=2, gpu="rtx3090", seq=2048, attention="flash",
+                activation_checkpointing=True)
+    by_change = {tuple(a.change.values())[0]: a for a in r.alternatives}
+    assert "zero3" in by_change[8].fits and "ddp" in by_change[8].fits
+    assert not by_change["optimizer"].fits
+    assert round(by_change["optimizer"].too_big["zero3"] / 1e9, 1) == 24.2  # as the guide says
+    assert list(by_change["params"].fits) == ["zero3"]
+    assert round(by_change["params"].fits["zero3"] / 1e9, 1) == 16.2
+    assert round(by_change["params"].host_bytes_per_node["zero3"] / 1e9, 1) == 116.6
+    # what zero3 holds with the optimizer offloaded: bf16 weights and gradients, half each
+    z3 = px.plan(config=config, gpus=2, gpu="rtx3090", seq=2048, attention="flash",
+                 activation_checkpointing=True, offload="optimizer")["zero3"]
+    params = r.model["params"]
+    assert (z3.params_bytes, z3.grads_bytes) == (params, params)  # 2 bytes x params / 2
+    assert z3.total_bytes > 0.9 * 24e9 > z3.params_bytes + z3.grads_bytes
+
+
+def test_the_consumer_presets_use_their_own_figures():
+    # dense bf16 with fp32 accumulation: RTX 3090 71, RTX 4090 165.2, RTX A6000 154.8 TFLOP/s
+    for gpu, tflops, memory in (("rtx3090", 71.0, 24e9), ("rtx4090", 165.2, 24e9),
+                                ("a6000", 154.8, 48e9)):
+        r = px.plan(params=1e9, gpus=2, gpu=gpu, seq=1024)
+        assert r.setting["gpu_memory_bytes"] == memory
+        assert r["ddp"].compute_time_s == pytest.approx(6e9 * 1024 / (tflops * 1e12 * 0.4))
+        assert r.setting["host_link_GBps"] == 32.0  # PCIe 4.0 x16
