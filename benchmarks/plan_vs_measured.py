@@ -4,6 +4,7 @@ training steps.
     .venv/bin/python benchmarks/plan_vs_measured.py            # CPU, gloo, 2 and 4 ranks
     .venv/bin/python benchmarks/plan_vs_measured.py --quick    # fewer cases
     .venv/bin/python benchmarks/plan_vs_measured.py --gpu      # one GPU: max_memory_allocated
+    .venv/bin/python benchmarks/plan_vs_measured.py --only llama-47M-lora   # one model
 
 CPU: for each model, strategy, precision and world size, real ranks (forked, gloo, one thread
 each) build the model, `px.prepare` it, take one warm-up step, then take two measured steps. The
@@ -28,6 +29,14 @@ Two things a CPU run has that the plan (made for GPUs) does not model: a bf16 ma
 (a language-model head) briefly holds its gradient in fp32 as well; and a few MB of small
 tensors, Python objects and gloo scratch. Where the peak is at the start of backward (bf16
 zero1/zero2 here) the first shows as measured above planned.
+
+Fine-tuning: llama-47M-lora is llama-47M frozen, with LoRA adapters of rank 8 beside its
+attention's q and v projections (planner/finetune.py's `add_lora`, PEFT's layout), the optimizer
+built over the adapters; it runs under ddp and zero2, where every rank holds the frozen
+parameters whole in the compute dtype, and is planned as `px.plan(meta model, lora_rank=8,
+lora_targets=("q", "v"))` plans it (the adapters added to a meta copy, activations traced).
+zero3's sharding of frozen parameters and offload are not measured here yet: the engine does
+not do them yet.
 
 GPU: one process, the same comparison against `torch.cuda.max_memory_allocated()`, activations
 included, for a GPT-2-small-size and a ~1B-parameter transformer in bf16 mixed precision.
@@ -58,6 +67,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import phalanx as px  # noqa: E402
+from phalanx.planner.finetune import add_lora  # noqa: E402
 from phalanx.planner.reference_model import ReferenceTransformer  # noqa: E402
 from phalanx.planner.transformer import shape_from_config  # noqa: E402
 from phalanx.testing import run_ranks  # noqa: E402
@@ -78,6 +88,7 @@ GPU_CONFIGS = {
                   "n_inner": None, "n_positions": 1024, "vocab_size": 50257}, 2, 1024),
 }
 MLP_DIM = 1024
+LORA_RANK, LORA_TARGETS = 8, ("q", "v")  # the reference model's attention projections
 
 
 class MLP(nn.Module):
@@ -96,23 +107,31 @@ class MLP(nn.Module):
         return self.head(x)
 
 
+def _base(name):
+    """The model a fine-tuning case adapts (llama-47M-lora: llama-47M)."""
+    return name.removesuffix("-lora")
+
+
 def build(name, tiny=False):
     """The model; `tiny`: the same layers at a size that costs nothing (for warming up)."""
     torch.manual_seed(0)
     if name == "mlp-34M":
         return MLP(blocks=2, dim=MLP_DIM // 16) if tiny else MLP()
-    config = CONFIGS[name]
+    config = CONFIGS[_base(name)]
     if tiny:
         shape = shape_from_config(config)
         config = dict(config, **{"n_layer" if "n_layer" in config else "num_hidden_layers": 2})
         config["vocab_size"] = shape.vocab // 16
-    return ReferenceTransformer(shape_from_config(config))
+    model = ReferenceTransformer(shape_from_config(config))
+    if name.endswith("-lora"):
+        add_lora(model, LORA_RANK, LORA_TARGETS)
+    return model
 
 
 def batch_for(name, batch, seq, device="cpu", tiny=False):
     if name == "mlp-34M":
         return torch.randn(batch * seq, MLP_DIM // (16 if tiny else 1), device=device), None
-    vocab = shape_from_config(CONFIGS[name]).vocab // (16 if tiny else 1)
+    vocab = shape_from_config(CONFIGS[_base(name)]).vocab // (16 if tiny else 1)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     return ids, torch.randint(0, vocab, (batch, seq), device=device)
 
@@ -148,7 +167,7 @@ def _unwritten_bytes(tensors) -> int:
 
 def _train(name, strategy, precision, data, tiny=False):
     model = build(name, tiny)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
 
     def step(x, y):
@@ -183,13 +202,18 @@ def _measure_rank(name, strategy, precision, batch, seq, steps):
 
 
 def _plan_for(name, world, strategy, precision, batch, seq, gpu=False):
-    prec = {"fp32": "fp32", "bf16": "bf16-mixed"}[precision]
-    common = dict(gpus=world, strategy=strategy, precision=prec, optimizer="adamw",
+    # px.prepare's precision names are the planner's (phalanx.precisions)
+    common = dict(gpus=world, strategy=strategy, precision=precision, optimizer="adamw",
                   backend="nccl" if gpu else "gloo", gpu_memory="1000GB")
     if name == "mlp-34M":
         with torch.device("meta"):
             module = MLP()
         return px.plan(module, batch=batch * seq, seq=1, input_shape=str(MLP_DIM), **common)
+    if name.endswith("-lora"):
+        with torch.device("meta"):
+            module = ReferenceTransformer(shape_from_config(CONFIGS[_base(name)]))
+        return px.plan(module, batch=batch, seq=seq, lora_rank=LORA_RANK,
+                       lora_targets=LORA_TARGETS, **common)
     config = GPU_CONFIGS[name][0] if gpu else CONFIGS[name]
     return px.plan(config=config, batch=batch, seq=seq, **common)
 
@@ -198,15 +222,18 @@ def _ratio(a, b):
     return a / b if b else float("nan")
 
 
-def run_cpu(quick: bool):
-    models = ["gpt-23M", "mlp-34M"] if quick else ["gpt-23M", "llama-47M", "mlp-34M"]
-    worlds = [2] if quick else [2, 4]
+def run_cpu(quick: bool, only: str | None = None):
+    models = ["gpt-23M", "mlp-34M"] if quick else ["gpt-23M", "llama-47M", "mlp-34M",
+                                                   "llama-47M-lora"]
+    models = [only] if only else models
+    worlds = [2] if quick or only == "llama-47M-lora" else [2, 4]
     rows = []
     for name in models:
         batch, seq = (4, 8) if name == "mlp-34M" else (2, 64)
+        strategies = ("ddp", "zero2") if name.endswith("-lora") else ("ddp", "zero1", "zero2")
         for world in worlds:
             for precision in ("fp32", "bf16"):
-                for strategy in ("ddp", "zero1", "zero2"):
+                for strategy in strategies:
                     start = time.time()
                     results = run_ranks(_measure_rank, world,
                                         args=(name, strategy, precision, batch, seq, 2),
@@ -279,13 +306,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="measure on one CUDA GPU")
     ap.add_argument("--quick", action="store_true", help="fewer models and world sizes")
+    ap.add_argument("--only", choices=[*CONFIGS, "mlp-34M", "llama-47M-lora"],
+                    help="one model's cases (llama-47M-lora: at 2 ranks)")
     args = ap.parse_args()
     if args.gpu:
         if not torch.cuda.is_available():
             sys.exit("--gpu needs a CUDA GPU")
         rows = run_gpu()
     else:
-        rows = run_cpu(args.quick)
+        rows = run_cpu(args.quick, args.only)
     print()
     print(table(rows, gpu=args.gpu))
     worst = max(abs(_ratio(r[4], r[5]) - 1) for r in rows)
