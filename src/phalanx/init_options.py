@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import math
 
-import torch
+from .environment import backend_name
 
 __all__ = ["check_timeout", "check_backend"]
 
@@ -31,12 +31,13 @@ def check_timeout(timeout) -> datetime.timedelta:
 
 
 def check_backend(backend) -> None:
+    """A backend this torch has and this machine can use (environment.backend_name)."""
     if backend is None:
         return
     if not isinstance(backend, str):
         raise TypeError(f"px.init(backend=...) takes a name such as 'gloo' or 'nccl', or None "
                         f"to choose; got {type(backend).__name__} {backend!r}")
-    if backend.lower() == "nccl" and not torch.cuda.is_available():
-        raise ValueError("px.init(backend='nccl'): NCCL needs CUDA GPUs, and this process sees "
-                         "none (torch.cuda.is_available() is False); use backend='gloo', the "
-                         "CPU backend, or leave backend=None to pick the one that fits")
+    try:
+        backend_name(backend)
+    except ValueError as exc:
+        raise ValueError(f"px.init(backend={backend!r}): {exc}") from None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import elastic, groups, leaving, records
+from . import elastic, environment, groups, leaving, records
 from .collectives import Comm
 from .init_options import check_backend as _check_backend, check_timeout as _check_timeout
 from .launch.env import check_slurm_tasks, read_launch_env
@@ -57,14 +57,13 @@ _state = _State()
 
 def _requested_device(device) -> str | None:
     """`px.init(device=...)`, else PHALANX_DEVICE, as a string ("cpu", "cuda", "cuda:1"...)."""
-    value = device if device is not None else os.environ.get("PHALANX_DEVICE") or None
-    if value is None:
-        return None
+    if device is None:
+        return environment.value("PHALANX_DEVICE")
     try:
-        return str(torch.device(value))
+        return str(torch.device(device))
     except (RuntimeError, TypeError):
-        raise ValueError(f"px.init(device={value!r}) (or PHALANX_DEVICE): a device such as "
-                         "'cpu', 'cuda' or 'cuda:1'") from None
+        raise ValueError(f"px.init(device={device!r}): a device such as 'cpu', 'cuda' or "
+                         "'cuda:1'") from None
 
 
 def _pick_device(local_rank: int, backend: str | None, requested: str | None = None
@@ -120,9 +119,13 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     several ranks on a machine with one GPU, not for speed.
     """
     timeout = _check_timeout(timeout)
+    if not _state.initialized or _world_gone():  # See [Note: one table of variables]
+        environment.check()
     requested = _requested_device(device)
-    backend = backend if backend is not None else os.environ.get("PHALANX_BACKEND") or None
-    _check_backend(backend)
+    if backend is None:
+        backend = environment.value("PHALANX_BACKEND")  # checked as it is read
+    else:
+        _check_backend(backend)
     if hang_after is not None:
         hang_after = _check_timeout(hang_after).total_seconds()
     if _state.initialized:
@@ -130,7 +133,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
             return
         shutdown()  # the script destroyed the group this process joined: start afresh
     if processes is None:
-        processes = os.environ.get("PHALANX_PROCESSES") or None
+        processes = environment.value("PHALANX_PROCESSES")
     if processes is not None and not (dist.is_available() and dist.is_initialized()) \
             and read_launch_env().source == "none":
         _relaunch(processes)

@@ -19,8 +19,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 
-from .. import records, runtime
+from .. import environment, records, runtime
 
 __all__ = ["log", "progress", "run_dir", "close"]
 
@@ -36,8 +37,13 @@ def run_dir() -> str:
     """The run directory that rank 0 writes to (made on first use)."""
     path = _state.get("dir")
     if path is None:
-        path = os.environ.get("PHALANX_RUN_DIR") or default_run_dir()
-        os.makedirs(path, exist_ok=True)
+        path = environment.value("PHALANX_RUN_DIR") or default_run_dir()
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot make the run directory {path} (px.log's metrics "
+                          f"and PHALANX_TRACE's traces go there): {exc.strerror or exc}; set "
+                          "PHALANX_RUN_DIR to a directory this user can write to") from None
         _state["dir"] = path
     return path
 
@@ -90,6 +96,10 @@ def log(metrics: dict, step: int | None = None, *, every: int | None = None) -> 
     Rank 0 writes them to RUN_DIR/metrics.csv, to TensorBoard when installed, and, every
     `every` steps (default PHALANX_LOG_EVERY, else 10), as one line on stdout; other ranks do
     nothing. Values that are not numbers are left out."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"px.log(metrics, step=None) takes a dict of name -> number, not "
+                        f"{type(metrics).__name__} {metrics!r:.60}; for example "
+                        "px.log({'loss': loss.item()}, step=step)")
     if runtime.rank() != 0:
         return
     step = records.current_step() if step is None else int(step)
@@ -102,7 +112,8 @@ def log(metrics: dict, step: int | None = None, *, every: int | None = None) -> 
         if tb is not None:
             tb.add_scalar(name, value, step)
     f.flush()
-    every = every if every is not None else int(os.environ.get("PHALANX_LOG_EVERY", "10"))
+    if every is None:
+        every = environment.value("PHALANX_LOG_EVERY") or 10
     if every > 0 and step % every == 0:
         shown = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in values.items() if "/" not in k)
@@ -131,7 +142,10 @@ def progress(iterable=None, **tqdm_kwargs):
         return iterable if iterable is not None else _Null()
     from tqdm.auto import tqdm
 
-    tty = os.environ.get("PHALANX_TTY")
+    try:
+        tty = environment.value("PHALANX_TTY")
+    except ValueError:  # checked by px.init: a terminal closed since is no reason to stop
+        tty = None
     if tty and "file" not in tqdm_kwargs:
         try:
             tqdm_kwargs["file"] = _state.get("tty") or _state.setdefault("tty", open(tty, "w"))

@@ -19,6 +19,8 @@ import atexit
 import json
 import os
 
+from .. import environment
+
 __all__ = ["Tracer", "tracer"]
 
 _LIMIT = 200_000  # events kept per rank (the oldest are dropped beyond)
@@ -75,14 +77,14 @@ _tracer: dict = {}
 
 def tracer(rank: int) -> Tracer | None:
     """This process's tracer when PHALANX_TRACE asks for one (made once), else None."""
-    setting = os.environ.get("PHALANX_TRACE", "")
-    if setting in ("", "0"):
+    setting = environment.value("PHALANX_TRACE")  # None or False: off; True: the run directory
+    if not setting:
         return None
     if "t" not in _tracer:
         from .. import runtime
         from .metrics import run_dir
 
-        where = run_dir() if setting == "1" else setting
+        where = run_dir() if setting is True else setting
         t = _tracer["t"] = Tracer(rank, os.path.join(where, f"trace_rank{rank}.json"))
         runtime.before_shutdown(t.write)
         atexit.register(lambda: t.written or t.write())
