@@ -129,7 +129,12 @@ def _meta_copy(module: nn.Module) -> nn.Module:
         twin = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(twin, t.requires_grad) if isinstance(t, nn.Parameter) \
             else twin
-    return copy.deepcopy(module, memo)
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as exc:  # noqa: BLE001 - say which model and why, in one line
+        raise ValueError(f"lora_rank: the model cannot be copied to add adapters on the meta "
+                         f"device ({type(exc).__name__}: {exc}); give it as a factory "
+                         "(--model PATH:FUNCTION) or a config") from None
 
 
 def _matches(name: str, targets) -> bool:
@@ -141,7 +146,7 @@ def _lora_module(desc: ModelDesc, rank: int, targets) -> ModelDesc:
     adapted = add_lora(model, rank, targets)
     planned = from_module(model, name=desc.name, make_input=desc.make_input,
                           blocks=desc.block_classes)
-    return replace(planned, notes=list(desc.notes) + planned.notes, finetune={
+    return replace(planned, notes=list(dict.fromkeys(desc.notes + planned.notes)), finetune={
         "lora_rank": rank, "lora_targets": list(targets), "adapted_layers": adapted,
         "adapter_params": planned.trainable_params})
 
