@@ -4,7 +4,9 @@ Will a model train data-parallel on these devices, with which strategy, and how 
 answer is arithmetic over a description of the model (a parameter count, a Hugging Face style
 config, or a module built on the meta device): ZeRO's model-state layout (memory.py), the
 activation formula of Korthikanti et al. or a traced forward (transformer.py, trace.py), ring
-communication volumes and a compute/overlap model (comm.py). No process group, no GPU.
+communication volumes and a compute/overlap model (comm.py); for fine-tuning, frozen
+parameters and LoRA adapters (finetune.py), offload to host memory (offload.py) and, when
+nothing fits, what would (alternatives.py). No process group, no GPU.
 """
 
 from .api import plan
