@@ -369,7 +369,7 @@ def memory(dry):
         meta, _ = gpt("gpt2", dry)
     plan = px.plan(meta, gpus=1, precision="bf16", optimizer="adamw", strategy="ddp",
                    input_shape=f"8x{config.block}")["ddp"]
-    vs_plan = peak / plan.peak_bytes
+    vs_plan = peak / plan.total_bytes
     return verdict(0.97 <= ratio <= 1.10 and 0.85 <= vs_plan <= 1.15, ratio,
                    f"allocated between steps / 16 Psi (0.97-1.10); peak / plan {vs_plan:.3f} "
                    f"(0.85-1.15); peak {peak / 2**30:.2f} GiB")
