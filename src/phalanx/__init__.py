@@ -11,6 +11,7 @@ from .runtime import barrier, device, init, is_main, local_rank, rank, shutdown,
 from .model.prepare import (clip_grad_norm_, no_sync, optimizer_state_dict, prepare, step_stats,
                       unwrap)
 from .model.diloco import DiLoCo
+from .model.pretrained import from_safetensors
 from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
                    map_batches)
 from .planner import plan
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
     "prepare", "no_sync", "clip_grad_norm_", "unwrap", "optimizer_state_dict", "step_stats",
-    "DiLoCo",
+    "DiLoCo", "from_safetensors",
     "PowerSGD",
     "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
     "global_mean",

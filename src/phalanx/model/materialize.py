@@ -25,7 +25,9 @@ MultiheadAttention draws its output projection before its input projection) need
 
 [Note: only the shards are kept]
 Under zero3 (more than one rank, no `init=`) the values are drawn after the engine is built, so
-that no rank ever holds the whole model: `materialize(..., values=False)` gives every trainable
+that no rank ever holds the whole model (with `init=px.from_safetensors(...)` they are read
+after it the same way, each rank reading the slices it owns: [Note: reading only what a rank
+keeps] in model/pretrained.py): `materialize(..., values=False)` gives every trainable
 parameter a one-element storage seen through a zero stride (its shape, no room for values; the
 engine reads nothing from such a parameter and keeps masters of the owned slices only), frozen
 parameters and buffers real storage. Then `fill_shards` runs each module's `reset_parameters()`
@@ -47,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["on_meta", "materialize", "fill_shards"]
+__all__ = ["on_meta", "materialize", "fill_shards", "has_room"]
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -65,10 +67,11 @@ def _same_generator_state(comm) -> None:
 
 @torch.no_grad()
 def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=None, *,
-                values: bool = True) -> None:
+                values: bool = True, reading=None) -> None:
     """Give `model` storage and its initial values, drawn on the CPU (see the module's
     docstring); `values=False`: storage on `device` only, for `fill_shards` after the engine
-    is built."""
+    is built. `reading` (init=px.from_safetensors: model/pretrained.py): storage on `device`,
+    read into instead of drawn (zero3's trainable parameters, with `values=False`, later)."""
     places = _places(model)
     if init is None:  # what only a constructor fills would stay garbage: refuse it
         firsts = {where[0] for where in places.values()}
@@ -85,23 +88,24 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
                         f"device and {type(module).__name__} has no reset_parameters() to "
                         "fill it: pass px.prepare(..., init=fn), fn(model) setting every "
                         "parameter and buffer, or build that module on a real device")
-    if values:
+    draws = values and reading is None
+    if draws:
         _same_generator_state(comm)
+    place = "cpu" if draws else device
     old_names = {id(p): name for name, p in model.named_parameters()}
     # Untie: each registration its own parameter for the initialisation.
     for module in model.modules():
         for attr, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                storage = torch.empty_like(p, device="cpu") if values \
-                    else torch.empty_like(p, device=device) if not p.requires_grad \
-                    else _no_room(p, device)
+                storage = _no_room(p, device) if not values and p.requires_grad \
+                    else torch.empty_like(p, device=place)
                 module._parameters[attr] = nn.Parameter(storage, requires_grad=p.requires_grad)
         for attr, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                module._buffers[attr] = torch.empty_like(b, device="cpu" if values else device)
-    if values and init is not None:
+                module._buffers[attr] = torch.empty_like(b, device=place)
+    if draws and init is not None:
         init(model)
-    elif values:
+    elif draws:
         for module in model.modules():
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
@@ -112,6 +116,8 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
         keep = first_module._parameters[first_attr]
         for module, attr in where[1:]:
             module._parameters[attr] = keep
+    if reading is not None:
+        reading.load()
     if optimizer is not None:
         new = dict(model.named_parameters())
         for group in optimizer.param_groups:
@@ -134,11 +140,21 @@ def _no_room(p: torch.Tensor, device) -> torch.Tensor:
     return torch.empty((), dtype=p.dtype, device=device).expand(p.shape)
 
 
+def has_room(t: torch.Tensor) -> bool:
+    """False for a tensor made by `_no_room` (zero3's trainable parameters until the engine
+    holds their masters): it has no values to read or write."""
+    return t.numel() <= 1 or 0 not in t.stride()
+
+
 @torch.no_grad()
-def fill_shards(model: nn.Module, pieces: dict, comm, dtypes: dict) -> None:
+def fill_shards(model: nn.Module, pieces: dict, comm, dtypes: dict, reading=None) -> None:
     """See [Note: only the shards are kept]. `pieces`: id(param) -> the master pieces this rank
     holds (the engine's `master_pieces()`), for every parameter the engine manages; `dtypes`:
-    id(param) -> its dtype before any cast for the precision."""
+    id(param) -> its dtype before any cast for the precision; `reading`: pretrained weights to
+    read the pieces from instead (model/pretrained.py)."""
+    if reading is not None:
+        reading.load_pieces(pieces)
+        return
     _same_generator_state(comm)
     first = {where[0] for where in _places(model).values()}
     real, names, by_module = {}, {}, {}

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import elastic, runtime
+from ..arguments import check_prepare
 from ..collectives import Comm
 from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
 from .materialize import fill_shards, materialize, on_meta
+from .pretrained import PretrainedWeights
 from ..observe.metrics import note_run
 from ..planner.layout import engine_roots
 from ..faults.nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
@@ -141,8 +143,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         replicate across the groups ("node": the launcher's LOCAL_WORLD_SIZE); gradients are
         averaged across groups, nothing else crosses them. None: all ranks.
     step_stats: time every optimizer step for `px.step_stats(model)`.
-    init: for a model built on the meta device, fn(model) that sets every parameter and buffer
-        (default: each module's reset_parameters(), in order).
+    init: fn(model) setting every parameter and buffer of a meta build (default: each module's
+        reset_parameters(), in order), or px.from_safetensors(path) for any model.
     zero3 only:
     prefetch: how many roots ahead to gather while one computes (a root: a repeated block, or
         the module whose forward brackets a unit's uses), in the last forward's order and the
@@ -154,6 +156,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
+    check_prepare(model, optimizer)  # the model and optimizer where they go (arguments.py)
     diloco, strategy = split_strategy(strategy)
     strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
                                          check_replicas_every)
@@ -174,8 +177,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                          "'warn' or None (no check)")
     if prepared_or_none(model) is not None:
         raise ValueError("this model was already prepared; call px.prepare once per model")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
     block_classes = resolve_block_classes(model, blocks)
     runtime.init()
     steps = StepCounter()  # this model's optimizer steps: see [Note: steps per model]
@@ -194,10 +195,16 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             "takes a compiled model")
     shard_size = check_shard_size(shard_size, strategy, comm.world, staleness)
     built_on_meta = on_meta(model)
-    # zero3 draws the values after the engine is built, keeping only each rank's shards
-    shards_only = built_on_meta and strategy == "zero3" and comm.world > 1 and init is None
-    if built_on_meta:  # every rank draws the same values: no broadcast of the model below
-        materialize(model, optimizer, runtime.device(), comm, init, values=not shards_only)
+    # init=px.from_safetensors(path): checked against the model on every rank (pretrained.py)
+    reading = init.plan(uncompiled(model), comm) if isinstance(init, PretrainedWeights) else None
+    # zero3 draws (or reads) the values after the engine is built, keeping each rank's shards
+    shards_only = built_on_meta and strategy == "zero3" and comm.world > 1 and (
+        init is None or reading is not None)
+    if built_on_meta:  # every rank draws (or reads) the same values: no broadcast below
+        materialize(uncompiled(model), optimizer, runtime.device(), comm, init,
+                    values=not shards_only, reading=reading)
+    elif reading is not None:  # every rank reads the whole model: no broadcast below either
+        reading.load()
     model.to(runtime.device())
     if sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
@@ -214,7 +221,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
                "diloco": diloco}
     check_same_structure(model, comm, options)
-    if not built_on_meta:
+    if not built_on_meta and reading is None:
         broadcast_from_rank0(model, comm)
 
     policy = make_precision(precision, comm_dtype, output_dtype, ranks=comm.world)
@@ -229,7 +236,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     engine = attach_engine(model, optimizer, comm, recipe)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
-        fill_shards(model, engine.master_pieces(), comm, dtypes)
+        fill_shards(model, engine.master_pieces(), comm, dtypes, reading)
     outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
     note_run({"strategy": strategy, "precision": precision, "world": comm.world,
