@@ -22,7 +22,10 @@ node waits at most --join-timeout seconds for the others.
 
 When a worker fails, the workers on its node are stopped and the command exits with status 1
 after one message naming the first rank that failed, its exit code or signal, and the end of
-its traceback (for a native crash, the line that names its cause). With --max-restarts K the
+its traceback (for a native crash, the line that names its cause); or, when the others failed
+waiting for it, the rank that hung (its process frozen, or still there 30 s after SIGTERM:
+the launcher ended it) or left early (its script ended while the others went on), followed by
+what the first of them said. With --max-restarts K the
 node's workers are first restarted up to K times, each restart announced by one line naming
 the rank that failed and how; the final message lists the earlier attempts.
 With --on-failure continue a failed worker does not stop the others: they form a group
@@ -30,8 +33,12 @@ without it and redo the step in flight (each change is one line, from the new ra
 the agent starts a replacement for it (while --max-restarts allows), which joins at the
 others' next px.save and goes on from their live state (phalanx/elastic/). With
 --on-failure stop the first failure ends the job, whatever --max-restarts says.
-A mistake in the command itself (no such script, -n 0, no master) is one line and exit
-status 2. The elastic agent's own log lines are hidden unless --verbose.
+A mistake in the command itself is one line and exit status 2, before any worker starts: no
+such script, -n 0 or more workers than the machine holds (at most 4 a CPU core, and what the
+available memory holds at about 240 MiB a worker; --oversubscribe starts them anyway), a
+--log-dir that cannot be written, an unknown --master-addr, no master, or a PHALANX_*
+variable set to a value it does not take. The elastic agent's own log lines are hidden unless
+--verbose.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ import socket
 import sys
 import tempfile
 import time
+
+from phalanx import environment
+from phalanx.environment import why_not_writable_dir
 
 __all__ = ["add_arguments", "main", "check_arguments"]
 
@@ -80,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="keep each worker's stdout, stderr and error file under DIR "
                              "(default: a temporary directory, removed at the end)")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="start -n workers even past what this machine holds (by default "
+                             "at most 4 a CPU core, and what the available memory holds at "
+                             "about 240 MiB each)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show the elastic agent's own log messages")
     parser.add_argument("-m", "--module", action="store_true",
@@ -125,10 +139,13 @@ def main(args: argparse.Namespace) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # workers' lines appear as they come
     # One run directory for every worker's px.log and trace files (observe/metrics.py), and the
-    # same after a restart.
+    # same after a restart; none where the working directory is read-only (then a script that
+    # calls px.log is told so, and one that does not runs).
     from phalanx.observe.metrics import default_run_dir
 
-    os.environ.setdefault("PHALANX_RUN_DIR", default_run_dir())
+    if "PHALANX_RUN_DIR" not in os.environ and why_not_writable_dir("runs") is None:
+        os.environ["PHALANX_RUN_DIR"] = default_run_dir()
+    os.environ.pop("PHALANX_JOINING", None)  # set for a replacement only (continuing.py)
     # Workers' output reaches the console line by line through the agent's log files, where a
     # progress bar (redrawn with carriage returns) would come out as one long line at the
     # end: px.progress on rank 0 draws on the terminal the launcher was started from instead.
@@ -144,10 +161,10 @@ def main(args: argparse.Namespace) -> int:
                            "raise --join-timeout")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="phalanx-run-")
 
-    def announce_restart(attempt: int, failed: dict) -> str:
-        line = failures.restart_line(failed, log_dir, attempt, args.max_restarts + 1)
+    def announce_restart(attempt: int, failed: dict, endings: dict) -> str:
+        line = failures.restart_line(failed, log_dir, attempt, args.max_restarts + 1, endings)
         print(line, file=sys.stderr, flush=True)
-        return failures.attempt_summary(failed, log_dir)
+        return failures.attempt_summary(failed, log_dir, endings)
 
     def note_survived(rank: int, failure) -> str:  # --on-failure continue
         return failures.attempt_summary({rank: failure}, log_dir)
@@ -155,10 +172,11 @@ def main(args: argparse.Namespace) -> int:
     worker_args = ["-u", "-m", "phalanx.launch.worker"]  # see worker.py
     worker_args += (["-m"] if args.module else []) + [args.script] + list(args.script_args)
     try:
-        result, earlier = agent.run_workers(args, port, log_dir, worker_args, announce_restart,
-                                            note_survived)
+        result, earlier, endings = agent.run_workers(args, port, log_dir, worker_args,
+                                                     announce_restart, note_survived)
         if result.is_failed():
-            print(failures.failure_report(result.failures, log_dir, earlier), file=sys.stderr)
+            print(failures.failure_report(result.failures, log_dir, earlier, endings),
+                  file=sys.stderr)
             return 1
         if earlier and args.on_failure == "continue":
             print(failures.survived_line(earlier), file=sys.stderr)
@@ -195,6 +213,28 @@ def check_arguments(args: argparse.Namespace) -> None:
                            "of them out")
     if args.join_timeout < 1:
         raise CommandError(f"--join-timeout must be at least 1 second (got {args.join_timeout})")
+    if not args.oversubscribe:
+        from .processes import check_worker_limit
+
+        try:
+            check_worker_limit(args.nproc_per_node, f"-n {args.nproc_per_node}",
+                               "pass --oversubscribe to start them anyway")
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+    if args.log_dir is not None and (why := why_not_writable_dir(args.log_dir)) is not None:
+        raise CommandError(f"--log-dir {args.log_dir}: {why}; name a directory this user can "
+                           "write to, or leave --log-dir out (a temporary directory)")
+    try:
+        socket.getaddrinfo(args.master_addr, None)
+    except (OSError, UnicodeError) as exc:
+        raise CommandError(f"--master-addr {args.master_addr}: no such host ({exc}); give "
+                           "node 0's address or host name, reachable from every node") from None
+    # the workers' variables, before any worker starts ([Note: one table of variables])
+    try:
+        environment.check(skip=[v.name for v in environment.VARIABLES.values()
+                                if v.launcher_sets])
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     if args.script is None:
         raise CommandError(_NEEDS_SCRIPT)
     if args.module:

@@ -56,6 +56,7 @@ import time
 import traceback
 
 from ..runtime import process_count
+from .processes import check_worker_limit
 
 __all__ = ["spawn", "SpawnError", "SpawnTimeout", "run_workers"]
 
@@ -93,7 +94,13 @@ def spawn(fn, *args, processes=None, timeout: float | None = None, **kwargs):
     still running. No worker outlives the call.
     """
     # How: [Note: fork or spawn] and [Note: leaving together] above.
+    if not callable(fn):
+        raise TypeError(f"px.spawn(fn, *args, processes=N, **kwargs) runs the function fn on "
+                        f"every worker; its first argument is {type(fn).__name__} {fn!r:.60}, "
+                        "not a function (processes= is a keyword: px.spawn(train, processes=2))")
     n = process_count(processes)
+    check_worker_limit(n, f"px.spawn(processes={processes!r})",
+                       "use phalanx run --oversubscribe -n N for a script")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout={timeout!r}: a positive number of seconds, or None")
     return run_workers(fn, n, args, kwargs, timeout=timeout, collect="rank0",
