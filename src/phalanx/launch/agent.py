@@ -24,14 +24,16 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig
 
+from .cleanup import Ending, note_signals
 from .continuing import ContinueMixin
 from .rendezvous import RENDEZVOUS, RUN_ID, StaticRendezvous
 
 __all__ = ["run_workers"]
 
-# Called as on_restart(attempt, failures) just before attempt number `attempt` (2, 3, ...)
-# starts; `failures` maps global rank -> ProcessFailure of the attempt that failed.
-OnRestart = Callable[[int, dict], object]
+# Called as on_restart(attempt, failures, endings) just before attempt number `attempt` (2, 3,
+# ...) starts; `failures` maps global rank -> ProcessFailure of the attempt that failed, and
+# `endings` global rank -> what the agent did to end that worker (cleanup.py).
+OnRestart = Callable[[int, dict, dict], object]
 
 
 class _Agent(LocalElasticAgent):
@@ -40,6 +42,19 @@ class _Agent(LocalElasticAgent):
         self._on_restart = on_restart
         self._last_result: RunResult | None = None
         self.earlier_attempts: list = []  # what on_restart returned, one per restart
+        self.endings: dict[int, Ending] = {}  # this attempt's: see [Note: a worker the launcher ended]
+
+    def _start_workers(self, worker_group):
+        ids = super()._start_workers(worker_group)
+        self.endings = {}
+        for local_rank, handler in self._pcontext.subprocess_handlers.items():
+            self.note_signals(worker_group.workers[local_rank].global_rank, handler)
+        return ids
+
+    def note_signals(self, rank: int, handler) -> None:
+        """Note what the agent sends the worker of global `rank` (a new one: a new note)."""
+        self.endings[rank] = Ending()
+        note_signals(handler, self.endings[rank])
 
     def _monitor_workers(self, worker_group) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -53,7 +68,8 @@ class _Agent(LocalElasticAgent):
         if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             failures = self._last_result.failures if self._last_result is not None else {}
             attempt = len(self.earlier_attempts) + 2
-            self.earlier_attempts.append(self._on_restart(attempt, dict(failures)))
+            self.earlier_attempts.append(self._on_restart(attempt, dict(failures),
+                                                          dict(self.endings)))
         super()._restart_workers(worker_group)
 
 
@@ -62,12 +78,13 @@ class _ContinueAgent(ContinueMixin, _Agent):
 
 
 def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: list[str],
-                on_restart: OnRestart, on_failure=None) -> tuple[RunResult, list]:
+                on_restart: OnRestart, on_failure=None) -> tuple[RunResult, list, dict]:
     """Run `python worker_args...` as this node's workers until they succeed or fail for good.
 
-    Returns the last attempt's result and what `on_restart` returned for each earlier attempt
+    Returns the last attempt's result, what `on_restart` returned for each earlier attempt
     (under `--on-failure continue`: what `on_failure(rank, failure)` returned for each failure
-    survived). Raises torch's `SignalException` when the launcher is signalled (the workers are
+    survived), and what the agent did to end each worker of the last attempt (global rank ->
+    `cleanup.Ending`). Raises torch's `SignalException` when the launcher is signalled (the workers are
     stopped first) and `DistError` when the rendezvous fails.
     """
     continuing = args.on_failure == "continue"
@@ -98,7 +115,7 @@ def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: 
     signalled = False
     try:
         result = agent.run()
-        return result, agent.survived if continuing else agent.earlier_attempts
+        return result, agent.survived if continuing else agent.earlier_attempts, agent.endings
     except SignalException:
         signalled = True
         raise

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_han
 )
 
 from ..elastic import store as job_store
+from .worker import end_file
 
 __all__ = ["ContinueMixin", "GRACE", "JOINING"]
 
@@ -131,8 +132,9 @@ class ContinueMixin:
         pcontext = self._pcontext
         spec = self._worker_group.spec
         error_file = pcontext.error_files[local_rank]
-        if error_file and os.path.exists(error_file):  # read already: the next failure's own
-            os.remove(error_file)
+        for stale in (error_file, error_file and end_file(error_file)):  # read already: the
+            if stale and os.path.exists(stale):                          # replacement's own
+                os.remove(stale)
         env = dict(pcontext.envs[local_rank])
         count = int(env.get(JOINING, "0")) + 1
         env[JOINING] = str(count)
@@ -142,4 +144,5 @@ class ContinueMixin:
                                     local_rank)
         pcontext.subprocess_handlers[local_rank] = handler
         self._worker_group.workers[local_rank].id = handler.proc.pid
+        self.note_signals(self._worker_group.workers[local_rank].global_rank, handler)
 

@@ -9,11 +9,13 @@ signal, `os._exit`) the cause is read back from its stderr log instead.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import signal
 
 from ..faults.hangs import HANG_EXIT
+from .cleanup import describe
 
 __all__ = ["failure_report", "restart_line", "attempt_summary", "survived_line", "native_cause"]
 
@@ -32,6 +34,9 @@ _CAUSE = re.compile(
 # The first line of a hang report (faults/hangs.py).
 _HANG = re.compile(r"^phalanx: (hang |collectives out of order|a collective waited)")
 _FOLLOWER = "ends: a hang was reported"
+# What a rank says when a peer it waits for in a collective is gone or never comes.
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out"
+                        r"|DistNetworkError")
 # faulthandler's header of one thread's Python stack, and its frames.
 _STACK_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*\(most recent call first\):")
 _STACK_FRAME = re.compile(r'^\s+File "')
@@ -39,19 +44,28 @@ _STACK_FRAME = re.compile(r'^\s+File "')
 _OWN_FRAME = re.compile(r'File "(<frozen runpy>|[^"]*[/\\]phalanx[/\\]launch[/\\][^"]*)"')
 
 
-def failure_report(failures: dict, log_dir: str, earlier: list[str] = ()) -> str:
-    """One message: the first failed rank, how it ended, the end of its traceback, the others,
-    and, after restarts, what ended each earlier attempt."""
-    ordered = _ordered(failures, log_dir)
-    rank, failure = ordered[0]
+def failure_report(failures: dict, log_dir: str, earlier: list[str] = (),
+                   endings: dict | None = None) -> str:
+    """One message: the rank that failed first, or that hung or left early and so made the
+    others fail, how it ended, the end of its traceback or of the report that named it, the
+    others, and, after restarts, what ended each earlier attempt. `endings`: global rank ->
+    what the launcher did to end that worker ([Note: a worker the launcher ended])."""
+    lead, first, culprits = _account(failures, log_dir, endings or {})
+    rank, failure = first
     headline, lines = _failure_detail(failure, log_dir)
-    text = f"phalanx run: error: rank {rank} {how_it_ended(failure.exitcode)}"
-    text += f": {headline}" if headline else ""
+    text = f"phalanx run: error: {lead}"
+    if rank in culprits:  # the lead is the first failure itself
+        text += f": {headline}" if headline else ""
+    else:  # the failure that the culprit caused, and what it said
+        text += f"\n  | rank {rank} {how_it_ended(failure.exitcode)}"
+        text += f": {headline}" if headline else ""
     text += "".join("\n  | " + line for line in lines)
-    also = [f"rank {r} ({how_it_ended(f.exitcode)})" for r, f in ordered[1:] if not _stopped(f)]
+    rest = [(r, f) for r, f in _ordered(failures, log_dir, endings or {})
+            if r != rank and r not in culprits]
+    also = [f"rank {r} ({how_it_ended(f.exitcode)})" for r, f in rest if not _stopped(f)]
     if also:
         text += "\n  also failed: " + ", ".join(also)
-    halted = [str(r) for r, f in ordered[1:] if _stopped(f)]
+    halted = [str(r) for r, f in rest if _stopped(f)]
     if halted:
         text += f"\n  stopped: rank{'s' if len(halted) > 1 else ''} {', '.join(halted)}"
     if earlier:
@@ -61,19 +75,23 @@ def failure_report(failures: dict, log_dir: str, earlier: list[str] = ()) -> str
     return text
 
 
-def restart_line(failures: dict, log_dir: str, attempt: int, attempts: int) -> str:
+def restart_line(failures: dict, log_dir: str, attempt: int, attempts: int,
+                 endings: dict | None = None) -> str:
     """The line printed when the agent restarts the workers: who failed, how, which attempt."""
-    return (f"phalanx run: {attempt_summary(failures, log_dir)}; restarting workers "
+    return (f"phalanx run: {attempt_summary(failures, log_dir, endings)}; restarting workers "
             f"(attempt {attempt} of {attempts})")
 
 
-def attempt_summary(failures: dict, log_dir: str) -> str:
-    """'rank 1 exited with code 3: sys.exit(3)': the first failure of one attempt."""
+def attempt_summary(failures: dict, log_dir: str, endings: dict | None = None) -> str:
+    """'rank 1 exited with code 3: sys.exit(3)': the first failure of one attempt, or the
+    rank that hung or left early and made the others fail."""
     if not failures:
         return "the workers stopped answering (unhealthy)"
-    rank, failure = _ordered(failures, log_dir)[0]
+    lead, (rank, failure), culprits = _account(failures, log_dir, endings or {})
+    if rank not in culprits:
+        return lead
     headline, _ = _failure_detail(failure, log_dir)
-    return f"rank {rank} {how_it_ended(failure.exitcode)}" + (f": {headline}" if headline else "")
+    return lead + (f": {headline}" if headline else "")
 
 
 def survived_line(survived: list[str]) -> str:
@@ -81,6 +99,66 @@ def survived_line(survived: list[str]) -> str:
     n = len(survived)
     return (f"phalanx run: the job completed, going on through {n} failure"
             f"{'s' if n != 1 else ''}: " + "; ".join(survived))
+
+
+def _account(failures: dict, log_dir: str, endings: dict) -> tuple[str, tuple, set]:
+    """(the message's lead, the first failure (rank, ProcessFailure), the culprits' ranks).
+
+    The first failure is the first rank that failed of its own accord. The lead names it,
+    unless the job failed because a rank hung (the launcher found it frozen, or had to kill
+    it: [Note: a worker the launcher ended]) or left early (its script had ended while the
+    others waited for it in a collective: [Note: a script's end, for the launcher]): then
+    the lead names that rank, and the first failure follows as what it caused."""
+    ordered = _ordered(failures, log_dir, endings)
+    rank, failure = ordered[0]
+    hung = [r for r, f in ordered if r in endings and endings[r].hung]
+    if hung:
+        return f"rank {hung[0]} {describe(endings[hung[0]])}", ordered[0], set(hung)
+    ended = _scripts_ended(failures, log_dir)
+    if ended and rank not in ended and _waited_for_a_peer(failure, log_dir):
+        hows = "; ".join(f"{'rank ' + str(r) + ': ' if len(ended) > 1 else ''}"
+                         f"{_how_script_ended(ended[r])}" for r in sorted(ended))
+        who = f"rank {min(ended)}" if len(ended) == 1 else \
+            "ranks " + ", ".join(map(str, sorted(ended)))
+        lead = f"{who} left early ({hows}), while the other ranks went on and waited for it"
+        return lead, ordered[0], set(ended)
+    return f"rank {rank} {how_it_ended(failure.exitcode)}", ordered[0], {rank}
+
+
+def _how_script_ended(record: dict) -> str:
+    """'the script called sys.exit(0) after 5 optimizer steps', from worker.py's record."""
+    step = record.get("step")
+    at = f" after {step} optimizer step{'s' if step != 1 else ''}" if step is not None else ""
+    return f"{record.get('how', 'the script ended')}{at}"
+
+
+def _waited_for_a_peer(failure, log_dir: str) -> bool:
+    """Whether this failure is one of waiting for a peer: a hang report, or a lost connection
+    or a timeout in a collective."""
+    if failure.exitcode == HANG_EXIT:
+        return True
+    headline, lines = _failure_detail(failure, log_dir)
+    return any(_LOST_PEER.search(line) for line in [headline, *lines])
+
+
+def _scripts_ended(failures: dict, log_dir: str) -> dict[int, dict]:
+    """Global rank -> how its script ended, for every worker of this node whose script had
+    ended well by the time of the failures (worker.py's `ended.json`), failed since or not."""
+    ended = {}
+    for rank, failure in failures.items():
+        stderr = _stderr_log(failure, log_dir)  # in the attempt's folder, beside the others'
+        if stderr is None:
+            continue
+        attempt = os.path.dirname(os.path.dirname(stderr))
+        offset = rank - failure.local_rank  # global ranks are numbered node by node
+        for path in glob.glob(os.path.join(glob.escape(attempt), "*", "ended.json")):
+            try:
+                with open(path) as f:
+                    ended[offset + int(os.path.basename(os.path.dirname(path)))] = json.load(f)
+            except (OSError, ValueError):
+                continue
+        break
+    return ended
 
 
 def how_it_ended(exitcode: int) -> str:
@@ -145,18 +223,20 @@ def _stopped(failure) -> bool:
     return failure.exitcode == -signal.SIGTERM
 
 
-def _ordered(failures: dict, log_dir: str) -> list:
+def _ordered(failures: dict, log_dir: str, endings: dict | None = None) -> list:
     """Failed ranks, first failure first.
 
     The agent knows every failed rank but orders them by a timestamp in whole seconds, and it
-    counts the ranks it stopped itself (SIGTERM) as failures too. The first failure is found
-    here from the worker's own error file (a precise time, written by worker.py), or for a
-    rank that died without one (a signal, os._exit) from when its stderr was last written;
-    ranks ended by SIGTERM come last, since the agent sends that to the survivors.
+    counts the ranks it ended itself as failures too. The first failure is found here from the
+    worker's own error file (a precise time, written by worker.py), or for a rank that died
+    without one (a signal, os._exit) from when its stderr was last written; the ranks that
+    ended because another reported a hang come after, and those the agent ended itself last
+    (SIGTERM to the survivors, and a SIGKILL of its own: `endings`).
     """
+    endings = endings or {}
     return sorted(failures.items(), key=lambda item: (
-        _stopped(item[1]), _ended_by_report(item[1], log_dir), _failure_time(item[1], log_dir),
-        item[0]))
+        _stopped(item[1]) or bool(item[0] in endings and endings[item[0]].hung),
+        _ended_by_report(item[1], log_dir), _failure_time(item[1], log_dir), item[0]))
 
 
 def _ended_by_report(failure, log_dir: str) -> bool:

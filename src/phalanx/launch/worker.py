@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["run", "leave"]
+__all__ = ["run", "leave", "end_file"]
 
 # The file objects that hold written data in Python until flushed.
 _BUFFERED_FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
@@ -50,11 +50,15 @@ def run(argv: list[str]) -> tuple[int, object]:
         sys.path[0] = os.path.dirname(os.path.abspath(target))
     try:
         if is_module:
-            return 0, runpy.run_module(target, run_name="__main__", alter_sys=True)
-        return 0, runpy.run_path(target, run_name="__main__")
+            kept = runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            kept = runpy.run_path(target, run_name="__main__")
+        _record_end("the script ended")
+        return 0, kept
     except SystemExit as exc:
         code = exc.code
         if code in (None, 0):
+            _record_end(f"the script called sys.exit({'' if code is None else code})")
             return 0, exc
         headline = f"sys.exit({code!r})" if isinstance(code, int) else str(code)
         _record_failure(exc.with_traceback(_user_frames(exc.__traceback__)), headline)
@@ -148,26 +152,51 @@ def _print_exception(exc: BaseException) -> None:
     sys.stderr.flush()
 
 
-def _record_failure(exc: BaseException, headline: str) -> None:
+def end_file(error_file: str) -> str:
+    """[Note: a script's end, for the launcher]
+    Where a worker notes that its script has ended well (it returned, or called sys.exit(0)):
+    beside its error file, `ended.json`, with how and at which optimizer step. Its end is
+    then no failure, but if the job fails after it, through a hang report or a lost peer, the
+    ranks that had ended are those that left early, and the launcher's message names them
+    (launch/failures.py); a rank that ends well goes on answering its peers until they end
+    too (phalanx/leaving.py), so its process may well be stopped with theirs."""
+    return os.path.join(os.path.dirname(error_file), "ended.json")
+
+
+def _record_end(how: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    now = time.time()
-    data = {"message": {"message": headline, "extraInfo": {
-        "py_callstack": "".join(traceback.format_exception(exc)),
-        "timestamp": str(int(now)),  # what the agent reads: whole seconds
-        "time": now,
-    }}}
-    # Written whole or not at all: the agent stops the other workers as soon as one fails, and
-    # a worker stopped halfway through writing left a truncated file that the agent's JSON
-    # reader then failed on (JSONDecodeError instead of the failure's message).
+    records = sys.modules.get("phalanx.records")
+    step = None
+    with contextlib.suppress(Exception):
+        step = records.current_step() if records is not None else None
+    _write_whole(end_file(path), {"how": how, "step": step, "time": time.time()})
+
+
+def _write_whole(path: str, data: dict) -> None:
+    """Write `data` as JSON to `path` whole or not at all: the agent stops the other workers
+    as soon as one fails, and a worker stopped halfway through writing left a truncated file
+    that the agent's JSON reader then failed on (JSONDecodeError instead of the message)."""
     partial = f"{path}.{os.getpid()}.partial"
     try:
         with open(partial, "w") as f:
             json.dump(data, f)
         os.replace(partial, path)
     except OSError:
-        pass  # the traceback is still on stderr
+        pass  # what it would say is on stderr too
+
+
+def _record_failure(exc: BaseException, headline: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    _write_whole(path, {"message": {"message": headline, "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(exc)),
+        "timestamp": str(int(now)),  # what the agent reads: whole seconds
+        "time": now,
+    }}})
 
 
 if __name__ == "__main__":
