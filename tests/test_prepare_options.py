@@ -49,3 +49,34 @@ def test_bucket_mb_must_be_finite(strategy, bucket_mb):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="bucket_mb"):
         px.prepare(model, opt, strategy=strategy, bucket_mb=bucket_mb)
+
+
+# -- the model and the optimizer where they go (issue 37, item 4) ----------------------------
+@pytest.mark.parametrize("second,words", [
+    ("sgd", "the second argument is the optimizer itself, a torch.optim.Optimizer built over "
+            "model.parameters() such as torch.optim.SGD(model.parameters(), lr=0.1), not its "
+            "name 'sgd'; the strategy is a keyword: strategy='ddp'"),
+    ("zero3", "the second argument is the optimizer, and 'zero3' is a strategy: pass it as a "
+              "keyword, px.prepare(model, optimizer, strategy='zero3') (or px.prepare(model, "
+              "strategy='zero3') without an optimizer)"),
+    (torch.optim.SGD, "the optimizer class SGD was passed; pass an optimizer built over the "
+                      "model's parameters, SGD(model.parameters(), lr=...)"),
+    (0.1, "the optimizer goes there, a torch.optim.Optimizer built over model.parameters() "
+          "such as torch.optim.SGD(model.parameters(), lr=0.1) (or None), not float 0.1"),
+])
+def test_prepare_names_what_went_where_the_optimizer_goes(second, words):
+    # it was: AttributeError: 'str' object has no attribute 'param_groups'
+    model = mlp()
+    with pytest.raises(TypeError) as caught:
+        px.prepare(model, second)
+    assert str(caught.value) == f"px.prepare(model, optimizer, strategy=...): {words}"
+    assert px.unwrap(model) is model  # nothing was done to the model
+
+
+def test_prepare_names_an_optimizer_given_first():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"the model goes first, a torch.nn.Module, not the "
+                                        r"optimizer SGD \(the model comes first, then its "
+                                        r"optimizer\)"):
+        px.prepare(opt, model)

@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from .. import elastic, runtime
+from ..arguments import check_checkpoint_call, check_model, check_path
 from ..data.sampler import DistributedSampler
 from ..runtime import default_comm
 from .delayed import load_delayed
@@ -42,6 +43,8 @@ def latest_checkpoint(directory) -> str | None:
     the others' next `px.save` and returns what that save wrote, so the script's own resume
     lines (`px.load(px.latest_checkpoint(...), ...)`) put it where the others stand; a script
     that never saves never admits a replacement."""
+    check_path("px.latest_checkpoint(directory)", directory, "a directory of checkpoints",
+               "px.latest_checkpoint('checkpoints')")
     m = elastic.current()
     if m is not None and m.joining:
         return elastic.step_gate().admission_path()
@@ -86,6 +89,7 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     returns exactly the values they passed to that save and its sampler stands where theirs
     stand.
     """
+    check_checkpoint_call("px.load", path, model, optimizer)
     # How the replacement is admitted: [Note: joining at a save] in elastic/joining.py.
     m = elastic.current()
     if m is not None and m.joining:
@@ -208,6 +212,9 @@ def export(path, model) -> str:
     original dtypes elsewhere) to one safetensors file under the module's own names, loadable
     with `model.load_state_dict(safetensors.torch.load_file(path))`. A collective: rank 0
     writes, with the other ranks' shards of the masters gathered to it."""
+    example = "px.export('model.safetensors', model)"
+    check_path("px.export(path, model)", path, "the file to write", example)
+    check_model("px.export(path, model)", model, example)
     state = ModelState(model)
     comm = state.comm
     target = os.path.abspath(os.fspath(path))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import elastic, runtime
+from ..arguments import check_checkpoint_call
 from ..collectives import Comm
 from ..elastic.gate import gate
 from ..runtime import default_comm
@@ -81,6 +82,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     `px.load` or `px.shutdown()` waits for it and raises its error, if it had one, on every
     rank. Returns `path`.
     """
+    check_checkpoint_call("px.save", path, model, optimizer)
     # See [Note: saving in the background] above.
     wait_for_saves()
     if gate.cut:  # phalanx run --on-failure continue: see [Note: a save in a lost step]

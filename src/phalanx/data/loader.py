@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from .. import elastic, runtime
+from ..arguments import check_data_loader
 from ..model.prepared import to_device
 from ..observe.step_report import add_data_wait
 from .sampler import DistributedSampler, check_batch_size, split_evenly
@@ -77,6 +78,7 @@ def data_loader(dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
     and after `px.load` restores `loader.sampler` mid-epoch; `loader.batches_left()` is what
     is left of the epoch in progress (after such a load, the batches the next pass yields).
     """
+    check_data_loader(dataset, batch_size)
     here = runtime.device()
     loader_kwargs.setdefault("pin_memory", here.type == "cuda")
     device = here if device_placement and here.type != "cpu" else None

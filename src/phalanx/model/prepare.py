@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import elastic, runtime
+from ..arguments import check_prepare
 from ..collectives import Comm
 from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
@@ -155,6 +156,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
+    check_prepare(model, optimizer)  # the model and optimizer where they go (arguments.py)
     diloco, strategy = split_strategy(strategy)
     strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
                                          check_replicas_every)
@@ -175,8 +177,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                          "'warn' or None (no check)")
     if prepared_or_none(model) is not None:
         raise ValueError("this model was already prepared; call px.prepare once per model")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"px.prepare expects a torch.nn.Module, not {type(model).__name__}")
     block_classes = resolve_block_classes(model, blocks)
     runtime.init()
     steps = StepCounter()  # this model's optimizer steps: see [Note: steps per model]
