@@ -86,6 +86,9 @@ def unscale_units(engine, inv_scale: torch.Tensor, found_inf: torch.Tensor,
             "torch.amp.GradScaler with staleness=1: the gradient a step applies was scaled by "
             "the previous step's loss scale and would be unscaled by this one's; use "
             "staleness=0, or precision='bf16' without a GradScaler")
+    engine.vote.catch_up()
+    if engine.vote.dropped:  # nothing to check, and no collective (vote.py)
+        return {found_inf.device: found_inf}
     units = [u for u in engine.units if u.reduced is not None]
     grads = [u.reduced if engine.shard_grads else u.bucket.grads() for u in units]
     device = grads[0].device if grads else found_inf.device

@@ -18,7 +18,8 @@ all-reduce, so after it every rank knows which parameters got no gradient on any
 extra collective and no graph traversal. See [Note: gradients that never arrived] in reducer.py.
 The flags are written from small tensors kept on the bucket's device, one per pattern of used
 parameters seen (in a steady loop, one: all used), so filling them copies nothing from the
-host.
+host. The signal carries this rank's non-finite flag (faults/nonfinite.py) and, where its step
+raised, its part in the step vote ([Note: the step vote] in vote.py).
 
 [Note: a gradient reduced where autograd made it]
 Where gradients are sharded (zero2, zero3) a bucket's full gradients live only until its

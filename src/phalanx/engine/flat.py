@@ -37,6 +37,7 @@ import torch
 
 from ..collectives import Handle
 from .buckets import BufferPool, GradBucket
+from .vote import FAILED_AT
 
 __all__ = ["FlatUnit", "Piece"]
 
@@ -88,6 +89,7 @@ class FlatUnit:
         self.reduced: torch.Tensor | None = None     # the owned reduced gradient, compute dtype
         self.used: list[bool] | None = None          # got a gradient on some rank (per param)
         self.nonfinite = False  # some rank flagged a non-finite loss (the bucket's signal)
+        self.failed = False     # some rank's step raised (the signal: engine/vote.py)
         # The reduced flags and signal, on the device, until the end of backward reads them
         # with every other unit's (see `settle` and host.py).
         self.tail: torch.Tensor | None = None
@@ -300,6 +302,7 @@ class FlatUnit:
     def settle(self, tail: list[float], shard: bool) -> None:
         """The host's part of finishing, given this unit's reduced flags and signal as read."""
         used, self.nonfinite = [f > 0 for f in tail[:-1]], tail[-1] > 0
+        self.failed = tail[-1] >= FAILED_AT
         self.tail = None
         if shard:
             if self.used is not None:

@@ -45,6 +45,7 @@ from .generations import AcrossGenerations
 from .stepping import Stepping
 from .state import EngineState
 from .units import borrows, module_units, step_run_bytes
+from .vote import StepVote
 
 __all__ = ["FlatEngine"]
 
@@ -112,6 +113,8 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
                                          block_classes=block_classes,
                                          **(gather_options or {}))
         self.nonfinite = None  # a NonFiniteWatch (faults/nonfinite.py), set by px.prepare
+        # See [Note: the step vote] in vote.py: an exception in one rank's step
+        self.vote = StepVote(self, replicas.job.world if replicas is not None else self.world)
         self.steps = StepCounter()  # this model's optimizer steps (px.prepare's own, once set)
         self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
                                    on_first_order=self._reorder if self.world > 1 else None,
@@ -144,11 +147,12 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
     def watch_steps(self, optimizer, fn) -> None:
         """Call `fn()` after every `optimizer.step()` of the user's loop: through the adapter
         where the optimizer is adopted (its own step hooks run once per unit there), through
-        torch's step post-hook otherwise."""
+        torch's step post-hook otherwise; not after a step voted down (vote.py)."""
         if self.optim is not None and self.optim.adopted:
             self.optim.after_step.append(fn)
         else:
-            optimizer.register_step_post_hook(lambda opt, args, kwargs: fn())
+            optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: None if self.vote.dropped else fn())
 
     def groups(self) -> list:
         """The process groups this engine issues on (the step report reads their records)."""
@@ -176,12 +180,17 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         """From each output's gate in backward, with the gradient arriving there."""
         if grad is not None and self.nonfinite is not None:
             self.nonfinite.note(grad)
+        self.vote.dropped = False
         self.reducer.backward_started()
         if self.gatherer is not None:
             self.gatherer.backward_started()
 
     def _signal(self):
-        return self.nonfinite.signal() if self.nonfinite is not None else 0.0
+        return self.vote.signal(self.nonfinite.signal() if self.nonfinite is not None else 0.0)
+
+    def forward_raised(self, exc: BaseException) -> None:
+        """From the prepared model: its forward raised (see [Note: the step vote])."""
+        self.vote.forward_raised(exc)
 
     def _after_backward(self) -> None:
         """[Note: one host read per step]
@@ -192,9 +201,11 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         reduced gradients (all-reduced first where each rank reads its own shard), and zero3's
         checks that the ranks gathered the same modules in this step's forwards
         (zero3_roots.py). Nothing of it when the step is lost (elastic/): what came back is
-        this rank's own, and the step is thrown away."""
+        this rank's own, and the step is thrown away. A signal that says some rank's step
+        raised drops the step on every rank instead ([Note: the step vote] in vote.py)."""
         if gate.cut:
             self._unsettled = []
+            self.vote.failing = None
             return self.gatherer.take_checks() if self.gatherer is not None else None
         if self.delayed is not None:
             return self.delayed.after_backward()
@@ -225,6 +236,10 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         if overflow is not None:
             self._overflow = bool(values[at])
             at += 1
+        if any(u.failed for u in units):  # what differed (roots, losses) was the failure's
+            if watch is not None:
+                watch.local = None
+            return self.vote.voted_down(self.replicas.job if self.replicas else self.comm)
         if checks:
             self.gatherer.raise_if_differed(checks, values[at:])
         if watch is None:
@@ -259,23 +274,20 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         for p in self.params:
             p.grad = None
 
-    def before_forward(self) -> None:
-        """See [Note: a backward that raised] in reducer.py."""
+    def before_forward(self, grad: bool = True) -> None:
+        """Before each forward: a step that raised on this rank is voted down first (see
+        [Note: the step vote] in vote.py); zero3 prepares its gathers."""
+        self.vote.catch_up()
+        if grad:
+            self.vote.dropped = False
         if self.gatherer is not None:
             self.gatherer.forward_starts()
-        if self.reducer.in_progress():
-            if self.reducer.launched_any():
-                self.reducer.drain()
-                self.reducer.abandon()
-                raise RuntimeError(
-                    "the previous backward stopped (raised) after this rank had started "
-                    "averaging gradients with the other ranks, so its collectives can no longer "
-                    "be matched with theirs. Skip a batch before its backward (in the forward or "
-                    "the loss), or end the run and resume from a checkpoint")
-            self.reducer.abandon()
-            for unit in self.units:
-                if unit.bucket.buffer is not None and self.shard_grads and unit.reduced is None:
-                    unit.bucket.free()
+
+    def free_unreduced(self) -> None:
+        """Give back the full buckets of a backward that will not be reduced (zero2, zero3)."""
+        for unit in self.units:
+            if unit.bucket.buffer is not None and self.shard_grads and unit.reduced is None:
+                unit.bucket.free()
 
     def _reorder(self, completed: list[GradBucket]) -> None:
         """See [Note: launch order follows readiness] in reducer.py."""
@@ -330,13 +342,18 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget reduced gradients (the prepared model's and the adopted optimizer's
         zero_grad call this); the model's `.grad` are cleared by the caller."""
+        self.vote.catch_up()
         for unit in self.units:
             unit.clear_reduced()
         self._overflow = None
 
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm over all ranks and shards (clipping.py)."""
+        """Clip by the global norm over all ranks and shards (clipping.py); nothing to clip,
+        and no collective, in a step voted down (vote.py)."""
+        self.vote.catch_up()
+        if self.vote.dropped:
+            return self.vote.zero(self.params[0] if self.params else None)
         if self.delayed is not None:  # the gradient the step applies: delayed.py
             self.delayed.take()
         return clip_units(self, max_norm, norm_type)

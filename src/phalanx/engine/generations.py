@@ -22,7 +22,7 @@ class AcrossGenerations:
             self.optim.before_step = before
         else:
             def pre(opt, args, kwargs):
-                if not before():
+                if not self.vote.dropped and not before():  # dropped: see engine/vote.py
                     self.drop_grads()
             optimizer.register_step_pre_hook(pre)
 

@@ -94,6 +94,9 @@ class OptimizerAdapter:
         # The groups as the user built them: what a single process's state_dict indexes.
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         setattr(optimizer, _ADAPTER_ATTR, self)
+        # a step that raised on this rank is voted down before a step (vote.py)
+        self._catch_up = None if self.adopted else optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: engine.vote.catch_up())
         if not self.adopted:
             return
         _check_elementwise(optimizer)
@@ -148,6 +151,8 @@ class OptimizerAdapter:
         methods, no state (an engine rebuilt for another layout adopts it again and loads its
         state: elastic/, model/relayout.py)."""
         optimizer = self.optimizer
+        if self._catch_up is not None:
+            self._catch_up.remove()
         if self.adopted:
             for group, params in zip(optimizer.param_groups, self.original):
                 group["params"] = list(params)
@@ -174,6 +179,9 @@ class OptimizerAdapter:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.engine.vote.catch_up()
+        if self.engine.vote.dropped:  # see [Note: the step vote] in vote.py: nothing, anywhere
+            return loss
         if self.before_step is not None and not self.before_step():
             self.engine.drop_grads()  # the step is thrown away: it changes nothing
         with self.holding_masters():

@@ -42,10 +42,13 @@ changes; the layout of the buckets and of the units stays.
 
 [Note: a backward that raised]
 A backward that raises (and is caught, as loops that skip a batch on out-of-memory do) leaves
-this iteration's state behind. At the next forward the engine asks `in_progress()`: if no
-collective was issued yet (`launched_any()`), the state is reset (`abandon()`) and training goes on as if that backward never
-ran. If some were, this rank's collectives can no longer be matched with the other ranks' with
-certainty, and the next forward raises an error that says so (DDP does the same).
+this iteration's state behind: `in_progress()` stays True, the end-of-backward callback having
+never run. The rank's next call into its model finds it there, and `end_backward()` completes
+the step's collectives with that rank's signal saying it failed, so that every rank drops the
+step (see [Note: the step vote] in vote.py). For that vote to have a carrier, the last bucket
+in launch order is launched at the end of backward only, never by a hook: a backward that
+raised has always left it unlaunched. The callback is queued for a backward under `no_sync`
+too (where it only notes the end), so that a failed accumulation micro-step is seen as well.
 
 [Note: waiting for a reduction in backward]
 Waiting for a bucket's reduction blocks this rank until every rank has issued it, and a rank
@@ -106,6 +109,7 @@ class GradReducer:
         self._max_in_flight = max_in_flight
         self._may_wait = may_wait
         self.sync = True
+        self.pass_sync = True  # whether the backward in progress communicates (not no_sync)
         self._disarmed = False
         self.set_buckets(buckets)
         # The hook holds the reducer weakly: a hook is kept by the parameter in C++, where the
@@ -148,9 +152,6 @@ class GradReducer:
         """True between the first gradient of a backward and its end (or a raise inside it)."""
         return bool(self._seen or self._next or self._in_flight or self._callback_queued)
 
-    def launched_any(self) -> bool:
-        return self._next > 0
-
     def drain(self) -> None:
         """Wait for the collectives still in flight (so peers that issued them too finish)."""
         for _, work in self._in_flight:
@@ -158,7 +159,8 @@ class GradReducer:
                 work.wait()
 
     def abandon(self) -> None:
-        """Forget a backward that raised before issuing any collective."""
+        """Forget a backward that raised, where nothing of it is to be sent (under `no_sync`,
+        or in a world of one)."""
         self._reset_iteration()
         if self._ready_order is not None:
             self._ready_order = []
@@ -182,10 +184,11 @@ class GradReducer:
     # -- hooks ---------------------------------------------------------------------------
     def backward_started(self) -> None:
         """Called from the outputs' gradient hooks. See [Note: the end of the outermost
-        backward]."""
-        if self.sync and not self._callback_queued:
+        backward] and, for a backward under `no_sync`, [Note: a backward that raised]."""
+        if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
+            self.pass_sync = self.sync
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, i = self._where[param]
@@ -199,7 +202,8 @@ class GradReducer:
         self._ready[bucket.index] += 1
         if self._ready_order is not None and self._ready[bucket.index] == len(bucket.params):
             self._ready_order.append(bucket)
-        while (self._next < len(self.buckets)
+        # the last one waits for the end of backward: see [Note: a backward that raised]
+        while (self._next < len(self.buckets) - 1
                and self._ready[self.buckets[self._next].index]
                == len(self.buckets[self._next].params)):
             self._launch(self.buckets[self._next])
@@ -270,6 +274,14 @@ class GradReducer:
         self._in_flight.append((bucket, self._launch_fn(bucket)))
 
     def _end_of_backward(self) -> None:
+        if not self.pass_sync:  # accumulating: nothing was sent, nothing to end
+            self._callback_queued = False
+            return
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        """Launch what is left, wait for everything and hand on: the end of every backward
+        that communicates, and of one that raised (see [Note: a backward that raised])."""
         # See [Note: one launch order on every rank]
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])

@@ -41,8 +41,8 @@ mid-backward there and only at the end of backward elsewhere. The reducer keeps 
 sequence the same everywhere (units go out in a fixed order, each once every rank has it),
 but a gather issued in backward between two reductions on one rank and after both on another
 would meet a reduction on the wire and hang. So the gathers run on a process group of their
-own (`Comm.twin`, made once in prepare): the reductions form one sequence, the gathers
-another, each the same on every rank.
+own (`comm.apart("zero3:gathers")`): the reductions form one sequence, the gathers another,
+each the same on every rank (and logged: [Note: replaying a pass's gathers] in zero3_replay.py).
 
 [Note: every rank runs the same roots] is in zero3_roots.py: a forward whose roots differ
 between ranks is found at the end of the backward, before the step, and named on every rank.
@@ -97,6 +97,7 @@ from torch.autograd import Variable
 
 from .._tree import map_tensors
 from .units import unit_roots
+from .zero3_replay import GatherLog
 from .zero3_roots import compare_roots, raise_if_differed
 
 __all__ = ["UnitGatherer"]
@@ -184,6 +185,7 @@ class UnitGatherer:
         # unit -> its whole buffer read from the peers (engine/remote.py): how a forward
         # without gradients gathers, with no collective, so that one rank may run it alone
         self.fetch = None
+        self.log = GatherLog()  # this pass's collectives, the last pass's (zero3_replay.py)
 
     def release(self) -> None:
         """Take this gatherer's hooks off the model (its engine is being replaced)."""
@@ -194,8 +196,7 @@ class UnitGatherer:
     def oversized(self) -> list[tuple[str, int]]:
         """Roots bigger than the bound on their own: (name, bytes)."""
         sizes = [(r.name or "the model", sum(u.full_bytes for u in r.units)) for r in self.roots]
-        return [(name, size) for name, size in sizes
-                if self.limit is not None and size > self.limit]
+        return [(n, size) for n, size in sizes if self.limit is not None and size > self.limit]
 
     def gathered_bytes(self) -> int:
         return sum(u.full_bytes for u in self.units if u.gathered)
@@ -203,13 +204,17 @@ class UnitGatherer:
     def gather(self, units) -> None:
         if any(not u.gathered for u in units):
             self.flush()  # every rank issues its gathers in one order
-        works = [u.unshard(self.comm, async_op=True) for u in units if not u.gathered]
+        works = [self._unshard(u) for u in units if not u.gathered]
         for unit in units:
             unit.wait_gathered()
         for work in works:
             if work is not None:
                 work.wait()
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+
+    def _unshard(self, unit):
+        self.log.note(self, unit.index)
+        return unit.unshard(self.comm, async_op=True)
 
     def free_all(self) -> None:
         self.flush()
@@ -282,7 +287,7 @@ class UnitGatherer:
         for index in indices:
             for unit in self.roots[index].units:
                 if not unit.gathered:
-                    unit.pending = unit.unshard(self.comm, async_op=True)
+                    unit.pending = self._unshard(unit)
             self._prefetched.add(index)
             self.prefetched += 1
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
@@ -392,3 +397,4 @@ class UnitGatherer:
         if self._backward_seen:
             self._backward_order, self._backward_seen = self._backward_seen, []
         self.free_all()
+        self.log.close(self)

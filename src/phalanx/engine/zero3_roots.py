@@ -21,6 +21,8 @@ import zlib
 
 import torch
 
+from .zero3_replay import ROOTS
+
 __all__ = ["compare_roots", "raise_if_differed"]
 
 
@@ -28,6 +30,7 @@ def compare_roots(gatherer) -> None:
     """Exchange the signature of the roots `gatherer` (zero3.py's UnitGatherer) saw in this
     forward now, compare on the device; the host reads the answer with the step's one read."""
     seen = list(gatherer._forward_seen)
+    gatherer.log.note(gatherer, ROOTS)  # see [Note: replaying a pass's gathers]
     mine = torch.tensor([len(seen), zlib.crc32(repr(seen).encode())], dtype=torch.int64,
                         device=gatherer.comm.device)
     signatures = torch.stack(gatherer.comm.all_gather_list(mine, tag="zero3:roots"))

@@ -9,7 +9,8 @@ output did far more work). The rank's flag rides in the same all-reduce as the g
 buckets (one more element next to the used-parameter flags of buckets.py), so every rank
 learns at the end of backward, with no extra collective, whether any rank's loss was
 non-finite. Only then do the ranks exchange their flags (one small all-gather) to name the
-ranks it came from.
+ranks it came from. The same slot carries the step vote of engine/vote.py (a rank whose step
+raised), which comes first: such a step is dropped whatever the losses were.
 
 What follows is `px.prepare(on_nonfinite=...)`:
   "raise" (default)  drop this step's gradients and raise `NonFiniteError` from backward on

@@ -53,6 +53,7 @@ from .. import elastic
 from .._tree import map_tensors
 from .consistency import broadcast_tensors
 from .loss_scaling import OutputGate
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["PreparedModule", "to_device"]
 
@@ -107,6 +108,9 @@ class PreparedModule(torch.nn.Module):
         user.register_load_state_dict_pre_hook(before_load)
         user.register_load_state_dict_post_hook(after_load)
         self._loading = None  # (values, units opened) between the two load hooks
+        if any(isinstance(m, (SyncBatchNorm, torch.nn.SyncBatchNorm)) for m in module.modules()):
+            engine.vote.unavailable = ("the model's SyncBatchNorm layers make collectives of "
+                                       "their own in the forward and backward")
         remote = getattr(engine, "remote", None)
         if remote is not None:  # see [Note: a model dropped while a peer reads it] in remote.py
             weakref.finalize(self, remote.retire, engine.remote_id)
@@ -138,11 +142,19 @@ class PreparedModule(torch.nn.Module):
         grad = torch.is_grad_enabled()
         if grad:
             elastic.iteration_starts()  # after a recovery, training goes on here (elastic/)
-        self._engine.before_forward()
+        self._engine.before_forward(grad)
         if grad:
             self._check_trainable()
             if self._buffers_to_sync:
                 broadcast_tensors(self._buffers_to_sync, self._comm, tag="buffers")
+        try:
+            return self._forward(began, grad, args, kwargs)
+        except Exception as exc:  # the other ranks are in this step: see engine/vote.py
+            if grad:
+                self._engine.forward_raised(exc)
+            raise
+
+    def _forward(self, began: float, grad: bool, args, kwargs):
         if self._device is not None and self._device.type != "cpu":
             args, kwargs = to_device((args, kwargs), self._device)
         precision = self._precision

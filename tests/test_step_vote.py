@@ -1,0 +1,127 @@
+"""The per-step vote: an exception in one rank's step drops that step on every rank, nobody
+dies, and training goes on at full size, equal to one process that skipped the batch (float64).
+
+See [Note: the step vote] in engine/vote.py. The training and the ways a loop meets the error
+(caught around forward and backward; escaping the step to an outer loop, which is what
+"uncaught" can mean for a rank that goes on; in an accumulation micro-step) are in
+step_vote_runs.py. One job of two ranks runs every case under every strategy; the launcher
+cases run tests/launch_scripts/step_vote.py on three ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import step_vote_runs as runs
+import torch
+from test_launch import processes_running
+
+from phalanx.testing import RanksFailed, run_ranks
+
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+COMBOS = [  # (loop, where the fault is, the rank that hits it); None: no fault
+    ("caught", "backward", 1), ("caught", "forward", 0),
+    ("outer", "backward", 1), ("outer", "forward", 1),
+    ("accumulate", "backward", 1), ("accumulate", "forward", 0),
+    ("clipped", "backward", 1), ("scheduled", "backward", 1),
+    ("caught", None, None), ("accumulate", None, None), ("clipped", None, None)]
+HEALTHY = 3  # the cases without a fault, last: what a healthy step communicates in each loop
+SCRIPT = Path(__file__).parent / "launch_scripts" / "step_vote.py"
+
+
+def _every_case():
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        results = runs.cases(STRATEGIES, COMBOS)
+    return results, [str(w.message) for w in said if "dropped on every rank" in str(w.message)]
+
+
+def test_a_step_that_raised_on_one_rank_is_skipped_by_every_rank():
+    results = run_ranks(_every_case, 2, timeout=300)
+    for combo in COMBOS:
+        want, _ = runs.train(None, *combo)
+        for rank, (per_case, _) in enumerate(results):
+            for strategy in STRATEGIES:
+                got, sent = per_case[(strategy, combo)]
+                for i, (a, b) in enumerate(zip(got, want)):
+                    # float64: only the order of the additions differs from one process
+                    assert (a - b).abs().max().item() < 1e-12, \
+                        f"{strategy} {combo} rank {rank}: tensor {i} off the one process's"
+                # a step after the vote communicates what any healthy step does
+                loop = combo[0] if combo[0] in ("accumulate", "clipped") else "caught"
+                healthy = per_case[(strategy, (loop, None, None))]
+                assert sent == healthy[1], \
+                    f"{strategy} {combo}: {sent} bytes in a healthy step after the vote"
+    said = results[0][1]  # on rank 0, once per faulted case, naming the rank and the error
+    assert len(said) == len(STRATEGIES) * (len(COMBOS) - HEALTHY), said
+    assert all(re.match(r"step 3: rank [01] raised ", line) for line in said), said
+    # zero1's optimizer.zero_grad(), in the loop's handler, is where that rank made up its step
+    assert said[len(COMBOS) - HEALTHY].startswith(
+        "step 3: rank 1 raised OutOfMemoryError: CUDA out of memory (simulated in backward). "
+        "The step is dropped on every rank"), said
+    assert results[1][1] == [], "only rank 0 says it"
+
+
+def _too_early():
+    runs.BAD_STEP = 1  # zero3's second step: the gathers of the rest of it are not known yet
+    return runs.train("zero3", "caught", "backward", 1)
+
+
+def test_zero3_before_it_knows_the_rest_of_the_step_says_so_on_the_failing_rank():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_too_early, 2, timeout=120)
+    assert "rank 1 failed:\nRuntimeError: this rank's step raised (OutOfMemoryError: CUDA out " \
+           "of memory (simulated in backward)) while the other ranks were in it, and it cannot " \
+           "drop the step on every rank here: zero3 gathers in an order it has not settled " \
+           "yet" in str(failed.value)
+
+
+# -- under the launcher --------------------------------------------------------------------------
+_references: dict = {}
+
+
+def _reference(tmp_path, skip: int) -> torch.Tensor:
+    """The script in a world of one (plain python) that leaves out step `skip`'s batch."""
+    if skip not in _references:
+        out = tmp_path / f"reference{skip}.pt"
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+        subprocess.run([sys.executable, str(SCRIPT), str(out), "--skip", str(skip)],
+                       check=True, env=env, timeout=120, capture_output=True)
+        _references[skip] = torch.load(out)
+    return _references[skip]
+
+
+def _lines(stdout: str, tag: str) -> list[dict]:
+    return [dict(field.split("=") for field in fields.split())
+            for fields in re.findall(rf"^\[rank\d+\]: {tag} (.*)$", stdout, re.MULTILINE)]
+
+
+@pytest.mark.parametrize("strategy,loop,where,mode", [
+    ("ddp", "caught", "backward", "continue"),
+    ("zero2", "outer", "backward", "continue"),
+    pytest.param("zero3", "caught", "forward", "continue", marks=pytest.mark.slow),
+    pytest.param("zero1", "outer", "forward", "restart", marks=pytest.mark.slow)])
+def test_under_the_launcher_nobody_is_removed_and_the_batch_is_skipped(
+        tmp_path, strategy, loop, where, mode):
+    out = tmp_path / "out.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "phalanx", "run", "-n", "3", "--on-failure", mode, str(SCRIPT),
+         str(out), "--strategy", strategy, "--loop", loop, "--where", where, "--fault", "1@4"],
+        check=False, capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, PHALANX_RUN_DIR=str(tmp_path / "run")))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (torch.load(out) - _reference(tmp_path, 4)).abs().max().item() < 1e-12
+    starts, ends = _lines(result.stdout, "START"), _lines(result.stdout, "END")
+    assert len(starts) == 3 and sorted((e["rank"], e["pid"]) for e in ends) == \
+        sorted((s["rank"], s["pid"]) for s in starts), result.stdout  # the same processes
+    assert {e["world"] for e in ends} == {"3"} and {e["steps"] for e in ends} == {"7"}
+    assert "step 4: rank 1 raised" in result.stderr, result.stderr[-4000:]
+    assert not re.search(r"phalanx: rank \d (was|joined)|redone|skipped by", result.stderr)
+    assert processes_running(str(out)) == []
