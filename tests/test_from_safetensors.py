@@ -5,8 +5,8 @@ A model of our own (tied embeddings left out of the files as Hugging Face leaves
 non-persistent buffer its own reset_parameters computes, a persistent buffer, a frozen layer,
 sizes that put shard boundaries inside rows) written with `safetensors.torch.save_file`, as one
 file and as an index with shards split mid-model; and a small Hugging Face Llama written with
-`save_pretrained` (skipped where transformers is not installed). Values are compared exactly;
-one training step afterwards in float64 against one process with the whole batch.
+`save_pretrained` (test_from_safetensors_hf.py). Values are compared exactly; one training
+step afterwards in float64 against one process with the whole batch.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import phalanx as px
+from phalanx.model import prepare as prepare_module
 from phalanx.testing import engine_of, run_ranks
 
 VOCAB, D, BATCH = 13, 12, 6  # BATCH: whole over 1, 2 and 3 ranks
@@ -125,6 +126,9 @@ def train_step(model, opt, batch):
 def _load(case):
     """On every rank: prepare a Tiny from the files as `case` says, train one step."""
     directory, strategy, precision, dtype, meta = case
+    broadcasts = []  # prepare's broadcast of rank 0's model, which the files make needless
+    broadcast = prepare_module.broadcast_from_rank0
+    prepare_module.broadcast_from_rank0 = lambda *a: (broadcasts.append(a), broadcast(*a))
     with default_dtype(dtype):
         torch.manual_seed(7 + px.rank())  # a full build differs per rank: the files must win
         with torch.device("meta") if meta else contextlib.nullcontext():
@@ -137,7 +141,12 @@ def _load(case):
         inner = px.unwrap(model)
         out = {"loaded": loaded, "inv_freq": inner.rope.inv_freq.clone(),
                "tied": inner.head.weight is inner.embed.weight, "read": weights.read_bytes,
-               "pieces": sum(len(p) for p in engine_of(model).master_pieces().values())}
+               "pieces": sum(len(p) for p in engine_of(model).master_pieces().values()),
+               "broadcasts": len(broadcasts),
+               "masters": {name: [(q.start, q.master.detach().reshape(-1).clone())
+                                  for q in engine_of(model).master_pieces().get(id(p), [])]
+                           for name, p in inner.named_parameters()}}
+        prepare_module.broadcast_from_rank0 = broadcast
         if precision == "fp32":  # (Tiny's forward mixes dtypes under bf16 compute)
             train_step(model, opt, tokens(px.world_size(), px.rank()))
             out["trained"] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -166,6 +175,7 @@ def check_against_reference(result, tensors, dtype, world):
     for key in loaded:
         assert torch.equal(result["loaded"][key], loaded[key]), key
     assert torch.equal(result["inv_freq"], inv_freq)
+    assert result["broadcasts"] == 0  # every rank read the same values
     for key in trained:
         assert torch.allclose(result["trained"][key], trained[key], rtol=0, atol=1e-12), key
     assert not torch.equal(trained["embed.weight"], loaded["embed.weight"])  # it trained
@@ -219,6 +229,14 @@ def test_a_bf16_file_gives_fp32_masters_holding_its_values_under_bf16_compute(tm
             for key, value in tensors.items():
                 assert loaded[key].dtype == torch.float32, key
                 assert torch.equal(loaded[key], value.float()), key
+            held = 0
+            for name, pieces in result["masters"].items():
+                for start, master in pieces:
+                    assert master.dtype == torch.float32, name
+                    value = tensors[name].float().reshape(-1)[start:start + master.numel()]
+                    assert torch.equal(master, value), name
+                    held += master.numel()
+            assert held > 0
 
 
 class Bare(nn.Module):
@@ -294,91 +312,3 @@ def test_in_one_process_it_is_an_init_fn_that_loads_a_full_model(tmp_path):
         model.scale = torch.ones(5)
         weights(model)
 
-
-def _llama(meta):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                         max_position_embeddings=32)
-    with torch.device("meta") if meta else contextlib.nullcontext():
-        return LlamaForCausalLM(config)
-
-
-def llama_tokens(world, rank):
-    all_tokens = torch.arange(BATCH * 9).view(BATCH, 9) * 7 % 37
-    per = BATCH // world
-    return all_tokens[rank * per:(rank + 1) * per]
-
-
-def llama_loss(model, batch):
-    """Ours, in float64 (the model's own, with labels=, is computed in float32)."""
-    logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, 37), batch[:, 1:].reshape(-1))
-
-
-def llama_reference_step(model, opt, batches):
-    """One step on the mean of each batch's gradient, each computed apart as a rank computes it:
-    Llama's RMSNorm runs in float32 whatever the dtype, so a gradient scaled by 1/3 before it
-    (one backward of the mean loss over 3 batches) differs from one scaled after (the average
-    over 3 ranks) by float32 round-off; by 1/2, not at all."""
-    total = None
-    for batch in batches:
-        opt.zero_grad()
-        llama_loss(model, batch).backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        total = grads if total is None else [t + g for t, g in zip(total, grads)]
-    for p, t in zip(model.parameters(), total):
-        p.grad = t / len(batches)
-    opt.step()
-    opt.zero_grad()
-
-
-def _llama_load(cases):
-    out = []
-    for directory, strategy in cases:
-        with default_dtype(torch.float64):
-            model = _llama(meta=True)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            model, opt = px.prepare(model, opt, strategy=strategy,
-                                    init=px.from_safetensors(directory))
-            loaded = {k: v.clone() for k, v in model.state_dict().items()}
-            inv_freq = px.unwrap(model).model.rotary_emb.inv_freq.clone()
-            llama_loss(model, llama_tokens(px.world_size(), px.rank())).backward()
-            opt.step()
-            out.append((loaded, inv_freq, {k: v.clone() for k, v in model.state_dict().items()}))
-    return out
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_hugging_face_llama_loads_as_from_pretrained_gives_it(tmp_path, world):
-    """save_pretrained's files (one, and an index of many), read at 2 ranks under zero3, ddp and
-    zero2 and at 3 under zero3, against from_pretrained in one process; lm_head.weight is tied
-    (not in the files) and rotary_emb.inv_freq non-persistent (computed by _init_weights)."""
-    pytest.importorskip("transformers", reason="transformers is not installed (CI does not "
-                        "install it): pip install transformers")
-    from transformers import LlamaForCausalLM
-
-    with default_dtype(torch.float64):
-        torch.manual_seed(0)
-        _llama(meta=False).save_pretrained(tmp_path / "one")
-        torch.manual_seed(0)
-        _llama(meta=False).save_pretrained(tmp_path / "split", max_shard_size="4KB")
-        reference = LlamaForCausalLM.from_pretrained(tmp_path / "one", dtype=torch.float64)
-        reference.train()
-        loaded = {k: v.clone() for k, v in reference.state_dict().items()}
-        inv_freq = reference.model.rotary_emb.inv_freq.clone()
-        llama_reference_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2),
-                             [llama_tokens(world, r) for r in range(world)])
-    assert os.path.exists(tmp_path / "split" / "model.safetensors.index.json")
-    assert "lm_head.weight" not in load_file(tmp_path / "one" / "model.safetensors")
-    split, one = str(tmp_path / "split"), str(tmp_path / "one")
-    cases = [(split, "zero3")] + ([(one, "ddp"), (split, "zero2")] if world == 2 else [])
-    for results in run_ranks(_llama_load, world, args=(cases,), timeout=300):
-        for got_loaded, got_inv_freq, got_trained in results:
-            assert got_loaded.keys() == loaded.keys()
-            for key in loaded:
-                assert torch.equal(got_loaded[key], loaded[key]), key
-            assert torch.equal(got_inv_freq, inv_freq)
-            for key, value in reference.state_dict().items():
-                assert torch.allclose(got_trained[key], value, rtol=0, atol=1e-12), key

@@ -21,6 +21,11 @@ is the same ValueError on every rank and no rank goes on to wait in a collective
     (`engine.master_pieces()`: `param.view(-1)[start:end]`) is read as the rows of dim 0 that
     cover it (`safe_open(...).get_slice(name)[first:last]`), so a rank reads its share of the
     file plus at most two partial rows per piece, and holds the masters plus one piece's rows.
+  - safetensors gives a tensor as a view of the whole file mapped into memory, and every page
+    read stays in the process's resident set until the file is closed: each tensor is read
+    with the file opened for it alone, so at most one tensor's pages of the file are resident
+    at once (kept open, a rank reading half of a file would hold those pages beside its
+    masters, as much as the whole model in all).
   - A non-persistent buffer built on meta (a rotary embedding's `inv_freq`) is in no file: its
     module's own initialisation computes it, `reset_parameters()` or else a Hugging Face
     model's `_init_weights(module)` (the nearest ancestor's), with the parameters of the
@@ -178,30 +183,31 @@ class Reading:
         `load_pieces`)."""
         _compute(self.root, self.computed)
         self.later = []
-        for file, entries in _by_file(self.entries):
-            with safe_open(file, framework="pt") as f:
-                for e in entries:
-                    t = self._tensor(e)
-                    if not has_room(t):
-                        self.later.append(e)
-                        continue
-                    value = f.get_tensor(e.key)
-                    self.weights.read_bytes += value.numel() * value.element_size()
-                    t.copy_(value)
+        for e in self.entries:
+            t = self._tensor(e)
+            if not has_room(t):
+                self.later.append(e)
+                continue
+            with safe_open(e.file, framework="pt") as f:  # see [Note: reading only what...]
+                value = f.get_tensor(e.key)
+                self.weights.read_bytes += value.numel() * value.element_size()
+                t.copy_(value)
+                del value
 
     @torch.no_grad()
     def load_pieces(self, pieces: dict) -> None:
         """zero3: read into each master piece this rank owns (`pieces`: the engine's
         `master_pieces()`) the rows of dim 0 that cover it, for every parameter `load` left."""
-        for file, entries in _by_file(self.later):
-            with safe_open(file, framework="pt") as f:
-                for e in entries:
-                    t = self._tensor(e)
-                    if id(t) not in pieces:
-                        raise RuntimeError(f"{e.names[0]!r} has no storage and no master on this "
-                                           "rank: there is nothing to read it into")
-                    for piece in pieces[id(t)]:
-                        piece.master.view(-1).copy_(self._read(f, e, piece.start, piece.end))
+        for e in self.later:
+            t = self._tensor(e)
+            if id(t) not in pieces:
+                raise RuntimeError(f"{e.names[0]!r} has no storage and no master on this rank: "
+                                   "there is nothing to read it into")
+            if not pieces[id(t)]:
+                continue  # this rank owns none of it
+            with safe_open(e.file, framework="pt") as f:
+                for piece in pieces[id(t)]:
+                    piece.master.view(-1).copy_(self._read(f, e, piece.start, piece.end))
 
     def _read(self, f, e: _Entry, start: int, end: int) -> torch.Tensor:
         """`tensor.view(-1)[start:end]` of `e`, reading only the whole rows of dim 0 that hold
@@ -336,13 +342,6 @@ def _agree(problem: str | None, comm) -> None:
     if len(failed) == len(problems) and all(p == first for _, p in failed):
         raise ValueError(first)
     raise ValueError(f"on rank {rank}: {first}")
-
-
-def _by_file(entries: list[_Entry]) -> list[tuple[str, list[_Entry]]]:
-    out: dict[str, list[_Entry]] = {}
-    for e in entries:
-        out.setdefault(e.file, []).append(e)
-    return list(out.items())
 
 
 def _ancestors(path: str) -> list[str]:
