@@ -182,8 +182,8 @@ def check_against_reference(result, tensors, dtype, world):
 
 
 def test_two_ranks_every_strategy_one_file_and_shards_equal_one_process(tmp_path):
-    """zero3 (from a meta build, and from a full one), ddp and zero2; one file and an index of
-    three files; float64, so one step matches one process to round-off."""
+    """zero3 (from a meta build, and from a full one), ddp, zero2 and zero1; one file and an
+    index of three files; float64, so one step matches one process to round-off."""
     tensors = _trained_weights(torch.float64)
     single = write(tmp_path / "single", tensors)
     split = write(tmp_path / "split", tensors, shards=3)
@@ -191,7 +191,8 @@ def test_two_ranks_every_strategy_one_file_and_shards_equal_one_process(tmp_path
              (split, "zero3", "fp32", torch.float64, True),
              (split, "zero3", "fp32", torch.float64, False),
              (split, "ddp", "fp32", torch.float64, True),
-             (single, "zero2", "fp32", torch.float64, True)]
+             (single, "zero2", "fp32", torch.float64, True),
+             (single, "zero1", "fp32", torch.float64, True)]
     by_rank = run_ranks(_cases, 2, args=(cases,), timeout=240)
     file_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     whole = sum(t.numel() * t.element_size() for k, t in tensors.items()
@@ -200,7 +201,7 @@ def test_two_ranks_every_strategy_one_file_and_shards_equal_one_process(tmp_path
     for results in by_rank:
         for case, result in zip(cases, results):
             check_against_reference(result, tensors, torch.float64, 2)
-        zero3_meta, _, zero3_full, ddp, zero2 = results
+        zero3_meta, _, zero3_full, ddp, zero2, _ = results
         # zero3 reads about half the trainable tensors per rank, never the whole file
         bound = (file_bytes - whole) / 2 + whole + 2 * largest_row * zero3_meta["pieces"]
         assert zero3_meta["read"] <= bound < file_bytes, (zero3_meta["read"], bound)
@@ -217,13 +218,17 @@ def test_three_ranks_zero3_from_shards_equals_one_process(tmp_path):
 
 
 def test_a_bf16_file_gives_fp32_masters_holding_its_values_under_bf16_compute(tmp_path):
-    """The masters (what state_dict gives under bf16) are the file's bf16 values, exactly, in
-    fp32: nothing rounded them through another dtype on the way."""
-    tensors = {k: v.to(torch.bfloat16) for k, v in _trained_weights(torch.float32).items()}
-    directory = write(tmp_path / "bf16", tensors, shards=2)
-    cases = [(directory, strategy, "bf16", torch.float32, True) for strategy in ("zero3", "ddp")]
+    """The masters (and state_dict) are the file's bf16 (fp16) values, exactly, in fp32:
+    nothing rounded them through another dtype on the way."""
+    files = {dtype: {k: v.to(dtype) for k, v in _trained_weights(torch.float32).items()}
+             for dtype in (torch.bfloat16, torch.float16)}
+    bf16 = write(tmp_path / "bf16", files[torch.bfloat16], shards=2)
+    cases = [(bf16, strategy, "bf16", torch.float32, True) for strategy in ("zero3", "ddp")]
+    cases.append((write(tmp_path / "fp16", files[torch.float16]), "zero3", "fp16", torch.float32,
+                  True))
     for results in run_ranks(_cases, 2, args=(cases,), timeout=240):
-        for result in results:
+        for result, (_, _, precision, _, _) in zip(results, cases):
+            tensors = files[torch.bfloat16 if precision == "bf16" else torch.float16]
             loaded = result["loaded"]
             assert result["tied"] and torch.equal(loaded["head.weight"], loaded["embed.weight"])
             for key, value in tensors.items():
