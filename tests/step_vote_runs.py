@@ -15,7 +15,8 @@ way a loop meets the error is one function:
 - `clipped`: as `caught`, with torch's clip_grad_norm_ before the step (a collective of its own
   where gradients are sharded: none in a dropped step, on any rank);
 - `scheduled`: the handler goes on to `optimizer.step()` (which changes nothing) and an LR
-  scheduler's step, as every rank does.
+  scheduler's step, as every rank does;
+- `scaled`: torch.amp's GradScaler, the handler going on to `scaler.step` and `scaler.update`.
 
 The reference is one process over the global batch that skips every batch of the step (and
 steps the scheduler).
@@ -84,7 +85,7 @@ def batch(step: int, micro: int, rows: int):
             torch.randn(rows, 3, generator=g, dtype=torch.float64))
 
 
-def caught(model, opt, x, y, last, sched, clip=False):
+def caught(model, opt, x, y, last, aids, clip=False):
     try:
         F.mse_loss(model(x), y).backward()
     except torch.OutOfMemoryError:
@@ -96,17 +97,28 @@ def caught(model, opt, x, y, last, sched, clip=False):
     opt.zero_grad()
 
 
-def clipped(model, opt, x, y, last, sched):
-    caught(model, opt, x, y, last, sched, clip=True)
+def clipped(model, opt, x, y, last, aids):
+    caught(model, opt, x, y, last, aids, clip=True)
 
 
-def scheduled(model, opt, x, y, last, sched):
+def scheduled(model, opt, x, y, last, aids):
     try:
         F.mse_loss(model(x), y).backward()
     except torch.OutOfMemoryError:
         opt.zero_grad()
     opt.step()
-    sched.step()
+    aids["sched"].step()
+    opt.zero_grad()
+
+
+def scaled(model, opt, x, y, last, aids):
+    scaler = aids["scaler"]
+    try:
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+    except torch.OutOfMemoryError:
+        opt.zero_grad()
+    scaler.step(opt)
+    scaler.update()
     opt.zero_grad()
 
 
@@ -116,14 +128,14 @@ def _step(model, opt, x, y):
     opt.zero_grad()
 
 
-def outer(model, opt, x, y, last, sched):
+def outer(model, opt, x, y, last, aids):
     try:
         _step(model, opt, x, y)
     except torch.OutOfMemoryError:
         pass
 
 
-def accumulate(model, opt, x, y, last, sched):
+def accumulate(model, opt, x, y, last, aids):
     # the reference (a plain module) accumulates without one
     sync = contextlib.nullcontext() if last else getattr(model, "no_sync", contextlib.nullcontext)()
     try:
@@ -137,7 +149,7 @@ def accumulate(model, opt, x, y, last, sched):
 
 
 LOOPS = {"caught": caught, "outer": outer, "accumulate": accumulate, "clipped": clipped,
-         "scheduled": scheduled}
+         "scheduled": scheduled, "scaled": scaled}
 
 
 def train(strategy, loop: str, where: str, bad_rank: int, world: int = 2, steps=STEPS):
@@ -151,14 +163,16 @@ def train(strategy, loop: str, where: str, bad_rank: int, world: int = 2, steps=
     if strategy is not None:
         # small buckets: several gradients are on the wire before the backward fault
         model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=0.001, blocks=[Block])
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    # the scale is a power of two: the float64 gradients come back exact
+    aids = {"sched": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+            "scaler": torch.amp.GradScaler("cpu")}
     rank = px.rank() if strategy is not None else 0
     micros = 2 if loop == "accumulate" else 1
     run = LOOPS[loop]
     for step in range(steps):
         if strategy is None and step == BAD_STEP and where is not None:
             if loop == "scheduled":
-                sched.step()
+                aids["sched"].step()
             continue
         for micro in range(micros):
             x, y = batch(step, micro, ROWS * world)
@@ -166,7 +180,7 @@ def train(strategy, loop: str, where: str, bad_rank: int, world: int = 2, steps=
                 x, y = x[ROWS * rank:ROWS * (rank + 1)], y[ROWS * rank:ROWS * (rank + 1)]
             if strategy is not None and rank == bad_rank and step == BAD_STEP and micro == 0:
                 px.unwrap(model).fault = where
-            run(model, opt, x, y, micro == micros - 1, sched)
+            run(model, opt, x, y, micro == micros - 1, aids)
     sent = px.step_stats(model).get("comm_bytes") if strategy is not None else None
     # the state_dict, not the parameters: under zero3 those hold values only while they compute
     return [v.detach().clone() for v in model.state_dict().values()], sent

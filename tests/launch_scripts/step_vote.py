@@ -5,8 +5,9 @@ continue`), written as a user would.
     step_vote.py OUT [--strategy ddp] [--fault RANK@STEP] [--where backward|forward]
         [--loop caught|outer] [--skip STEP] [--steps 8]
 
-float64, four repeated blocks (zero3's units), SGD with momentum; a global batch of 12 rows (4
-per rank at 3 ranks). `--loop caught`: `try: forward, backward; except torch.OutOfMemoryError:
+float64, four repeated blocks (zero3's units), SGD with momentum; a px.data_loader (whose
+sampler keeps continue mode's ledger) with a global batch of 12 rows (4 per rank at 3 ranks),
+two epochs of `--steps` batches each. `--loop caught`: `try: forward, backward; except torch.OutOfMemoryError:
 optimizer.zero_grad(); continue`. `--loop outer`: the error escapes the step function (forward,
 backward, step, zero_grad) and the loop around it goes on. `--skip S` leaves out the batch of
 step S (the reference, in a world of one). Rank 0 writes the final weights (one flat tensor)
@@ -28,7 +29,7 @@ parser.add_argument("--fault", default=None)
 parser.add_argument("--where", default="backward")
 parser.add_argument("--loop", default="caught")
 parser.add_argument("--skip", type=int, default=None)
-parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--steps", type=int, default=4)
 args = parser.parse_args()
 
 px.init()
@@ -93,28 +94,32 @@ def step(x, y):
     optimizer.zero_grad()
 
 
-rows = 12 // world
-for at in range(args.steps):
-    g = torch.Generator().manual_seed(at)
-    x, y = torch.randn(12, 6, generator=g), torch.randn(12, 1, generator=g)
-    x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-    if at == args.skip:
-        continue
-    if fault == (rank, at):
-        px.unwrap(model).armed = args.where
-    if args.loop == "outer":
+g = torch.Generator().manual_seed(1)
+data = torch.utils.data.TensorDataset(torch.randn(12 * args.steps, 6, generator=g),
+                                      torch.randn(12 * args.steps, 1, generator=g))
+loader = px.data_loader(data, batch_size=12 // world)
+at = -1
+for epoch in range(2):
+    loader.sampler.set_epoch(epoch)
+    for x, y in loader:
+        at += 1
+        if at == args.skip:
+            continue
+        if fault == (rank, at):
+            px.unwrap(model).armed = args.where
+        if args.loop == "outer":
+            try:
+                step(x, y)
+            except torch.OutOfMemoryError:
+                pass
+            continue
         try:
-            step(x, y)
+            F.mse_loss(model(x), y).backward()
         except torch.OutOfMemoryError:
-            pass
-        continue
-    try:
-        F.mse_loss(model(x), y).backward()
-    except torch.OutOfMemoryError:
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
         optimizer.zero_grad()
-        continue
-    optimizer.step()
-    optimizer.zero_grad()
 # the full values, as one process holds them (under zero3 state_dict() reads the peers' shards)
 weights = torch.cat([v.reshape(-1) for v in px.unwrap(model).state_dict().values()])
 if rank == 0:

@@ -44,6 +44,10 @@ overflow there (fp16 outputs under autocast, a scale grown too large) is the sca
 as under torch DDP, not a diverged loss: while a GradScaler scales losses in this process the
 engine leaves such a step to it rather than raising `NonFiniteError` (faults/nonfinite.py).
 
+A step voted down ([Note: the step vote] in vote.py) has no gradient on any rank: the check
+finds no inf and makes no collective, so `step` (which then changes nothing) and `update` go
+alike on every rank that calls them.
+
 Refused, on every rank alike: precision="fp16" (phalanx scales the loss itself, and a second
 scaler would scale it twice: use one of them) and staleness=1 (the gradient applied was scaled
 by the previous step's scale).
@@ -86,9 +90,6 @@ def unscale_units(engine, inv_scale: torch.Tensor, found_inf: torch.Tensor,
             "torch.amp.GradScaler with staleness=1: the gradient a step applies was scaled by "
             "the previous step's loss scale and would be unscaled by this one's; use "
             "staleness=0, or precision='bf16' without a GradScaler")
-    engine.vote.catch_up()
-    if engine.vote.dropped:  # nothing to check, and no collective (vote.py)
-        return {found_inf.device: found_inf}
     units = [u for u in engine.units if u.reduced is not None]
     grads = [u.reduced if engine.shard_grads else u.bucket.grads() for u in units]
     device = grads[0].device if grads else found_inf.device
@@ -107,6 +108,10 @@ def unscale_units(engine, inv_scale: torch.Tensor, found_inf: torch.Tensor,
 
 def _unscale_grads_(scaler, optimizer, inv_scale, found_inf, allow_fp16):
     adapter = adapter_of(optimizer)
+    if adapter is not None:  # a step voted down has no gradient anywhere (vote.py): no inf
+        adapter.engine.vote.catch_up()
+        if adapter.engine.vote.dropped:
+            return {found_inf.device: found_inf}
     if adapter is None or not adapter.adopted:
         return _ORIGINAL["unscale"](scaler, optimizer, inv_scale, found_inf, allow_fp16)
     return unscale_units(adapter.engine, inv_scale, found_inf, allow_fp16)
