@@ -11,7 +11,9 @@ skipped the batch.
 - Seen: a forward of the prepared model that raised (model/prepared.py tells `forward_raised`),
   and a backward that reached the model's outputs and never got to its end (the reducer is
   still `in_progress()`). An exception in the loss, before its backward reaches the model, is
-  not seen: phalanx cannot tell it from a forward whose backward is still to come.
+  not seen: phalanx cannot tell it from a forward whose backward is still to come; nor is one
+  raised in the end of backward itself after this rank's last bucket went out (the others
+  have read a healthy step by then).
 - Made up: at this rank's next call into its model (a forward, `zero_grad()` of the model or
   an adopted optimizer, `optimizer.step()`, `px.clip_grad_norm_`, a GradScaler's unscale),
   whichever the loop reaches first, `catch_up` completes the step's collectives in their
@@ -38,15 +40,19 @@ skipped the batch.
   (`failing`) and said by the backward that next communicates: that whole step is dropped.
 
 A healthy step pays nothing for this: no extra collective, no extra host read (the signal
-slot was there), the same bytes (tests/test_step_vote.py measures them). What the loop itself
-keeps per rank after `optimizer.step()` (an LR scheduler, GradScaler's scale, a step counter)
-follows the loop: the ranks whose step did not raise go on through it, so a failing rank that
-skips it with `continue` ends one step behind there (docs/guides/failures.md).
+slot was there), the same bytes per step as before the vote was added (measured in
+docs/guides/failures.md; tests/test_step_vote.py checks that the step after a vote sends what
+a healthy one does). In a world of one a step that raised only loses its gradients.
 
-A rank that cannot make the rest of the step (zero3 before it has seen a whole step, or a
-layer or option with collectives of its own: see `blocker`) raises an error instead that
-says so, which should end it; the others then fail in their collective, or go on without it
-under `phalanx run --on-failure continue`.
+What the loop itself keeps per rank after `optimizer.step()` (an LR scheduler, GradScaler's
+scale, a step counter) follows the loop: the ranks whose step did not raise go on through it,
+so a failing rank that skips it with `continue` ends one step behind there
+(docs/guides/failures.md).
+
+A rank that cannot make the rest of the step (zero3 in its first two steps, or a layer or
+option with collectives or per-rank state of its own: see `blocker`) raises an error instead
+that says so, which should end it; the others then fail in their collective, or go on without
+it under `phalanx run --on-failure continue`.
 """
 
 from __future__ import annotations
