@@ -56,7 +56,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def from_safetensors(path) -> PretrainedWeights:
+def from_safetensors(path: str | os.PathLike) -> PretrainedWeights:
     """Pretrained weights in Hugging Face's safetensors format, for `px.prepare(..., init=...)`.
 
     `path`: a directory holding `model.safetensors.index.json` (a model split over several
@@ -99,12 +99,10 @@ class _Entry:
     file: str | None = None
 
 
-
-
 class PretrainedWeights:
     """Returned by `px.from_safetensors`; see there."""
 
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self.read_bytes = 0
 
@@ -188,7 +186,8 @@ class Reading:
             if not has_room(t):
                 self.later.append(e)
                 continue
-            with safe_open(e.file, framework="pt") as f:  # see [Note: reading only what...]
+            # one tensor per opening: see [Note: reading only what a rank keeps]
+            with safe_open(e.file, framework="pt") as f:
                 value = f.get_tensor(e.key)
                 self.weights.read_bytes += value.numel() * value.element_size()
                 t.copy_(value)
