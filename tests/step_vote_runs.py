@@ -152,17 +152,20 @@ LOOPS = {"caught": caught, "outer": outer, "accumulate": accumulate, "clipped": 
          "scheduled": scheduled, "scaled": scaled}
 
 
-def train(strategy, loop: str, where: str, bad_rank: int, world: int = 2, steps=STEPS):
+def train(strategy, loop: str, where: str, bad_rank: int, world: int = 2, steps=STEPS,
+          precision: str = "fp32"):
     """On a rank: the prepared model's full parameters after `steps` steps, the fault hit on
-    `bad_rank` at BAD_STEP (`where` None: nowhere). With strategy None: the reference, one
-    process over the global batch that skips BAD_STEP where the fault is. Returns (parameters,
-    bytes communicated in the last step)."""
+    `bad_rank` at BAD_STEP (`where` None: nowhere; "skip": every rank skips that batch). With
+    strategy None: the reference, one process over the global batch that skips BAD_STEP where
+    the fault is. Returns (parameters, bytes communicated in the last step, the state of
+    precision="fp16"'s loss scaler)."""
     torch.manual_seed(0)
     model = Net().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if strategy is not None:
         # small buckets: several gradients are on the wire before the backward fault
-        model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=0.001, blocks=[Block])
+        model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=0.001, blocks=[Block],
+                                precision=precision)
     # the scale is a power of two: the float64 gradients come back exact
     aids = {"sched": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
             "scaler": torch.amp.GradScaler("cpu")}
@@ -170,7 +173,7 @@ def train(strategy, loop: str, where: str, bad_rank: int, world: int = 2, steps=
     micros = 2 if loop == "accumulate" else 1
     run = LOOPS[loop]
     for step in range(steps):
-        if strategy is None and step == BAD_STEP and where is not None:
+        if step == BAD_STEP and (where == "skip" or strategy is None and where is not None):
             if loop == "scheduled":
                 aids["sched"].step()
             continue
@@ -182,11 +185,13 @@ def train(strategy, loop: str, where: str, bad_rank: int, world: int = 2, steps=
                 px.unwrap(model).fault = where
             run(model, opt, x, y, micro == micros - 1, aids)
     sent = px.step_stats(model).get("comm_bytes") if strategy is not None else None
+    scaler = getattr(model, "loss_scaler", None)
     # the state_dict, not the parameters: under zero3 those hold values only while they compute
-    return [v.detach().clone() for v in model.state_dict().values()], sent
+    return ([v.detach().clone() for v in model.state_dict().values()], sent,
+            scaler.state_dict() if scaler is not None else None)
 
 
-def cases(strategies, combos):
+def cases(strategies, combos, **options):
     """On a rank: every (strategy, combo) trained in this one job."""
-    return {(strategy, combo): train(strategy, *combo)
+    return {(strategy, combo): train(strategy, *combo, **options)
             for strategy in strategies for combo in combos}

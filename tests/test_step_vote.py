@@ -50,10 +50,10 @@ def _every_case():
 def test_a_step_that_raised_on_one_rank_is_skipped_by_every_rank():
     results = run_ranks(_every_case, 2, timeout=300)
     for combo in COMBOS:
-        want, _ = runs.train(None, *combo)
+        want, _, _ = runs.train(None, *combo)
         for rank, (per_case, _) in enumerate(results):
             for strategy in STRATEGIES:
-                got, sent = per_case[(strategy, combo)]
+                got, sent, _ = per_case[(strategy, combo)]
                 for i, (a, b) in enumerate(zip(got, want)):
                     # float64: only the order of the additions differs from one process
                     assert (a - b).abs().max().item() < 1e-12, \
@@ -71,6 +71,20 @@ def test_a_step_that_raised_on_one_rank_is_skipped_by_every_rank():
         "step 3: rank 1 raised OutOfMemoryError: CUDA out of memory (simulated in backward). "
         "The step is dropped on every rank"), said
     assert results[1][1] == [], "only rank 0 says it"
+
+
+def test_under_fp16_a_dropped_step_leaves_what_every_rank_skipping_the_batch_leaves():
+    """fp16's loss scaler (phalanx's own): the step voted down neither moves the scale nor
+    counts a good step; bitwise what a run whose every rank skipped that batch ends with."""
+    combos = [("caught", "backward", 1), ("caught", "skip", None)]
+    results = run_ranks(runs.cases, 2, args=(["ddp", "zero2", "zero3"], combos),
+                        kwargs={"precision": "fp16"}, timeout=240)
+    for rank, per_case in enumerate(results):
+        for strategy in ["ddp", "zero2", "zero3"]:
+            voted, _, scale = per_case[(strategy, combos[0])]
+            skipped, _, want = per_case[(strategy, combos[1])]
+            assert scale == want and want["good_steps"] == runs.STEPS - 1, (strategy, scale)
+            assert all(torch.equal(a, b) for a, b in zip(voted, skipped)), (strategy, rank)
 
 
 def _too_early():
