@@ -29,6 +29,7 @@ import torch
 __all__ = ["ROOTS", "GatherLog"]
 
 ROOTS = -1  # the roots' signature exchange at the end of a forward (zero3_roots.py)
+MOST = 1 << 16  # entries kept in one pass (forwards with gradients and no backward add up)
 
 
 def _orders(gatherer) -> tuple:
@@ -46,11 +47,16 @@ class GatherLog:
     def note(self, gatherer, entry: int) -> None:
         if not self.entries:
             self.began = _orders(gatherer)
-        self.entries.append(entry)
+        if len(self.entries) < MOST:
+            self.entries.append(entry)
+        else:  # too long a pass to keep: it, and the next, are unknown
+            self.began = ()
 
     def close(self, gatherer) -> None:
         """The end of a pass's backward (its deferred gathers issued)."""
-        if self.entries:
+        if self.began == ():
+            self.last = None
+        elif self.entries:
             ended = (tuple(gatherer._forward_seen or gatherer._forward_order),
                      tuple(gatherer._backward_order))
             self.last = (self.began, self.entries, ended)
