@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from small_mlp import mlp
 
 import phalanx as px
-from small_mlp import mlp
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ import pytest
 import phalanx as px
 from phalanx import cli
 from phalanx.command_error import CommandError
-from phalanx.launch import cli as launch, processes
+from phalanx.launch import cli as launch
+from phalanx.launch import processes
 from phalanx.launch.processes import WORKERS_PER_CORE, worker_limit
 
 
@@ -28,11 +29,11 @@ def _mistakes(tmp_path) -> dict[str, tuple[list, dict, str]]:
     limit, _ = worker_limit()
     return {
         "too many workers": (["-n", "100000"], {},
-                             f"-n 100000 asks for 100000 workers, and this machine holds at "
-                             f"most {limit} ("),
+                             (f"-n 100000 asks for 100000 workers, and this machine holds at "
+                              f"most {limit} (")),
         "log dir": (["-n", "1", "--log-dir", under_a_file], {},
-                    f"--log-dir {under_a_file}: {tmp_path / 'a_file'} is a file, not a "
-                    "directory; name a directory this user can write to"),
+                    (f"--log-dir {under_a_file}: {tmp_path / 'a_file'} is a file, not a "
+                     "directory; name a directory this user can write to")),
         "master": (["-n", "1", "--master-addr", "no-such-host.invalid"], {},
                    "--master-addr no-such-host.invalid: no such host"),
         "backend": (["-n", "1"], {"PHALANX_BACKEND": "foo"},

@@ -53,16 +53,16 @@ def test_bucket_mb_must_be_finite(strategy, bucket_mb):
 
 # -- the model and the optimizer where they go (issue 37, item 4) ----------------------------
 @pytest.mark.parametrize("second,words", [
-    ("sgd", "the second argument is the optimizer itself, a torch.optim.Optimizer built over "
-            "model.parameters() such as torch.optim.SGD(model.parameters(), lr=0.1), not its "
-            "name 'sgd'; the strategy is a keyword: strategy='ddp'"),
-    ("zero3", "the second argument is the optimizer, and 'zero3' is a strategy: pass it as a "
-              "keyword, px.prepare(model, optimizer, strategy='zero3') (or px.prepare(model, "
-              "strategy='zero3') without an optimizer)"),
-    (torch.optim.SGD, "the optimizer class SGD was passed; pass an optimizer built over the "
-                      "model's parameters, SGD(model.parameters(), lr=...)"),
-    (0.1, "the optimizer goes there, a torch.optim.Optimizer built over model.parameters() "
-          "such as torch.optim.SGD(model.parameters(), lr=0.1) (or None), not float 0.1"),
+    ("sgd", ("the second argument is the optimizer itself, a torch.optim.Optimizer built over "
+             "model.parameters() such as torch.optim.SGD(model.parameters(), lr=0.1), not its "
+             "name 'sgd'; the strategy is a keyword: strategy='ddp'")),
+    ("zero3", ("the second argument is the optimizer, and 'zero3' is a strategy: pass it as a "
+               "keyword, px.prepare(model, optimizer, strategy='zero3') (or px.prepare(model, "
+               "strategy='zero3') without an optimizer)")),
+    (torch.optim.SGD, ("the optimizer class SGD was passed; pass an optimizer built over the "
+                       "model's parameters, SGD(model.parameters(), lr=...)")),
+    (0.1, ("the optimizer goes there, a torch.optim.Optimizer built over model.parameters() "
+           "such as torch.optim.SGD(model.parameters(), lr=0.1) (or None), not float 0.1")),
 ])
 def test_prepare_names_what_went_where_the_optimizer_goes(second, words):
     # it was: AttributeError: 'str' object has no attribute 'param_groups'

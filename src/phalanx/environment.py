@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-__all__ = ["Variable", "VARIABLES", "value", "check", "problems", "markdown_rows",
-           "why_not_writable_dir"]
+__all__ = ["VARIABLES", "Variable", "backend_name", "check", "device_name", "markdown_rows",
+           "problems", "value", "why_not_writable_dir"]
 
 
 @dataclass(frozen=True)

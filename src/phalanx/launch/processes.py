@@ -1,4 +1,5 @@
-"""How many workers to start (`processes=`, `-n auto`), and a script started again as them.
+"""How many workers to start (`processes=`, `-n auto`), how many a machine holds, and a script
+started again as them.
 
 A leaf of the package (torch and the standard library only), so that `px.init`
 (runtime.py), `px.spawn` (spawn.py) and `phalanx run` (cli.py) all read it without a circle.

@@ -88,6 +88,9 @@ def spawn(fn, *args, processes=None, timeout: float | None = None, **kwargs):
     arguments by value (cloudpickle, so a notebook's function works there too), importing
     torch again, which takes seconds.
 
+    More workers than the machine holds (4 a CPU core, and what the available memory holds
+    at about 240 MiB a worker) are refused with a ValueError that says how many it holds.
+
     An exception on any rank is raised here as `px.SpawnError` naming the rank, with its
     traceback, and the other workers are ended; so are all of them on Ctrl-C, and at
     `timeout` seconds (default: none), whose error holds the Python stack of each worker
