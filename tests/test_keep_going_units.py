@@ -233,6 +233,7 @@ def test_a_replay_back_into_the_epoch_the_loop_finished_goes_on_through_the_loop
             _step(sampler, commits=False)
             sampler._rewind(checkpoint)
             sampler._resume(skip=False)
+            assert loader.batches_left() == 1 + 6  # the rest of epoch 0, then all of epoch 1
         else:
             _step(sampler)
     epoch1 = [[i, i + 1, i + 2, i + 3] for i in range(0, 24, 4)]

@@ -82,7 +82,7 @@ class Replays:
         (that served it twice: inside this pass, and again after the loop's `set_epoch`). The
         ledger (ledger.py) checks that the redo served exactly what was thrown away."""
         lost_end = self._where()
-        loop_epoch = self.epoch if self._through is None else max(self._through, self.epoch)
+        loop_epoch = self._loop_epoch()
         start = self._committed if self._redo_from is None else self._redo_from
         self._redo_from = None
         if skip and start == self._committed:
