@@ -49,7 +49,7 @@ GOOD = {
     "PHALANX_BACKEND": [("gloo", "gloo"), ("GLOO", "gloo"), ("cpu:gloo", "cpu:gloo")],
     "PHALANX_DEVICE": [("cpu", "cpu"), ("cuda:1", "cuda:1")],
     "PHALANX_PROCESSES": [("2", 2), ("auto", "auto")],
-    "PHALANX_HANG_AFTER": [("7.5", 7.5), ("off", None)],
+    "PHALANX_HANG_AFTER": [("7.5", 7.5), ("off", False)],
     "PHALANX_CHECK_COLLECTIVES": [("1", True), ("0", False)],
     "PHALANX_LOG_EVERY": [("1", 1), ("25", 25)],
     "PHALANX_TRACE": [("1", True), ("0", False)],

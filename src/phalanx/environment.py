@@ -54,10 +54,10 @@ def _whole(least: int, what: str, example: str):
     return parse
 
 
-def _seconds_or_off(text: str) -> float | None:
-    """PHALANX_HANG_AFTER: a positive number of seconds, or "off" (None)."""
+def _seconds_or_off(text: str) -> float | bool:
+    """PHALANX_HANG_AFTER: a positive number of seconds, or "off" (False; unset is None)."""
     if text.strip().lower() == "off":
-        return None
+        return False
     try:
         seconds = float(text)
     except ValueError:
