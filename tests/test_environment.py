@@ -144,6 +144,17 @@ def test_px_log_names_the_variable_and_a_run_directory_it_cannot_make(monkeypatc
         px.shutdown()
 
 
+def test_px_log_says_when_the_default_run_directory_cannot_be_made(monkeypatch):
+    px.shutdown()
+    monkeypatch.delenv("PHALANX_RUN_DIR", raising=False)
+    monkeypatch.setattr(metrics, "_state", {})
+    monkeypatch.chdir("/proc")  # runs/ cannot be made here, whoever runs the test
+    with pytest.raises(OSError, match=r"cannot make the run directory runs/phalanx-.*; set "
+                                      r"PHALANX_RUN_DIR to a directory this user can write to"):
+        px.log({"loss": 1.0}, step=1)
+    px.shutdown()
+
+
 def test_every_rank_refuses_a_bad_variable_at_px_init_without_waiting(tmp_path):
     # Two ranks as torchrun starts them: each raises in px.init before the rendezvous, so
     # neither waits for the other (the rendezvous alone would wait px.init's 600 s).
