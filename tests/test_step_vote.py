@@ -29,7 +29,7 @@ from phalanx.testing import RanksFailed, engine_of, run_ranks
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 COMBOS = [  # (loop, where the fault is, the rank that hits it); None: no fault
     ("caught", "backward", 1), ("caught", "forward", 0),
-    ("outer", "backward", 1), ("outer", "forward", 1),
+    ("outer", "backward", 1), ("outer", "forward", 1), ("saved", "backward", 1),
     ("accumulate", "backward", 1), ("accumulate", "forward", 0),
     ("clipped", "backward", 1), ("scheduled", "backward", 1), ("scaled", "backward", 1),
 ]
@@ -47,7 +47,8 @@ def _every_case():
     return results, [str(w.message) for w in said if "dropped on every rank" in str(w.message)]
 
 
-def test_a_step_that_raised_on_one_rank_is_skipped_by_every_rank():
+def test_a_step_that_raised_on_one_rank_is_skipped_by_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("VOTE_SAVE_DIR", str(tmp_path))  # the "saved" loop's checkpoints
     results = run_ranks(_every_case, 2, timeout=300)
     for combo in COMBOS:
         want, _, _ = runs.train(None, *combo)
@@ -58,6 +59,8 @@ def test_a_step_that_raised_on_one_rank_is_skipped_by_every_rank():
                     # float64: only the order of the additions differs from one process
                     assert (a - b).abs().max().item() < 1e-12, \
                         f"{strategy} {combo} rank {rank}: tensor {i} off the one process's"
+                if combo[0] == "saved":  # px.save's pickled reports vary by a few bytes
+                    continue
                 # a step after the vote communicates what any healthy step does
                 loop = combo[0] if combo[0] in HEALTHY else "caught"
                 healthy = per_case[(strategy, (loop, None, None))]

@@ -32,6 +32,7 @@ from .. import elastic, runtime
 from ..arguments import check_checkpoint_call
 from ..collectives import Comm
 from ..elastic.gate import gate
+from ..model.prepare import prepared_or_none
 from ..runtime import default_comm
 from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
@@ -83,6 +84,9 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     rank. Returns `path`.
     """
     check_checkpoint_call("px.save", path, model, optimizer)
+    prepared = prepared_or_none(model) if model is not None else None
+    if prepared is not None:  # a step that raised on this rank is voted down first (engine/vote.py)
+        prepared._engine.vote.catch_up()
     # See [Note: saving in the background] above.
     wait_for_saves()
     if gate.cut:  # phalanx run --on-failure continue: see [Note: a save in a lost step]
