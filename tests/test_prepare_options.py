@@ -80,3 +80,15 @@ def test_prepare_names_an_optimizer_given_first():
                                         r"optimizer SGD \(the model comes first, then its "
                                         r"optimizer\)"):
         px.prepare(opt, model)
+
+
+def test_the_precision_names_are_the_planners():
+    """One vocabulary (phalanx/precisions.py): the planner's aliases mean the same here, and its
+    pure-bf16 name is refused with the way to train so."""
+    from phalanx.model.prepare import _check_options
+    for alias, name in (("bf16-mixed", "bf16"), ("FP16-mixed", "fp16"), ("BF16", "bf16")):
+        assert _check_options("ddp", alias, 25, None, None) == ("ddp", name)
+    with pytest.raises(ValueError, match=r"precision 'bf16-true' .*model.to\(torch.bfloat16\)"):
+        _check_options("ddp", "bf16-true", 25, None, None)
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        _check_options("ddp", "fp8", 25, None, None)

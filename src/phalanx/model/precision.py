@@ -55,11 +55,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
+from ..precisions import PRECISIONS
 from .loss_scaling import DynamicLossScaler
 
-__all__ = ["Precision", "PRECISIONS", "COMM_DTYPES", "make_precision", "cast_model"]
+__all__ = ["Precision", "COMM_DTYPES", "make_precision", "cast_model"]
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMM_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                torch.bfloat16: torch.bfloat16, torch.float16: torch.float16,
                torch.float32: torch.float32}
@@ -100,10 +100,11 @@ def make_precision(name: str, comm_dtype, output_dtype=torch.float32,
     so each rank's share of the loss scale is divided by it (see [Note: the ranks' sum must fit
     in fp16] in loss_scaling.py); the job's world size is never smaller than a group's, so it is
     a safe bound where the Comm's is not given."""
-    compute = PRECISIONS[name]
+    spec = PRECISIONS[name]  # the names: phalanx/precisions.py
+    compute = spec.compute_dtype
     comm = COMM_DTYPES[comm_dtype]
     scaler = None
-    if name == "fp16":
+    if spec.loss_scaling:
         summed_in_fp16 = (comm if comm is not None else compute) == torch.float16
         if ranks is None:
             ranks = runtime.world_size() if summed_in_fp16 else 1

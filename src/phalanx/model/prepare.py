@@ -42,7 +42,8 @@ from ..engine.units import check_gather_options
 from ..engine.delayed import check_staleness
 from ..engine.hybrid import check_shard_size, layout
 from ..engine.units import resolve_block_classes
-from .precision import COMM_DTYPES, PRECISIONS, cast_model, make_precision
+from ..precisions import PRECISIONS, precision_spec
+from .precision import COMM_DTYPES, cast_model, make_precision
 from .diloco import attach as attach_diloco, check_diloco_options, inner_comm, split_strategy
 from .prepared import PreparedModule
 
@@ -60,8 +61,7 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype, check_replicas_ev
     if strategy == "zero3" and check_replicas_every is not None:
         raise ValueError("check_replicas_every compares whole parameters, which zero3 never "
                          "keeps between steps; use it with ddp, zero1 or zero2")
-    if not isinstance(precision, str) or precision.lower() not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of 'fp32', 'bf16', 'fp16'")
+    precision = precision_spec(precision).name  # aliases resolved (phalanx/precisions.py)
     if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
             and math.isfinite(bucket_mb) and bucket_mb > 0):
         raise ValueError(f"bucket_mb must be a positive, finite number of megabytes (default "
@@ -78,7 +78,7 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype, check_replicas_ev
                                              or check_replicas_every < 1):
         raise ValueError(f"check_replicas_every={check_replicas_every!r}: a number of optimizer "
                          "steps, 1 or more, or None (no check)")
-    return strategy, precision.lower()
+    return strategy, precision
 
 
 def _check_combination(diloco, staleness, compression, shard_size) -> None:
