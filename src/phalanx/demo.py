@@ -22,9 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import precisions as _precisions
+
 GLOBAL_BATCH = 64
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = tuple(_precisions.PRECISIONS)  # the one vocabulary (precisions.py)
 
 
 def spirals(n: int, seed: int) -> torch.utils.data.TensorDataset:
