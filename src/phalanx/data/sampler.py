@@ -288,9 +288,11 @@ class DistributedSampler(Replays, Sampler[int]):
         """Select the epoch whose order the next pass follows.
 
         Setting the epoch the sampler is already in keeps its position, so the usual
-        `set_epoch(epoch)` at the top of the epoch loop does not undo a resume (nor does
-        setting the epoch a replay is on its way to: [Note: a step redone] in replay.py).
+        `set_epoch(epoch)` at the top of the epoch loop does not undo a resume; nor does
+        setting the epoch that a recovery under `phalanx run --on-failure continue` is
+        carrying the pass into.
         """
+        # [Note: a step redone] in replay.py: the epoch a replay is on its way to
         epoch = int(epoch)
         if epoch != self.epoch and epoch != self._through:
             self.epoch, self._start, self._in_pass = epoch, 0, False
