@@ -17,7 +17,8 @@ through `leave` here:
   group goes straight to torch's. It is the one function of torch's that phalanx replaces
   besides `clip_grad_norm_` (engine/clipping.py), and torch's is put back by `px.shutdown()`;
 - its script ends (returns from main, `sys.exit(0)`, the end of the file): `px.init` registers
-  an `atexit` handler that calls `px.shutdown()`;
+  an `atexit` handler that calls `px.shutdown()` (under `--on-failure continue` too); if that
+  raises, the process ends with exit status 1, the error said;
 - it fails (an exception ends the script, or a launcher's worker exits with a non-zero status):
   it says so and leaves at once, without waiting for anyone.
 
@@ -29,14 +30,17 @@ its end is the exit that follows (or the next `px.init`/`px.prepare`, which noti
 group it joined is gone and ends it as `px.shutdown()` would).
 
 At its end a rank writes its key, `phalanx/leaving/<attempt>/<rank>`, in the job's store, with
-how it ended ("px.shutdown", "failed"), and counts itself in; the rank that completes the count
+how it ended ("px.shutdown", "failed", or how its script ended as a launcher's worker says:
+"the script called sys.exit(0)"), and counts itself in; the rank that completes the count
 writes `all`. A rank that has not failed then waits for `all`, its shard service answering
 meanwhile: a peer's key is written after its last read (reads are synchronous), so when every
 key is there nobody reads any more, and the groups can end with no peer still talking (what
 keeps gloo from aborting a peer at exit). The wait is a poll of one store key, not a
 collective: the hang watcher does not report it (a peer that is only slower is not a hang), but
 a peer stuck in a collective that this rank will never join is still reported (faults/hangs.py:
-the watcher keeps running until the wait is over).
+the watcher keeps running until the wait is over), and soon: a collective that waits on a
+peer whose key is written raises the hang flag after a few polls, not the threshold, and the
+report says that this rank left early.
 
 The wait is bounded by `px.init(timeout=)`: a peer that never comes (killed, or stuck outside
 Python) costs its peers at most the timeout, after which each leaves with a message naming the
@@ -44,25 +48,28 @@ ranks it waited for. A store that has gone away (the process that hosted it has 
 wait at once: that process was the last to need it. Under a launcher, a killed worker makes the
 launcher end the others sooner (phalanx run, torchrun, px.spawn).
 
-Under `phalanx run --on-failure continue` none of this runs: the ranks meet at px.shutdown's
-barrier, where a member lost after its last step is recovered from (elastic/), and the agents
-record who has left (elastic/store.py).
+Under `phalanx run --on-failure continue` none of this runs but the end of the script's call
+of `px.shutdown()`: the ranks meet at px.shutdown's barrier, where a member lost after its last
+step is recovered from (elastic/), and the agents record who has left (elastic/store.py).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["done", "failing", "how", "leave", "start"]
+__all__ = ["call_at_exit", "caller_sets_exit_status", "done", "ended", "ending", "failing", "how",
+           "leave", "shutdown_error", "start"]
 
 _KEY = "phalanx/leaving"
 _POLL_MIN, _POLL_MAX = 0.002, 0.1  # seconds between two looks at the store while waiting
 _now: dict = {}
+_exit: dict = {}   # the end of the script: "end" (px.shutdown), "ending", "error"
 _torch: dict = {}  # "destroy" -> torch's destroy_process_group while ours is installed
 _at_exit_registered: list = []
 
@@ -76,12 +83,20 @@ def start(store, rank: int, world: int, timeout: float, end) -> None:
     _now.clear()
     _now.update(store=store, rank=rank, world=world, timeout=timeout, end=end,
                 prefix=f"{_KEY}/{attempt}", left=False, all_came=False)
-    if not _at_exit_registered:  # once per process (a forked child inherits it)
-        atexit.register(_at_exit)
-        _at_exit_registered.append(True)
+    call_at_exit(end)
     if "destroy" not in _torch:
         _torch["destroy"] = c10d.destroy_process_group
         dist.destroy_process_group = c10d.destroy_process_group = _destroy_process_group
+
+
+def call_at_exit(end) -> None:
+    """Have the end of the script call `end` (`px.shutdown`) unless it failed: every
+    `px.init` with peers, under `--on-failure continue` too, where nothing else of this
+    module runs (its ranks meet at px.shutdown's barrier)."""
+    _exit["end"] = end
+    if not _at_exit_registered:  # once per process (a forked child inherits it)
+        atexit.register(_at_exit)
+        _at_exit_registered.append(True)
 
 
 def _destroy_process_group(group=None):
@@ -100,18 +115,46 @@ _destroy_process_group.__doc__ = c10d.destroy_process_group.__doc__
 
 def _at_exit() -> None:
     """The script has ended without `px.shutdown()`: end as it would, or, on a failure, say so
-    and leave at once (see the Note)."""
-    if "store" not in _now:
+    and leave at once (see the Note). A `px.shutdown()` that raises here (continue mode's
+    check that the model holds what the loop took, for one) ends the process with exit
+    status 1: the job did not complete. A launcher's worker reads that through
+    `shutdown_error()` (launch/worker.py); any other process ends here, with its streams
+    flushed, without the exit handlers registered before `px.init`."""
+    end = _exit.pop("end", None)
+    if end is None:
         return
     if ending_on_failure():
         leave("failed")
         return
-    rank = _now["rank"]
+    rank = _now.get("rank")
     try:
-        _now["end"]()
+        end()
     except Exception as exc:  # noqa: BLE001 - said, as nothing is left to raise it to
-        print(f"phalanx: rank {rank}: px.shutdown() at the end of the script failed: "
+        _exit["error"] = exc
+        who = "" if rank is None else f"rank {rank}: "
+        print(f"phalanx: {who}px.shutdown() at the end of the script failed: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if not _exit.get("status_by_caller"):
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def shutdown_error() -> BaseException | None:
+    """The error `px.shutdown()` raised at the end of the script, if it did (then the
+    process's exit status is 1)."""
+    return _exit.get("error")
+
+
+def caller_sets_exit_status() -> None:
+    """The caller runs the exit handlers and sets the exit status from `shutdown_error()`
+    (launch/worker.py), so a failed `px.shutdown()` at the end does not end the process."""
+    _exit["status_by_caller"] = True
+
+
+def ending(how_: str) -> None:
+    """How the script ended ("the script called sys.exit(0)", from launch/worker.py): what
+    this rank's key says at its end (`leave`), for a peer's hang report."""
+    _exit["ending"] = how_
 
 
 def failing() -> None:
@@ -131,7 +174,8 @@ def ending_on_failure() -> bool:
 
 
 def how(rank: int) -> str | None:
-    """How `rank` ended ("px.shutdown", "failed"), or None while it has not (or unknown)."""
+    """How `rank` ended ("px.shutdown", "failed", or how its script ended: `ending`), or None
+    while it has not (or unknown)."""
     if "store" not in _now:
         return None
     key = f"{_now['prefix']}/{rank}"
@@ -139,6 +183,18 @@ def how(rank: int) -> str | None:
         return _now["store"].get(key).decode() if _now["store"].check([key]) else None
     except Exception:  # noqa: BLE001 - the store is gone
         return None
+
+
+def ended(ranks) -> list[int]:
+    """Those of `ranks` that have reached their end. One look at the store while none has."""
+    if "store" not in _now:
+        return []
+    try:
+        if _now["store"].add(f"{_now['prefix']}/count", 0) == 0:
+            return []
+    except Exception:  # noqa: BLE001 - the store is gone
+        return []
+    return [r for r in ranks if how(r) is not None]
 
 
 def leave(how_: str) -> None:
@@ -150,7 +206,7 @@ def leave(how_: str) -> None:
     fails = how_ == "failed" or ending_on_failure()
     store, prefix, world = _now["store"], _now["prefix"], _now["world"]
     try:
-        store.set(f"{prefix}/{_now['rank']}", "failed" if fails else how_)
+        store.set(f"{prefix}/{_now['rank']}", "failed" if fails else _exit.get("ending", how_))
         if store.add(f"{prefix}/count", 1) == world:
             store.set(f"{prefix}/all", "1")
         if fails:  # it talks to nobody any more
@@ -187,6 +243,7 @@ def done() -> None:
     except Exception:  # noqa: BLE001 - the store is gone
         pass
     _now.clear()
+    _exit.pop("end", None)  # ended already: the end of the script has nothing left to do
     original = _torch.pop("destroy", None)
     if original is not None:
         for module in (dist, c10d):

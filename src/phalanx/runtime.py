@@ -168,6 +168,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         _state.watch = (timeout, hang_after)
         groups.set_timeout(timeout)
         elastic.start(env, backend, timeout, _state.device)
+        leaving.call_at_exit(shutdown)  # the end of the script calls px.shutdown()
         m = elastic.current()
         m.on_regroup.append(_regrouped)
         elastic.step_gate().on_lost.append(_stop_watching)
@@ -233,8 +234,8 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
         return
     _hang_watch = HangWatch(store, _state.rank, _state.world_size, threshold)
     steps = elastic.step_gate()
-    if steps is not None:  # see [Note: a member left behind] in elastic/steps.py
-        _hang_watch.on_tick = steps.watch_tick
+    if steps is not None:  # [Note: a member left behind], [Note: a member that hangs] (elastic/)
+        _hang_watch.on_tick, _hang_watch.on_hang = steps.watch_tick, elastic.current().remove_hung
 
 
 _hang_watch = None

@@ -6,15 +6,16 @@ purpose.
     keep_going.py OUT CKPT_DIR [--strategy ddp] [--precision fp32] [--epochs 3] [--sleep S]
         [--kill RANK@STEP,...] [--raise RANK@STEP] [--die-in-save RANK@STEP]
         [--die-completing STEP] [--die-joining] [--die-admitting RANK] [--skip STEP]
-        [--no-resume] [--save-every K]
+        [--no-resume] [--save-every K] [--freeze RANK@STEP]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
 it evenly and any world size trains on the same samples. Only the first worker of a rank
 (life 0) fails on purpose; its replacement runs normally. `--die-completing S`: rank 0 dies
 as it completes the checkpoint of step S, the others waiting for its word. `--skip S` leaves
-out the batch of step S (the reference for `--raise`). Rank 0 writes the final weights (one
-flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L` and `END rank=R
-pid=P life=L world=W`.
+out the batch of step S (the reference for `--raise`). `--freeze R@S`: rank R stops its own
+process (SIGSTOP) before step S's forward, a frozen rank (in the first attempt only, under
+--on-failure restart). Rank 0 writes the final weights (one flat tensor) to OUT. Every worker
+prints `START rank=R pid=P life=L` and `END rank=R pid=P life=L world=W`.
 """
 
 import argparse
@@ -42,6 +43,7 @@ parser.add_argument("--die-admitting", type=int, default=None)
 parser.add_argument("--skip", type=int, default=None)
 parser.add_argument("--no-resume", action="store_true")
 parser.add_argument("--save-every", type=int, default=1)
+parser.add_argument("--freeze", default="")
 args = parser.parse_args()
 
 px.init()
@@ -59,6 +61,7 @@ def die():
 
 
 kills, raises, saves = at(args.kill), at(args.raise_at), at(args.die_in_save)
+freezes = at(args.freeze)
 where = {"step": 0, "now": 0}  # steps taken (the loop's count), the step in progress
 if life == 0 and saves:  # killed while writing its file of that step's checkpoint
     import phalanx.checkpoint.saving as saving
@@ -144,6 +147,9 @@ for epoch in range(start, args.epochs):
         step = where["now"] = where["step"]
         if life == 0 and (rank, step) in kills:
             die()
+        if life == 0 and (rank, step) in freezes and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGSTOP)
         where["step"] += 1
         if step == args.skip:
             continue

@@ -24,9 +24,9 @@ Only `phalanx run --on-failure continue` turns it on (PHALANX_ON_FAILURE=continu
 
 from __future__ import annotations
 
-import os
 import weakref
 
+from .. import environment
 from .gate import gate
 
 __all__ = ["active", "step_gate", "current", "start", "finish", "stop", "raised",
@@ -39,7 +39,7 @@ _now: dict = {}
 
 def wanted(env) -> bool:
     """Whether this process runs under `--on-failure continue` as one of several workers."""
-    return (os.environ.get(ON_FAILURE) == "continue" and env.world_size > 1
+    return (environment.value(ON_FAILURE) == "continue" and env.world_size > 1
             and env.master_addr is not None and env.master_port is not None)
 
 
@@ -100,9 +100,24 @@ def pass_ended(sampler) -> None:
 def _checked(steps, samplers, when: str) -> None:
     try:
         steps.check_ledgers(samplers, when)
-    except Exception:
+    except Exception as exc:
         _now["failed"] = True  # it does not say `done` (stop)
+        _over(exc)
         raise
+
+
+def _over(exc: BaseException) -> None:
+    """`exc` ends this worker; a MembershipError also ends the job (its agents replace
+    nobody: elastic/store.py's `over`)."""
+    from . import store as keys
+    from .membership import MembershipError
+
+    m = _now.get("membership")
+    if m is not None and isinstance(exc, MembershipError):
+        try:
+            keys.post_over(m.store, f"{type(exc).__name__}: {exc}"[:300])
+        except Exception:  # noqa: BLE001 - the store is gone: so is the job
+            pass
 
 
 def watch_model(prepared) -> None:
@@ -146,6 +161,7 @@ def raised(exc: BaseException) -> None:
     the others skip this step's batch rather than redo it (steps.py)."""
     m, steps = _now.get("membership"), _now.get("steps")
     _now["failed"] = True  # no ledger is checked after this, and stop() does not say `done`
+    _over(exc)
     if m is None or m.joining or m.admitting:  # not in a step: a replacement's own failure
         return
     from . import store as keys

@@ -22,11 +22,15 @@ __all__ = ["Events", "describe_departure"]
 
 
 def describe_departure(why: dict) -> str:
-    """'was killed by SIGKILL', 'raised RuntimeError: ...', 'finished'."""
+    """'was killed by SIGKILL', 'raised RuntimeError: ...', 'finished', 'hung and was
+    removed (...)' ([Note: a member that hangs] in membership.py)."""
     if "raised" in why:
         return f"raised {why['raised'].get('message', 'an exception')}"
     if why.get("done"):
         return "finished"
+    if why.get("removed"):
+        frozen = " (its process was frozen: stopped, as by SIGSTOP)" if why.get("frozen") else ""
+        return f"hung and was removed by the launcher{frozen}"
     from ..launch.failures import how_it_ended
 
     return how_it_ended(int(why.get("exitcode", 1)))

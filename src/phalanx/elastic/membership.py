@@ -29,7 +29,7 @@ import time
 
 import torch.distributed as dist
 
-from .. import groups, records
+from .. import environment, groups, records
 from . import store as keys
 from .gate import gate
 
@@ -39,10 +39,11 @@ _POLL = 0.005  # seconds between two looks at the store while waiting for the ot
 
 
 def debug(message: str) -> None:
-    """One line on stderr per transition when PHALANX_DEBUG_ELASTIC is set (for a report)."""
-    if os.environ.get("PHALANX_DEBUG_ELASTIC"):
+    """One line on stderr per transition when PHALANX_DEBUG_ELASTIC=1 (for a report)."""
+    if environment.value("PHALANX_DEBUG_ELASTIC"):
         print(f"phalanx elastic [rank {os.environ.get('RANK')}, life "
-              f"{os.environ.get('PHALANX_JOINING', '0')}]: {message}", file=sys.stderr, flush=True)
+              f"{environment.value('PHALANX_JOINING') or 0}]: {message}", file=sys.stderr,
+              flush=True)
 
 
 class MembershipError(RuntimeError):
@@ -161,6 +162,31 @@ class Membership:
             dist.destroy_process_group()
         except Exception as exc:  # a group broken may fail to end cleanly: it is gone either way
             debug(f"destroying the group: {exc}"[:200])
+
+    def remove_hung(self, ranks: list[int]) -> None:
+        """[Note: a member that hangs]
+        A member can hang without dying: frozen (SIGSTOP, a debugger), stuck in native code,
+        or alive outside any collective for longer than the hang threshold. Nothing then
+        fails: the others wait in a collective with it, and their hang report (faults/hangs.py)
+        names it. Ending the others (as outside continue mode) would leave the job to the
+        one that hangs: their agents would replace them, and the replacements wait forever
+        for an admission that only a member can give. So under continue mode the report's
+        rank asks, through the store, that the ranks it names be removed
+        (`remove/<rank>.<life>`): their agents end them (SIGKILL, which a frozen process
+        receives too: launch/continuing.py) and say so in `left/`; the others' collectives
+        then fail as after a kill, the step is redone without them, and a replacement joins
+        at the next px.save. When the report names nobody (every rank is inside a collective
+        that does not complete, or they issued different ones), or every member, the job
+        cannot go on: `ranks` is empty, the report's rank writes `over`, every rank ends with
+        the report's exit status, and the agents end whatever is left (a frozen worker too)
+        instead of replacing anyone. `ranks` are places in this generation's group."""
+        if not ranks:
+            keys.post_over(self.store, "a hang report that names no member to remove")
+            return
+        for place in ranks:
+            rank, life = self.members[place]
+            keys.ask_removal(self.store, rank, life)
+            debug(f"asked to remove rank {rank} (life {life}): the hang report named it")
 
     # -- waiting on the others ----------------------------------------------------------------
     def gone(self, rank: int, life: int) -> dict | None:

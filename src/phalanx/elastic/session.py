@@ -7,10 +7,9 @@ mode only through `elastic/__init__.py`, and this module sits above all of them.
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
+from .. import environment
 from . import _now, _starter
 from .events import Events
 from .gate import gate
@@ -22,7 +21,7 @@ __all__ = ["start"]
 
 def start(env, backend: str, timeout, device) -> None:
     client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
-    life = int(os.environ.get("PHALANX_JOINING", "0") or 0)
+    life = environment.value("PHALANX_JOINING") or 0
     m = Membership(client, env.rank, env.world_size, life, backend, timeout, device)
     steps = StepGate(m)
     _now.update(membership=m, steps=steps, client=client)

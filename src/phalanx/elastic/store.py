@@ -10,6 +10,11 @@ Under the prefix `phalanx/elastic/`:
     raised/<rank>.<life>     written by the worker itself before it ends on an exception:
                              the optimizer step call it was in and the message
     done/<rank>.<life>       the worker reached px.shutdown: nobody waits for it any more
+    remove/<rank>.<life>     a hang report named that worker: its agent ends it (and then
+                             writes `left/`, saying it removed it)
+    over                     the job cannot go on (a MembershipError, a hang report that
+                             names nobody to remove): the agents replace nobody and end
+                             whatever is left
     gen                      the newest generation (a group of members; 0 at the start)
     gen<g>/members           pickled sorted list of the members' ranks
     gen<g>/report/<rank>     a member's report in the recovery from generation g
@@ -27,7 +32,8 @@ import pickle
 
 from torch.distributed import PrefixStore
 
-__all__ = ["keyspace", "set_alive", "alive_total", "post_left", "read", "write", "has"]
+__all__ = ["keyspace", "set_alive", "alive_total", "post_left", "read", "write", "has",
+           "ask_removal", "removal_asked", "post_over", "over"]
 
 PREFIX = "phalanx/elastic"
 
@@ -62,5 +68,24 @@ def alive_total(store, nodes: int) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def post_left(store, rank: int, life: int, exitcode: int, when: float) -> None:
-    write(store, f"left/{rank}.{life}", {"exitcode": exitcode, "time": when})
+def post_left(store, rank: int, life: int, exitcode: int, when: float, **more) -> None:
+    """The agent saw the worker end with an error; `more`: `removed` (it ended it, as a hang
+    report asked) and `frozen` (its process was stopped then)."""
+    write(store, f"left/{rank}.{life}", {"exitcode": exitcode, "time": when, **more})
+
+
+def ask_removal(store, rank: int, life: int) -> None:
+    write(store, f"remove/{rank}.{life}", True)
+
+
+def removal_asked(store, rank: int, life: int) -> bool:
+    return has(store, f"remove/{rank}.{life}")
+
+
+def post_over(store, why: str) -> None:
+    """The job cannot go on: no agent replaces a worker any more (launch/continuing.py)."""
+    write(store, "over", why)
+
+
+def over(store) -> str | None:
+    return read(store, "over")

@@ -26,7 +26,14 @@ followed by each rank's last collectives and stack. Then every rank ends with ex
 The threshold is derived from `px.init(timeout=...)` (a third of it, see `hang_threshold`), so
 the report fires first and the process group's timeout remains the backstop; a rank that is
 only slow (evaluating alone while the others wait at a barrier) for longer than that is
-reported as a hang too, and the message says how to give it more time.
+reported as a hang too, and the message says how to give it more time. A peer that has reached
+its end (leaving.py: its script ended, or it called px.shutdown(), while this rank goes on)
+will never come: a collective that waits on such a peer raises the flag after `EARLY_POLLS`
+polls instead of the threshold, and the report says that rank left early.
+
+Under `phalanx run --on-failure continue` the job does not end when the report names the
+ranks it waits for: see [Note: a member that hangs] in elastic/membership.py. Those ranks are
+removed (their launchers end them), and the others go on as after a kill.
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ import traceback
 
 import torch.distributed as dist
 
-from .. import records
+from .. import environment, leaving, records
+from .hang_report import HangReport, compose_report, ranks_text
 
-__all__ = ["HangWatch", "HANG_EXIT", "hang_threshold", "compose_report"]
+__all__ = ["HangWatch", "HANG_EXIT", "hang_threshold", "compose_report", "HangReport"]
 
 HANG_EXIT = 124          # the exit status of every rank of a job ended by a hang report
+EARLY_POLLS = 3          # polls a collective waits on a peer that has reached its end
 _KEY = "phalanx/hang"
 _ANSWER_WAIT = 10.0      # how long the reporter waits for the other ranks' states (seconds)
 
@@ -54,125 +63,10 @@ def hang_threshold(timeout_s: float) -> float | None:
     """Seconds a collective may wait before the hang report: PHALANX_HANG_AFTER if set ("off":
     no watcher, None), else a third of the collective timeout, so the report comes before the
     timeout's bare error."""
-    value = os.environ.get("PHALANX_HANG_AFTER")
-    if value and value.strip().lower() == "off":
+    seconds = environment.value("PHALANX_HANG_AFTER")  # False: "off"; None: unset
+    if seconds is False:
         return None
-    if value:
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise ValueError(f"PHALANX_HANG_AFTER={value!r} is not a number of seconds (or "
-                             "'off')") from None
-        if not seconds > 0:
-            raise ValueError(f"PHALANX_HANG_AFTER={value!r} must be a positive number of "
-                             "seconds (or unset: a third of px.init's timeout)")
-        return seconds
-    return timeout_s / 3
-
-
-def _describe(rec) -> str:
-    tag = f" ({rec['tag']})" if rec["tag"] else ""
-    return f"{rec['kind']} #{rec['group_seq']}{tag}"
-
-
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _where(name: str) -> str:
-    """Where a collective was issued, as the report says it: nothing for the job's group."""
-    return "" if name == "world" else f" on group {name!r}"
-
-
-def _stalled_group(answered: dict) -> str | None:
-    """The group whose oldest collective in flight on some rank has waited longest, among
-    those missing a member that waits in no collective at all (the rank stuck outside, whose
-    absence from its group makes ranks of other groups wait in turn: shard_size's groups),
-    else among all."""
-    idle = {r for r, s in answered.items() if all(g["waiting"] is None
-                                                  for g in s["groups"].values())}
-    best, age, best_any, age_any = None, -1.0, None, -1.0
-    for s in answered.values():
-        for name, g in s["groups"].items():
-            if g["waiting"] is None:
-                continue
-            if g["waiting"]["age"] > age_any:
-                best_any, age_any = name, g["waiting"]["age"]
-            members = g.get("ranks") or answered
-            if idle.intersection(members) and g["waiting"]["age"] > age:
-                best, age = name, g["waiting"]["age"]
-    return best if best is not None else best_any
-
-
-def compose_report(states: dict[int, dict | None], world: int) -> str:
-    """One message from every rank's state (None: that rank did not answer)."""
-    answered = {r: s for r, s in states.items() if s is not None}
-    silent = [r for r in range(world) if r not in answered]
-    step = max((s["step"] for s in answered.values()), default=0)
-    name = _stalled_group(answered)
-    empty = {"entered": 0, "waiting": None, "last": None, "by_seq": {}}
-    members = next((s["groups"][name].get("ranks") for s in answered.values()
-                    if name in s["groups"]), None) or range(world)
-    on = {r: s["groups"].get(name, empty) for r, s in answered.items() if r in members}
-    waiting = {r: g["waiting"] for r, g in on.items() if g["waiting"] is not None}
-    lines = []
-    if not waiting:
-        head = "a collective waited past the threshold, but no rank waits in one any more"
-    else:
-        k = min(w["group_seq"] for w in waiting.values())
-        ref = next(w for w in waiting.values() if w["group_seq"] == k)
-        stuck = [r for r, w in waiting.items() if w["group_seq"] == k]
-        waited = max(w["age"] for r, w in waiting.items() if r in stuck)
-        behind = [r for r, g in on.items() if g["entered"] < k]
-        other = {}
-        for r, g in on.items():
-            rec = g["by_seq"].get(k)
-            if rec is not None and (rec["kind"], rec["tag"]) != (ref["kind"], ref["tag"]):
-                other[r] = rec
-        at = f"at step {step}"
-        group = _where(name)
-        if other:
-            r, rec = next(iter(sorted(other.items())))
-            head = (f"collectives out of order {at}{group}: #{k} is {ref['kind']} "
-                    f"({ref['tag']}) on {_ranks(r2 for r2 in on if r2 not in other)} but "
-                    f"{_describe(rec)} on {_ranks(other)}")
-            steps = {s["step"] for s in answered.values()}
-            if len(steps) > 1:
-                head += ("; the ranks ran different numbers of steps ("
-                         + ", ".join(f"rank {r2}: {s['step']}" for r2, s in sorted(answered.items()))
-                         + ")")
-            else:
-                head += " (a rank skipped a collective, issued an extra one, or another order)"
-        elif behind or any(r in members for r in silent):
-            who = behind + [r for r in silent if r in members]
-            head = (f"hang {at}: {_ranks(who)} {'has' if len(who) == 1 else 'have'} not entered "
-                    f"{_describe(ref)}{group}; {_ranks(stuck)} "
-                    f"{'has' if len(stuck) == 1 else 'have'} waited {waited:.1f} s in it")
-        else:
-            head = (f"hang {at}: every rank entered {_describe(ref)}{group} and none has "
-                    f"completed it after {waited:.0f} s: the transport is stuck (network), or a "
-                    "process is frozen in native code")
-    lines.append(head)
-    for r in silent:
-        lines.append(f"  rank {r}: did not answer (its process has ended, or is frozen outside "
-                     "Python)")
-    for r, s in sorted(answered.items()):
-        last = on[r]["last"] if r in on else None
-        where = "no collective yet" if last is None else (
-            f"last collective {_describe(last)}, "
-            + ("completed" if last["done"] else f"in flight for {last['age']:.0f} s"))
-        if r not in on:  # outside the stalled group: where it waits, if anywhere
-            waits = [f"{_describe(g['waiting'])}{_where(n)}" for n, g in s["groups"].items()
-                     if g["waiting"] is not None]
-            where = "waits in " + ", ".join(waits) if waits else "waits in no collective"
-        lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): step {s['step']}, {where}")
-        for frame in s["stack"]:
-            lines.append("      " + frame)
-    lines.append("A rank that is only slow (evaluating or saving alone while the others wait) "
-                 "needs a longer px.init(timeout=...) (the report comes after a third of it) or "
-                 "PHALANX_HANG_AFTER=seconds.")
-    return "\n".join(lines)
+    return timeout_s / 3 if seconds is None else seconds
 
 
 def _main_stack(limit: int = 8) -> list[str]:
@@ -209,6 +103,10 @@ class HangWatch:
         self.prefix = f"{_KEY}/{attempt}"
         self.members: dict[str, list[int]] = {}  # a group of some ranks only -> its ranks
         self.on_tick = None  # fn(name -> oldest collective in flight or None), every tick
+        # Under continue mode (elastic/): fn(ranks the report names) has them removed, and the
+        # job goes on without them; fn([]): the job ends. See [Note: a member that hangs].
+        self.on_hang = None
+        self.settled = False  # a report named others, being removed: nothing more to report
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-hang-watch", daemon=True)
         self._thread.start()
@@ -265,25 +163,38 @@ class HangWatch:
                 "by_seq": {r.group_seq: _as_dict(r, now) for r in recs[-64:]},
                 "ranks": self.members.get(name)}
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "step": records.current_step(), "groups": groups, "stack": _main_stack()}
+                "step": records.current_step(), "groups": groups, "stack": _main_stack(),
+                "ended": leaving.how(self.rank)}
 
     def _tick(self) -> None:
         flag = f"{self.prefix}/flag"
-        if self.store.check([flag]):
+        if not self.settled and self.store.check([flag]):
             self._answer_and_end(reporter=False)
             return
         now = time.perf_counter()
         oldest_in = {name: _oldest_in_flight(recs) for name, recs in self._groups().items()}
         if self.on_tick is not None:  # elastic/: the others may have gone on without this rank
             self.on_tick(oldest_in)
-        for oldest in oldest_in.values():
-            if oldest is not None and now - oldest.started > self.threshold:
+        if self.settled:
+            return
+        for name, oldest in oldest_in.items():
+            waited = None if oldest is None else now - oldest.started
+            if waited is not None and (waited > self.threshold or (
+                    waited > EARLY_POLLS * self.poll and self._waits_on_an_ended_peer(name))):
                 first = self.store.add(flag, 1) == 1
                 self._answer_and_end(reporter=first)
                 return
 
+    def _waits_on_an_ended_peer(self, name: str) -> bool:
+        """Whether a peer of group `name` has reached its end (leaving.py): a collective
+        there that has waited several polls (long past its completion on the peer, had the
+        peer issued it) will never complete."""
+        members = self.members.get(name) or range(self.world)
+        return bool(leaving.ended([r for r in members if r != self.rank]))
+
     def _answer_and_end(self, reporter: bool) -> None:
-        """Write this rank's state; the reporter composes and prints the report. Then end.
+        """Write this rank's state; the reporter composes and prints the report. Then end, or
+        under continue mode, go on while the ranks it names are removed.
 
         The store may live in one of these processes (rank 0 serves it under `phalanx run`),
         so nobody ends while another may still need it: the others acknowledge the report,
@@ -294,14 +205,26 @@ class HangWatch:
         except Exception:
             _end(f"phalanx: rank {self.rank} ends: a hang was reported")
         if reporter:
-            self._report()
-        self._wait_for([f"{self.prefix}/report"], _ANSWER_WAIT + 5)
+            goes_on = self._report()
+        else:
+            self._wait_for([f"{self.prefix}/report"], _ANSWER_WAIT + 5)
+            goes_on = self._read(f"{self.prefix}/outcome") == b"goes on"
+        if goes_on:  # see [Note: a member that hangs] in elastic/membership.py
+            self.settled = True
+            return
+        if reporter:
+            self._wait_for([f"{self.prefix}/ended/{r}" for r in self._answered],
+                           3 * self.poll + 2)
+            self._set(f"{self.prefix}/done")
+            _end("")
         self._set(f"{self.prefix}/ended/{self.rank}")
         self._wait_for([f"{self.prefix}/done"], 3 * self.poll + 5)
         _end(f"phalanx: rank {self.rank} ends: a hang was reported (the message is on the "
              "reporting rank's output)")
 
-    def _report(self) -> None:
+    def _report(self) -> bool:
+        """Compose and print the report; whether the job goes on (continue mode, the ranks it
+        names being removed)."""
         keys = [f"{self.prefix}/state/{r}" for r in range(self.world)]
         self._wait_for(keys, _ANSWER_WAIT)
         states: dict[int, dict | None] = {}
@@ -311,14 +234,23 @@ class HangWatch:
                     else None
             except Exception:
                 states[r] = None
-        message = "phalanx: " + compose_report(states, self.world)
-        print(message + f"\nphalanx: every rank ends with exit status {HANG_EXIT}",
-              file=sys.stderr, flush=True)
+        self._answered = [r for r, s in states.items() if s is not None and r != self.rank]
+        report: HangReport = compose_report(states, self.world)
+        goes_on = self.on_hang is not None and 0 < len(report.missing) < self.world
+        message = "phalanx: " + report.text
+        if goes_on:
+            them = "it" if len(report.missing) == 1 else "them"
+            tail = (f"phalanx: {ranks_text(report.missing)} "
+                    f"{'is' if them == 'it' else 'are'} removed from the job (the launcher "
+                    f"ends {them}); the others go on without {them}, as after a failure")
+        else:
+            tail = f"phalanx: every rank ends with exit status {HANG_EXIT}"
+        print(f"{message}\n{tail}", file=sys.stderr, flush=True)
+        if self.on_hang is not None:
+            self.on_hang(report.missing if goes_on else [])
+        self._set(f"{self.prefix}/outcome", b"goes on" if goes_on else b"ends")
         self._set(f"{self.prefix}/report", message.encode())
-        self._wait_for([f"{self.prefix}/ended/{r}" for r, s in states.items()
-                        if s is not None and r != self.rank], 3 * self.poll + 2)
-        self._set(f"{self.prefix}/done")
-        _end("")
+        return goes_on
 
     def _wait_for(self, keys: list[str], seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -330,6 +262,12 @@ class HangWatch:
                 return False
             time.sleep(0.05)
         return False
+
+    def _read(self, key: str) -> bytes | None:
+        try:
+            return self.store.get(key) if self.store.check([key]) else None
+        except Exception:
+            return None
 
     def _set(self, key: str, value: bytes = b"1") -> None:
         try:

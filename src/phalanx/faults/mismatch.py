@@ -12,12 +12,23 @@ default.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
+
+from .. import environment
 
 __all__ = ["CollectiveMismatch", "CHECK_COLLECTIVES", "KIND_CODES", "mismatch"]
 
-CHECK_COLLECTIVES = os.environ.get("PHALANX_CHECK_COLLECTIVES", "") not in ("", "0")
+
+def _checking() -> bool:
+    """PHALANX_CHECK_COLLECTIVES, read once at import; a value it does not take is False here
+    (px.init names it, with the fix, before anything runs)."""
+    try:
+        return bool(environment.value("PHALANX_CHECK_COLLECTIVES"))
+    except ValueError:
+        return False
+
+
+CHECK_COLLECTIVES = _checking()
 KIND_CODES = {kind: i for i, kind in enumerate(
     ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
      "gather_object", "barrier"], start=1)}

@@ -14,6 +14,10 @@ message as the rank that hung (launch/failures.py).
 
 A frozen worker gets SIGCONT right after its signal, so that it receives it now rather than
 after 30 s, and is never left behind stopped.
+
+Under `--on-failure continue` the agent also ends a worker that a hang report named, as the
+report asked ([Note: a member that hangs] in elastic/membership.py): with SIGKILL, which a
+frozen process receives too. Its `Ending` says it was removed, and the message says so.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Ending:
 
     signals: list[str] = field(default_factory=list)
     frozen: bool = False
+    removed: bool = False  # a hang report named it, and the agent ended it (continuing.py)
 
     @property
     def hung(self) -> bool:
@@ -71,6 +76,10 @@ def note_signals(handler, ending: Ending) -> None:
 def describe(ending: Ending) -> str:
     """How a hung worker ended, for the message: 'hung (its process was frozen: stopped by
     SIGSTOP), and the launcher ended it'."""
+    if ending.removed:
+        why = ("its process was frozen (stopped, as by SIGSTOP)" if ending.frozen else
+               "it had not entered the collective its peers waited in")
+        return f"hung: {why}; the hang report named it, and the launcher removed it"
     if ending.frozen:
         return ("hung: its process was frozen (stopped, as by SIGSTOP), and the launcher "
                 "ended it")

@@ -143,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
     # calls px.log is told so, and one that does not runs).
     from phalanx.observe.metrics import default_run_dir
 
-    if "PHALANX_RUN_DIR" not in os.environ and why_not_writable_dir("runs") is None:
+    if environment.value("PHALANX_RUN_DIR") is None and why_not_writable_dir("runs") is None:
         os.environ["PHALANX_RUN_DIR"] = default_run_dir()
     os.environ.pop("PHALANX_JOINING", None)  # set for a replacement only (continuing.py)
     # Workers' output reaches the console line by line through the agent's log files, where a
@@ -166,8 +166,9 @@ def main(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
         return failures.attempt_summary(failed, log_dir, endings)
 
-    def note_survived(rank: int, failure) -> str:  # --on-failure continue
-        return failures.attempt_summary({rank: failure}, log_dir)
+    def note_survived(rank: int, failure, ending=None) -> str:  # --on-failure continue
+        return failures.attempt_summary({rank: failure}, log_dir,
+                                        None if ending is None else {rank: ending})
 
     worker_args = ["-u", "-m", "phalanx.launch.worker"]  # see worker.py
     worker_args += (["-m"] if args.module else []) + [args.script] + list(args.script_args)
@@ -175,7 +176,8 @@ def main(args: argparse.Namespace) -> int:
         result, earlier, endings = agent.run_workers(args, port, log_dir, worker_args,
                                                      announce_restart, note_survived)
         if result.is_failed():
-            print(failures.failure_report(result.failures, log_dir, earlier, endings),
+            print(failures.failure_report(result.failures, log_dir, earlier, endings,
+                                          survived=args.on_failure == "continue"),
                   file=sys.stderr)
             return 1
         if earlier and args.on_failure == "continue":

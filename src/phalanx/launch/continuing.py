@@ -14,6 +14,12 @@ they notice the loss themselves, form a group without it and redo the step in fl
   `--max-restarts` allows (without, the others go on fewer); the replacement's output goes on
   to the same log files (appended), so the console keeps showing it under the same rank;
 - a failure after which no worker of the job runs ends the job, as under the other modes;
+- a worker that a hang report named is ended here (SIGKILL, which a frozen process receives
+  too), as the report asked; the others then go on as after a kill ([Note: a member that
+  hangs] in elastic/membership.py);
+- once a worker has said that the job cannot go on (`over` in the store: a MembershipError,
+  a hang report that names nobody to remove), nobody is replaced, and the workers that do
+  not end on their own within `OVER_GRACE` seconds (a frozen one) are ended;
 - the job ends when no worker of this node runs any more: it succeeded if no failure ended it,
   whatever failures were survived on the way.
 
@@ -25,6 +31,7 @@ nobody could form a group again.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerState
@@ -36,9 +43,10 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_han
 from ..elastic import store as job_store
 from .worker import end_file
 
-__all__ = ["ContinueMixin", "GRACE", "JOINING"]
+__all__ = ["ContinueMixin", "GRACE", "JOINING", "OVER_GRACE"]
 
 GRACE = 1.0           # seconds between a failure and the decision to replace the worker
+OVER_GRACE = 5.0      # seconds the workers get to end on their own once the job cannot go on
 JOINING = "PHALANX_JOINING"   # set in a replacement's environment: its number (1, 2, ...)
 
 
@@ -59,14 +67,15 @@ class _AppendingHandler(SubprocessHandler):
 class ContinueMixin:
     """The monitoring loop of `--on-failure continue`, for a `LocalElasticAgent` subclass.
 
-    `on_failure(rank, failure)` is called for every failed worker as it is seen and returns
-    the line that describes it (kept for the final report); `replacements` is how many
-    replacements this node may start in all.
+    `on_failure(rank, failure, ending)` is called for every failed worker survived and returns
+    the line that describes it (kept for the final report; `ending`: what the agent did to end
+    it, cleanup.py); `replacements` is how many replacements this node may start in all.
     """
 
     def setup_continue(self, replacements: int, on_failure) -> None:
         self._replacements_left = replacements
         self._on_failure = on_failure
+        self._ended = False   # the agent stopped its workers itself (`_end_the_rest`)
         self.survived: list[str] = []   # what on_failure returned for each failure survived
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -76,14 +85,18 @@ class ContinueMixin:
         store = job_store.keyspace(spec.rdzv_handler._store)  # the raw TCP store, as workers see it
         pcontext = self._pcontext
         running = set(pcontext.subprocess_handlers)
-        # local rank -> (when, failure, workers of the job that had finished by then)
+        # local rank -> (when, failure, workers of the job that had finished by then, Ending)
         pending: dict[int, tuple] = {}
         final: dict[int, ProcessFailure] = {}
         node, nodes = group.group_rank, group.group_world_size
         finished = 0
+        over_since = None  # when this agent saw that the job cannot go on (the store's `over`)
         job_store.set_alive(store, node, len(running), finished)
         while True:
             time.sleep(spec.monitor_interval)
+            if over_since is None and job_store.over(store) is not None:
+                over_since = time.monotonic()
+            self._remove_asked(store, running)
             for local_rank in sorted(running):
                 handler = pcontext.subprocess_handlers[local_rank]
                 code = handler.proc.poll()
@@ -97,35 +110,73 @@ class ContinueMixin:
                 worker = group.workers[local_rank]
                 failure = ProcessFailure(local_rank=local_rank, pid=handler.proc.pid,
                                          exitcode=code, error_file=pcontext.error_files[local_rank])
-                life = int(pcontext.envs[local_rank].get(JOINING, "0"))
-                job_store.post_left(store, worker.global_rank, life, code, failure.timestamp)
+                ending = self.endings.get(worker.global_rank)
+                removed = {"removed": True, "frozen": ending.frozen} \
+                    if ending is not None and ending.removed else {}
+                job_store.post_left(store, worker.global_rank, self._life(local_rank), code,
+                                    failure.timestamp, **removed)
                 pending[local_rank] = (time.monotonic(), failure,
-                                       job_store.alive_total(store, nodes)[1])
-            for local_rank, (when, failure, finished_then) in list(pending.items()):
-                if time.monotonic() - when < GRACE:
+                                       job_store.alive_total(store, nodes)[1], ending)
+            for local_rank, (when, failure, finished_then, ending) in list(pending.items()):
+                if over_since is None and time.monotonic() - when < GRACE:
                     continue
                 del pending[local_rank]
                 rank = group.workers[local_rank].global_rank
                 alive, finished_now = job_store.alive_total(store, nodes)
-                if not alive and finished_now == finished_then:  # nobody went on after it
-                    final[rank] = failure
+                if over_since is not None or (not alive and finished_now == finished_then):
+                    final[rank] = failure  # nobody went on after it, or nobody can
                     continue
-                self.survived.append(self._on_failure(rank, failure))
+                self.survived.append(self._on_failure(rank, failure, ending))
                 if self._replacements_left > 0:
                     self._replacements_left -= 1
                     self._replace(local_rank)
                     running.add(local_rank)
                     job_store.set_alive(store, node, len(running), finished)
+            if over_since is not None and running and time.monotonic() - over_since > OVER_GRACE:
+                self._end_the_rest(running, final)
             if not running and not pending:
                 break
         if final:
-            self._stop_workers(group)
+            if not self._ended:
+                self._stop_workers(group)
             group.state = WorkerState.FAILED
             return RunResult(state=WorkerState.FAILED, failures=final)
         group.state = WorkerState.SUCCEEDED
         self._exit_barrier()
         return RunResult(state=WorkerState.SUCCEEDED,
                          return_values={w.global_rank: None for w in group.workers})
+
+    def _life(self, local_rank: int) -> int:
+        """0 for the worker started with the job, k for its k-th replacement."""
+        return int(self._pcontext.envs[local_rank].get(JOINING, "0"))
+
+    def _remove_asked(self, store, running: set) -> None:
+        """End every running worker that a hang report named ([Note: a member that hangs] in
+        elastic/membership.py), with SIGKILL, which a frozen process receives too; its end is
+        then seen as any worker's, and its `Ending` says it was removed (cleanup.py)."""
+        for local_rank in sorted(running):
+            rank = self._worker_group.workers[local_rank].global_rank
+            ending = self.endings.get(rank)
+            if ending is None or ending.removed or \
+                    not job_store.removal_asked(store, rank, self._life(local_rank)):
+                continue
+            ending.removed = True
+            self._pcontext.subprocess_handlers[local_rank].close(signal.SIGKILL)
+
+    def _end_the_rest(self, running: set, final: dict) -> None:
+        """The job cannot go on, and these workers have not ended on their own within
+        `OVER_GRACE` seconds (a frozen one, a replacement waiting to be admitted): end them
+        as after any failure (SIGTERM; a frozen one is continued to receive it: cleanup.py)."""
+        self._stop_workers(self._worker_group)
+        self._ended = True
+        for local_rank in sorted(running):
+            handler = self._pcontext.subprocess_handlers[local_rank]
+            code = handler.proc.poll()
+            final[self._worker_group.workers[local_rank].global_rank] = ProcessFailure(
+                local_rank=local_rank, pid=handler.proc.pid,
+                exitcode=code if code is not None else -signal.SIGKILL,
+                error_file=self._pcontext.error_files[local_rank])
+        running.clear()
 
     def _replace(self, local_rank: int) -> None:
         """Start the worker of `local_rank` again: same rank, same arguments, same log files."""

@@ -45,11 +45,13 @@ _OWN_FRAME = re.compile(r'File "(<frozen runpy>|[^"]*[/\\]phalanx[/\\]launch[/\\
 
 
 def failure_report(failures: dict, log_dir: str, earlier: list[str] = (),
-                   endings: dict | None = None) -> str:
+                   endings: dict | None = None, survived: bool = False) -> str:
     """One message: the rank that failed first, or that hung or left early and so made the
     others fail, how it ended, the end of its traceback or of the report that named it, the
-    others, and, after restarts, what ended each earlier attempt. `endings`: global rank ->
-    what the launcher did to end that worker ([Note: a worker the launcher ended])."""
+    others, and, after restarts, what ended each earlier attempt (`survived`: under
+    `--on-failure continue`, `earlier` are the failures the job went on through). `endings`:
+    global rank -> what the launcher did to end that worker ([Note: a worker the launcher
+    ended])."""
     lead, first, culprits = _account(failures, log_dir, endings or {})
     rank, failure = first
     headline, lines = _failure_detail(failure, log_dir)
@@ -68,7 +70,10 @@ def failure_report(failures: dict, log_dir: str, earlier: list[str] = (),
     halted = [str(r) for r, f in rest if _stopped(f)]
     if halted:
         text += f"\n  stopped: rank{'s' if len(halted) > 1 else ''} {', '.join(halted)}"
-    if earlier:
+    if earlier and survived:
+        text += (f"\n  before that, the job went on through {len(earlier)} failure"
+                 f"{'s' if len(earlier) != 1 else ''}: " + "; ".join(earlier))
+    elif earlier:
         total = len(earlier) + 1
         text += f"\n  that was attempt {total} of {total}; the earlier ones ended:"
         text += "".join(f"\n    attempt {i}: {summary}" for i, summary in enumerate(earlier, 1))

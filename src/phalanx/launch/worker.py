@@ -3,7 +3,7 @@ the agent once per rank.
 
 It runs the user's script or module as `__main__`, leaves an error file when it fails, and
 then leaves the process without interpreter finalisation: see [Note: leaving without
-finalisation].
+finalisation]. It never outlives the launcher: see [Note: no worker outlives its launcher].
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import threading
 import time
 import traceback
 
-__all__ = ["run", "leave", "end_file"]
+__all__ = ["run", "leave", "end_file", "end_with_the_launcher"]
 
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
 # The file objects that hold written data in Python until flushed.
 _BUFFERED_FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
@@ -89,7 +90,9 @@ def leave(code: int) -> None:
 
     End the worker as a normal exit would (wait for the script's non-daemon threads, run the
     `atexit` handlers, flush every stream), then `os._exit(code)` instead of letting the
-    interpreter finalise.
+    interpreter finalise. A `px.shutdown()` that the end of the script called and that raised
+    (phalanx/leaving.py) makes a status of 0 into 1, with an error file: the job did not
+    complete.
 
     Finalisation tears down modules and frees objects in no particular order while native
     threads still run. A gloo process group that is still alive at that point (the script
@@ -103,10 +106,17 @@ def leave(code: int) -> None:
     for thread in threading.enumerate():
         if thread is not main and not thread.daemon:
             thread.join()
-    if code:  # a failed worker does not wait at its end for its peers (phalanx/leaving.py)
-        with contextlib.suppress(Exception):
-            sys.modules["phalanx.leaving"].failing()
+    leaving = sys.modules.get("phalanx.leaving")
+    if leaving is not None:
+        if code:  # a failed worker does not wait at its end for its peers (phalanx/leaving.py)
+            leaving.failing()
+        leaving.caller_sets_exit_status()
     atexit._run_exitfuncs()
+    error = leaving.shutdown_error() if leaving is not None else None
+    if error is not None and not code:  # px.shutdown() at the end of the script raised
+        _record_failure(error, f"px.shutdown() at the end of the script failed: "
+                               f"{type(error).__name__}: {error}")
+        code = 1
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):
@@ -164,6 +174,8 @@ def end_file(error_file: str) -> str:
 
 
 def _record_end(how: str) -> None:
+    with contextlib.suppress(Exception):  # what its key says at its end (phalanx/leaving.py)
+        sys.modules["phalanx.leaving"].ending(how)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -199,6 +211,29 @@ def _record_failure(exc: BaseException, headline: str) -> None:
     }}})
 
 
+def end_with_the_launcher() -> None:
+    """[Note: no worker outlives its launcher]
+    A launcher that is killed (SIGKILL, the out-of-memory killer, a test's timeout) cannot end
+    its workers, and they would live on without it: training alone, waiting on a store that
+    has gone, or, frozen (SIGSTOP), forever. So each worker asks the kernel to kill it when the
+    launcher ends (Linux's parent-death signal), with SIGKILL, the one signal a frozen process
+    receives. A launcher that ends normally has ended its workers first (torch's agent: SIGTERM,
+    and SIGKILL 30 s later), so this only ever ends orphans. A launcher gone between the two
+    looks at the parent's pid below ends the worker at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 if __name__ == "__main__":
+    end_with_the_launcher()
     status, keep_alive = run(sys.argv[1:])  # the script's objects live until the process ends
     leave(status)
