@@ -5,6 +5,7 @@ in test_launch_checks.py), with an error that names it, its value and what it ta
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
@@ -37,6 +38,57 @@ def test_every_variable_read_in_src_is_in_the_table():
         read |= set(re.findall(r"\bPHALANX_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
     read -= {"PHALANX_SLOW"}  # named in a comment of the test harness, read by tests/conftest.py
     assert sorted(read - set(environment.VARIABLES)) == []
+
+
+def _environ_reads(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of each read of a PHALANX_* variable in `tree` that bypasses the table:
+    `os.environ.get(N)`, `os.environ[N]` (not set or deleted), `N in os.environ`,
+    `os.getenv(N)`, N a string or a module constant holding one. Setting one for a worker
+    (`os.environ[N] = ...`, `setdefault`, `pop`) is not a read."""
+    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                 for t in n.targets if isinstance(t, ast.Name)}
+
+    def environ(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr in ("environ", "environb")) or \
+            (isinstance(node, ast.Name) and node.id == "environ")
+
+    def name(node) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return constants.get(node.id) if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute) \
+                and ((node.func.attr == "get" and environ(node.func.value))
+                     or node.func.attr == "getenv"):
+            key = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and environ(node.comparators[0]):
+            key = node.left
+        if key is not None and (name(key) or "").startswith("PHALANX_"):
+            found.append((node.lineno, name(key)))
+    return sorted(found)
+
+
+def test_the_variables_are_read_through_the_table_only():
+    """[Note: one table of variables]: a variable read from os.environ elsewhere means what
+    that place makes of it (`PHALANX_DEBUG_ELASTIC=0` once turned debugging on)."""
+    sample = ('import os\nX = "PHALANX_A"\nos.environ.get(X); os.environ["PHALANX_B"]\n'
+              '"PHALANX_C" not in os.environ; os.getenv("PHALANX_D")\n'
+              'os.environ["PHALANX_E"] = "1"; os.environ.pop("PHALANX_F", None)\n')
+    assert [n for _, n in _environ_reads(ast.parse(sample))] == \
+        ["PHALANX_A", "PHALANX_B", "PHALANX_C", "PHALANX_D"]
+    source = ROOT / "src" / "phalanx"
+    reads = [f"{path.relative_to(source)}:{line}: {name}"
+             for path in sorted(source.rglob("*.py")) if path.name != "environment.py"
+             for line, name in _environ_reads(ast.parse(path.read_text()))]
+    assert reads == [], "read these through phalanx.environment.value(name):\n" + "\n".join(reads)
 
 
 def _not_a_dir(tmp_path) -> str:

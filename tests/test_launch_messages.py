@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,10 +29,14 @@ from phalanx.launch.cleanup import Ending, note_signals
 SCRIPT = Path(__file__).parent / "launch_scripts" / "misbehave.py"
 
 
-def run_job(tmp_path, kind: str, *extra, hang_after: str = "3", timeout: float = 120):
+def run_job(tmp_path, kind: str, *extra, hang_after: str | None = "3", timeout: float = 120):
+    """`hang_after` None: PHALANX_HANG_AFTER unset (the report after 200 s, a third of
+    px.init's default timeout)."""
     pids = tmp_path / "pids"
     pids.mkdir()
-    env = dict(os.environ, PHALANX_HANG_AFTER=hang_after)
+    env = {k: v for k, v in os.environ.items() if k != "PHALANX_HANG_AFTER"}
+    if hang_after is not None:
+        env["PHALANX_HANG_AFTER"] = hang_after
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(SCRIPT),
                              kind, str(pids), *extra], capture_output=True, text=True,
@@ -94,8 +99,10 @@ def test_a_frozen_worker_receives_the_launchers_signal_at_once():
 
 
 def test_a_rank_whose_script_ends_early_is_named_as_leaving_early(tmp_path):
-    # The issue's case: rank 1 calls sys.exit(0) at step 3 while rank 0 goes on.
-    result, _ = run_job(tmp_path, "exit")
+    # The issue's case: rank 1 calls sys.exit(0) at step 3 while rank 0 goes on. With the
+    # default threshold (200 s): a collective that waits on a rank at its end is reported
+    # after a few polls, since that rank will never come.
+    result, took = run_job(tmp_path, "exit", hang_after=None)
     assert result.returncode == 1 and "DONE" not in result.stdout, result.stderr
     lines = summary(result)
     assert lines[0] == ("phalanx run: error: rank 1 left early (the script called sys.exit(0) "
@@ -103,7 +110,34 @@ def test_a_rank_whose_script_ends_early_is_named_as_leaving_early(tmp_path):
                         "for it"), result.stderr
     assert lines[1].startswith("  | rank 0 exited with code 124: hang at step 3: rank 1 has "
                                "not entered all_reduce #"), result.stderr
+    assert lines[1].endswith("; rank 1 has reached its end (the script called sys.exit(0) at "
+                             "step 3): it left early"), result.stderr
     assert not any(line.startswith("  stopped:") for line in lines), result.stderr
+    assert took < 100, took  # half the threshold: interpreters starting, 3 steps, 3 polls
+
+
+def test_a_shutdown_that_raises_at_the_end_of_the_script_fails_the_job(tmp_path):
+    # px.shutdown(), called by the end of the script, raised (continue mode's check that the
+    # model holds what the loop took does): the worker printed it and exited 0, and the job
+    # completed.
+    script = tmp_path / "shutdown_raises.py"
+    script.write_text(
+        "import phalanx as px\n"
+        "from phalanx import runtime\n\n"
+        "def check():\n"
+        "    raise RuntimeError('the counts differ (simulated)')\n\n"
+        "px.init()\n"
+        "runtime.before_shutdown(check)  # px.shutdown() raises it once the groups are ended\n"
+        "print('TRAINED', flush=True)\n")
+    result = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(script)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1 and result.stdout.count("TRAINED") == 2, result.stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}]: phalanx: rank {rank}: px.shutdown() at the end of the script " \
+               "failed: RuntimeError: the counts differ (simulated)" in result.stderr
+    assert re.fullmatch(r"phalanx run: error: rank [01] exited with code 1: px\.shutdown\(\) at "
+                        r"the end of the script failed: RuntimeError: the counts differ "
+                        r"\(simulated\)", summary(result)[0]), result.stderr
 
 
 @pytest.mark.slow  # torch's agent waits 30 s after SIGTERM before its SIGKILL
