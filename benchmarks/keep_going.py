@@ -21,7 +21,9 @@ inside a step, and reads every rank's per-step timestamps (`TICK`, printed after
   it (restart: those since the last checkpoint; continue: none, the step in flight was never
   committed).
 
-Prints one row per round and the medians.
+Prints one row per round and the medians. Each `TICK` also names the samples the rank's batch
+held (`idx=`), so that benchmarks/torchft_compare.py, which imports the pieces below, counts
+the samples that never reached an applied update by one rule for every competitor.
 """
 
 from __future__ import annotations
@@ -58,14 +60,16 @@ def worker(args) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = px.prepare(model, optimizer, strategy=args.strategy)
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(args.steps * 48, 512, generator=g))
+    samples = args.steps * 48
+    data = torch.utils.data.TensorDataset(torch.randn(samples, 512, generator=g),
+                                          torch.arange(samples))
     per_rank = 48 // int(os.environ["WORLD_SIZE"])
     loader = px.data_loader(data, batch_size=per_rank, shuffle=False)
     step = 0
     ckpt = px.latest_checkpoint(args.ckpt)
     if ckpt is not None:
         step = px.load(ckpt, model=model, optimizer=optimizer, sampler=loader.sampler)["step"]
-    for (x,) in loader:
+    for x, index in loader:
         model(x).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -74,11 +78,72 @@ def worker(args) -> None:
         done = gate is None or gate.last_voted == gate.calls
         print(f"TICK rank={rank} life={life} restart={restart} step={step} done={int(done)} "
               f"at={loader.sampler.position() // 48} world={px.world_size()} "
-              f"t={time.time():.4f}", flush=True)
+              f"t={time.time():.4f} idx={spans(index.tolist())}", flush=True)
         if step % args.save_every == 0:
             px.save(os.path.join(args.ckpt, f"step{step:05d}"), model=model,
                     optimizer=optimizer, sampler=loader.sampler, step=step, keep_last=2)
     px.shutdown()
+
+
+def spans(indices) -> str:
+    """`0:16,32:48` for the samples 0..15 and 32..47 (the `idx=` of a TICK)."""
+    out, indices = [], sorted(indices)
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return ",".join(f"{a}:{b}" for a, b in out) or "none"
+
+
+def unspan(text: str) -> set[int]:
+    return {i for part in text.split(",") if part != "none"
+            for i in range(*map(int, part.split(":")))}
+
+
+def parse_tick(line: str, fields: int):
+    """The fields of a `TICK` line, or None for another line or one cut by another's output."""
+    m = re.search(r"TICK (.*)$", line)
+    if not m:
+        return None
+    tick = dict(re.findall(r"(\w+)=([\w.:,]+)", m.group(1)))
+    return tick if len(tick) == fields and "idx" in tick else None
+
+
+def watch_and_kill(stream, args, rng, victim, fields: int) -> tuple[list[dict], float]:
+    """Every TICK read from `stream` (to its end), and the time of the kill: once rank 1 has
+    done `args.warmup` steps, the process `victim()` names is SIGKILLed at a moment drawn
+    inside the next step."""
+    ticks: list[dict] = []
+    killed_at = None
+    for line in stream:
+        tick = parse_tick(line, fields)
+        if tick is None:
+            continue
+        ticks.append(tick)
+        if killed_at is None and tick["rank"] == "1" and int(tick["step"]) >= args.warmup:
+            gap = statistics.median(_gaps(ticks))
+            time.sleep(rng.uniform(0.0, gap))  # a moment drawn inside the next step
+            os.kill(victim(), signal.SIGKILL)
+            killed_at = time.time()
+    return ticks, killed_at
+
+
+def samples_lost(ticks, ranks: int, steps: int, batch: int = 48, first: int = 1) -> int:
+    """The samples of the run's global batches `first`..`steps` (1-based, of `batch` samples
+    each, in the dataset's order) that no applied update held. Applied: the batch of every
+    tick with done=1 (its rank's batch went into a committed update), and the whole global
+    batch `at` of a step committed at full size (which also covers a rank killed after the
+    step committed but before it printed its tick)."""
+    applied: set[int] = set()
+    for t in ticks:
+        if t["done"] == "1":
+            applied |= unspan(t["idx"])
+            if int(t["world"]) == ranks:
+                at = int(t["at"])
+                applied |= set(range((at - 1) * batch, at * batch))
+    wanted = set(range((first - 1) * batch, steps * batch))
+    return len(wanted - applied)
 
 
 def one_run(mode: str, args, rng) -> dict:
@@ -88,23 +153,9 @@ def one_run(mode: str, args, rng) -> dict:
            "--steps", str(args.steps), "--save-every", str(args.save_every),
            "--strategy", args.strategy]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ticks: list[dict] = []
-    killed_at = None
     try:
-        for line in proc.stdout:
-            m = re.search(r"TICK (.*)$", line)
-            if not m:
-                continue
-            tick = dict(re.findall(r"(\w+)=([\w.]+)", m.group(1)))
-            if len(tick) != 8:  # a line cut by another's output
-                continue
-            ticks.append(tick)
-            if killed_at is None and tick["rank"] == "1" and int(tick["step"]) >= args.warmup:
-                gap = statistics.median(_gaps(ticks))
-                time.sleep(rng.uniform(0.0, gap))  # a moment drawn inside the next step
-                pid = _worker_pid(ckpt, rank=1)
-                os.kill(pid, signal.SIGKILL)
-                killed_at = time.time()
+        ticks, killed_at = watch_and_kill(proc.stdout, args, rng, fields=9,
+                                          victim=lambda: _worker_pid(ckpt, b"RANK=1"))
         proc.wait(timeout=600)
     finally:
         proc.kill()
@@ -123,7 +174,8 @@ def one_run(mode: str, args, rng) -> dict:
     return {"mode": mode, "went_on_s": float(first["t"]) - killed_at,
             "full_size_s": (min(full) - killed_at) if full else float("nan"),
             "lost": before - (int(first["at"]) - 1), "step_s": statistics.median(_gaps(ticks)),
-            "ok": proc.returncode == 0, "stderr": stderr}
+            "samples_lost": samples_lost(ticks, args.ranks, args.steps),
+            "ok": proc.returncode == 0, "stderr": stderr, "ticks": ticks, "killed_at": killed_at}
 
 
 def _gaps(ticks) -> list[float]:
@@ -131,16 +183,30 @@ def _gaps(ticks) -> list[float]:
     return [b - a for a, b in zip(mine, mine[1:])] or [0.1]
 
 
-def _worker_pid(token: Path, rank: int) -> int:
+def _worker_pid(token: Path, *env: bytes) -> int:
+    """The worker process whose command line holds `token` and whose environment holds every
+    `NAME=value` of `env` (a launcher's agent runs the same command line, without them)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if str(token) in cmd and "--worker" in cmd and f"RANK={rank}".encode() in env:
+        if str(token) in cmd and "--worker" in cmd and all(e in environ for e in env):
             return int(pid)
-    raise RuntimeError("no worker of rank 1 found")
+    raise RuntimeError(f"no worker with {env} found")
+
+
+def step_time(mode: str, args) -> float:
+    """The median step of rank 0 after `args.warmup` steps, in a job with no failure and no
+    save."""
+    ckpt = Path(tempfile.mkdtemp(prefix="keep-going-"))
+    cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--on-failure",
+           mode, str(HERE), "--worker", "--ckpt", str(ckpt), "--steps", str(args.steps),
+           "--save-every", str(10**9), "--strategy", args.strategy]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False).stdout
+    ticks = [t for t in (parse_tick(line, 9) for line in out.splitlines()) if t]
+    return statistics.median(_gaps(ticks[args.warmup * args.ranks:]))
 
 
 def overhead(args) -> None:
@@ -149,14 +215,7 @@ def overhead(args) -> None:
     times = {"continue": [], "restart": []}
     for r in range(args.rounds):
         for mode in ("continue", "restart"):
-            ckpt = Path(tempfile.mkdtemp(prefix="keep-going-"))
-            cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--on-failure",
-                   mode, str(HERE), "--worker", "--ckpt", str(ckpt), "--steps", str(args.steps),
-                   "--save-every", str(10**9), "--strategy", args.strategy]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
-            ticks = [dict(re.findall(r"(\w+)=([\w.]+)", m)) for m in re.findall(r"TICK (.*)$", out, re.M)]
-            gaps = _gaps([t for t in ticks if len(t) == 8][args.warmup:])
-            times[mode].append(statistics.median(gaps))
+            times[mode].append(step_time(mode, args))
             print(f"round {r} {mode:8s} median step {times[mode][-1] * 1e3:.1f} ms", flush=True)
     a, b = statistics.median(times["continue"]), statistics.median(times["restart"])
     print(f"median step: continue {a * 1e3:.1f} ms, restart {b * 1e3:.1f} ms, ratio {a / b:.3f}")
@@ -185,7 +244,8 @@ def main() -> None:
             row = one_run(mode, args, rng)
             rows.append(row)
             print(f"round {r} {mode:8s} went on after {row['went_on_s']:.2f} s, full size after "
-                  f"{row['full_size_s']:.2f} s, steps trained again {row['lost']}, step "
+                  f"{row['full_size_s']:.2f} s, steps trained again {row['lost']}, samples lost "
+                  f"{row['samples_lost']}, step "
                   f"{row['step_s']:.3f} s, exit ok {row['ok']}", flush=True)
             if not row["ok"]:
                 print(row["stderr"][-3000:])
