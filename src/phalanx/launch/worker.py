@@ -16,6 +16,7 @@ import gc
 import io
 import json
 import os
+import re
 import runpy
 import signal
 import sys
@@ -26,6 +27,8 @@ import traceback
 __all__ = ["run", "leave", "end_file", "end_with_the_launcher"]
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
+# torch.distributed's excepthook's prefix: one per process group made (each wraps the last)
+_TORCH_PREFIX = re.compile(r"^(\[rank\d+\]: )+")
 # The file objects that hold written data in Python until flushed.
 _BUFFERED_FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
@@ -151,14 +154,15 @@ def _print_exception(exc: BaseException) -> None:
     """Print `exc` through sys.excepthook, as Python does with an uncaught exception.
 
     torch.distributed's hook puts "[rankN]: " before every line; the launcher already does,
-    so that prefix is taken off here rather than printed twice.
+    so that prefix is taken off here rather than printed twice. Each group made wraps the hook
+    again with its own rank (under `--on-failure continue`, one per generation, its N not
+    always the launch rank): every such prefix goes.
     """
     buffer = io.StringIO()
     with contextlib.redirect_stderr(buffer):
         sys.excepthook(type(exc), exc, exc.__traceback__)
-    prefix = f"[rank{os.environ.get('RANK', '')}]: "
     lines = buffer.getvalue().split("\n")
-    sys.stderr.write("\n".join(line.removeprefix(prefix) for line in lines))
+    sys.stderr.write("\n".join(_TORCH_PREFIX.sub("", line, count=1) for line in lines))
     sys.stderr.flush()
 
 
