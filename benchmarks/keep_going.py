@@ -32,6 +32,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -159,23 +160,32 @@ def one_run(mode: str, args, rng) -> dict:
         proc.wait(timeout=600)
     finally:
         proc.kill()
+        shutil.rmtree(ckpt, ignore_errors=True)  # its checkpoints: 0.3 GB
     stderr = proc.stderr.read()
+    return {"mode": mode, **recovery(ticks, killed_at, args.ranks),
+            "step_s": statistics.median(_gaps(ticks)),
+            "samples_lost": samples_lost(ticks, args.ranks, args.steps),
+            "ok": proc.returncode == 0, "stderr": stderr, "ticks": ticks, "killed_at": killed_at}
+
+
+def recovery(ticks, killed_at: float, ranks: int) -> dict:
+    """Seconds from the kill to the first step committed after it (went_on_s) and to the
+    first committed at full size again (full_size_s), and the global steps trained twice
+    (lost)."""
     # after the kill, a step on the group without the killed rank (continue), or by the
     # restarted workers (restart); then the first at full size again
     after = [t for t in ticks if float(t["t"]) > killed_at and t["done"] == "1"
-             and (int(t["world"]) < args.ranks or t["restart"] != "0")]
+             and (int(t["world"]) < ranks or t["restart"] != "0" or t["life"] != "0")]
     first = min(after, key=lambda t: float(t["t"]))
     full = [float(t["t"]) for t in ticks if float(t["t"]) >= float(first["t"])
-            and t["done"] == "1" and int(t["world"]) == args.ranks]
+            and t["done"] == "1" and int(t["world"]) == ranks]
     # the last global step the first group committed (after the kill too: a step whose vote
     # had passed), and the first one committed after it: what lies between was trained twice
     before = max(int(t["at"]) for t in ticks if t["done"] == "1" and t["restart"] == "0"
-                 and int(t["world"]) == args.ranks and float(t["t"]) < float(first["t"]))
-    return {"mode": mode, "went_on_s": float(first["t"]) - killed_at,
+                 and int(t["world"]) == ranks and float(t["t"]) < float(first["t"]))
+    return {"went_on_s": float(first["t"]) - killed_at,
             "full_size_s": (min(full) - killed_at) if full else float("nan"),
-            "lost": before - (int(first["at"]) - 1), "step_s": statistics.median(_gaps(ticks)),
-            "samples_lost": samples_lost(ticks, args.ranks, args.steps),
-            "ok": proc.returncode == 0, "stderr": stderr, "ticks": ticks, "killed_at": killed_at}
+            "lost": before - (int(first["at"]) - 1)}
 
 
 def _gaps(ticks) -> list[float]:
@@ -205,6 +215,7 @@ def step_time(mode: str, args) -> float:
            mode, str(HERE), "--worker", "--ckpt", str(ckpt), "--steps", str(args.steps),
            "--save-every", str(10**9), "--strategy", args.strategy]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False).stdout
+    shutil.rmtree(ckpt, ignore_errors=True)
     ticks = [t for t in (parse_tick(line, 9) for line in out.splitlines()) if t]
     return statistics.median(_gaps(ticks[args.warmup * args.ranks:]))
 

@@ -47,9 +47,11 @@ Prints one row per job and the medians over rounds, and the load average before 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -207,27 +209,28 @@ def torchft_job(args, rng, install: str, heartbeat_ms: int, kill: bool):
                 killed_at = None
         codes = [p.wait(timeout=600) for p in groups]
     finally:
-        for p in [*groups, lighthouse]:  # the sessions started here, and what they started
+        for p in [*groups, lighthouse]:  # the sessions started here
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             p.wait()
+        _end_workers(token)  # torchrun starts its workers in sessions of their own
     if any(codes):
         for g in range(args.ranks):
             print(f"group {g} exited {codes[g]}:\n" + (token / f"group{g}.log").read_text()[-3000:])
+    shutil.rmtree(token, ignore_errors=True)
     return ticks, killed_at, codes
 
 
-def recovery(ticks, killed_at: float, ranks: int) -> dict:
-    """keep_going's measures of a kill, from any competitor's ticks."""
-    after = [t for t in ticks if float(t["t"]) > killed_at and t["done"] == "1"
-             and (int(t["world"]) < ranks or t["life"] != "0")]
-    first = min(after, key=lambda t: float(t["t"]))
-    full = [float(t["t"]) for t in ticks if float(t["t"]) >= float(first["t"])
-            and t["done"] == "1" and int(t["world"]) == ranks]
-    return {"went_on_s": float(first["t"]) - killed_at,
-            "full_size_s": (min(full) - killed_at) if full else float("nan")}
+def _end_workers(token: Path) -> None:
+    """SIGKILL what is left of the workers whose command line names `token` (this job's)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if str(token).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def failure(args) -> None:
@@ -249,20 +252,27 @@ def failure(args) -> None:
                 ticks, killed_at, codes = torchft_job(args, rng, *jobs[name], kill=True)
             # from the step at which the kill came (before it, torchft's groups may still be
             # joining the first quorum one by one: printed apart)
-            row = {**recovery(ticks, killed_at, args.ranks), "codes": codes,
+            row = {**keep_going.recovery(ticks, killed_at, args.ranks), "codes": codes,
+                   "started_again": len({t["rank"] for t in ticks if t["life"] != "0"}),
                    "samples_lost": keep_going.samples_lost(ticks, args.ranks, args.steps,
                                                            first=args.warmup),
                    "lost_before": keep_going.samples_lost(ticks, args.ranks, args.warmup - 1)}
             rows[name].append(row)
             print(f"round {r} {name:36s} went on after {row['went_on_s']:6.2f} s, full size "
                   f"after {row['full_size_s']:6.2f} s, samples lost {row['samples_lost']:4d} "
-                  f"(before step {args.warmup}: {row['lost_before']}), exit codes "
+                  f"(before step {args.warmup}: {row['lost_before']}), steps trained again "
+                  f"{row['lost']}, processes started again {row['started_again']}, exit codes "
                   f"{row['codes']}, load {os.getloadavg()[0]:.2f}", flush=True)
+            if args.save_ticks:
+                with open(args.save_ticks, "a") as out:
+                    out.write(json.dumps({"round": r, "name": name, "killed_at": killed_at,
+                                          "ticks": ticks}) + "\n")
     print(f"\nmedians of {args.rounds} (ranges):")
     for name in names:
         cells = []
         for key, fmt in (("went_on_s", "{:.2f} s"), ("full_size_s", "{:.2f} s"),
-                         ("samples_lost", "{:.0f}")):
+                         ("samples_lost", "{:.0f}"), ("lost", "{:.0f}"),
+                         ("started_again", "{:.0f}")):
             values = [row[key] for row in rows[name]]
             cells.append(f"{fmt.format(statistics.median(values))} "
                          f"({fmt.format(min(values))}-{fmt.format(max(values))})")
@@ -332,6 +342,8 @@ def main() -> None:
     parser.add_argument("--torchft", default="venv", help="torchft installations to compare, "
                         "comma-separated: venv (this environment's) or `pip install --target` "
                         "folders; overhead: the first")
+    parser.add_argument("--save-ticks", help="append every failure job's ticks to this file "
+                        "(JSON lines)")
     args = parser.parse_args()
     args.strategy = "ddp"
     if args.worker == "torchft":
