@@ -130,6 +130,9 @@ class StepClock:
     def forward_done(self, began: float, args, kwargs) -> None:
         now = time.perf_counter()
         self.forward_s += now - began
+        # A backward that raised never reached its end (the step vote, engine/vote.py): the
+        # next one is timed from its own start.
+        self._backward_from = None
         if self.trace is not None:
             self.trace.phase("forward", began, now, self.steps.value)
         samples, tokens = _batch_size(args, kwargs)
