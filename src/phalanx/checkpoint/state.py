@@ -13,7 +13,8 @@ any strategy and precision.
 
 What is stored is the truth of each tensor: the fp32 (the model's own dtype) masters of the
 trained parameters, and buffers and frozen parameters in the dtype the module had before
-`px.prepare` cast it.
+`px.prepare` cast it. Under zero3 frozen parameters are sharded too (engine/flat.py) and are
+written in ranges as the masters are.
 """
 
 from __future__ import annotations
@@ -78,9 +79,12 @@ class ModelState:
         trainable = self.engine.params if self.engine is not None else [
             p for p in self.module.parameters() if p.requires_grad]
         self.trainable = {self.names[id(p)]: p for p in trainable if id(p) in self.names}
+        # The tensors held in pieces: the trained parameters' masters, and under zero3 the
+        # frozen parameters' shards (engine/flat.py); every other tensor is held whole.
         if self.engine is not None:
-            by_id = self.engine.master_pieces()
-            self.pieces = {name: by_id[id(p)] for name, p in self.trainable.items()}
+            by_id = self.engine.held_pieces()
+            self.pieces = {name: by_id[id(t)] for name, t in self.tensors.items()
+                           if id(t) in by_id}
         else:
             self.pieces = {name: [Piece.whole(p)]
                            for name, p in self.trainable.items()}
@@ -99,7 +103,7 @@ class ModelState:
         the rank that has written the fewest bytes so far (the same answer on every rank)."""
         load = [0] * self.comm.world
         owner = {}
-        whole = [n for n in self.tensors if not (self.sharded and n in self.trainable)]
+        whole = [n for n in self.tensors if not (self.sharded and n in self.pieces)]
         for name in sorted(whole, key=lambda n: (-self.tensors[n].numel(), n)):
             rank = min(range(self.comm.world), key=lambda r: (load[r], r))
             owner[name] = rank
@@ -120,10 +124,10 @@ class ModelState:
             if name in self.trainable and self.outer is not None:  # the last sync's weights
                 synced = self.outer.synced[self.outer.index[id(self.trainable[name])]]
                 out.append(Range(f"model/{name}", 0, t.numel(), synced.detach().reshape(-1)))
-            elif name in self.trainable:
+            elif name in self.pieces:  # a frozen shard is in the compute dtype: widened
                 for piece in self.pieces[name]:
                     out.append(Range(f"model/{name}", piece.start, piece.end,
-                                     piece.master.detach().reshape(-1)))
+                                     piece.master.detach().reshape(-1).to(self.dtype_of(name))))
             else:
                 values = t.detach().reshape(-1)
                 if values.dtype != self.dtype_of(name):
@@ -136,12 +140,12 @@ class ModelState:
     def load(self, reader, names: set[str]) -> None:
         """Set every tensor in `names` from `reader`: each master piece this rank holds, then
         the parameters from the masters (a collective when sharded), then the rest whole."""
-        for name in names & set(self.trainable):
+        for name in names & set(self.pieces):
             for piece in self.pieces[name]:
                 reader.read_into(f"model/{name}", piece.start, piece.end, piece.master)
         if self.engine is not None:
             self.engine.publish_masters()
-        for name in names - set(self.trainable):
+        for name in names - set(self.pieces):
             t = self.tensors[name]
             reader.read_into(f"model/{name}", 0, t.numel(), t)
 
@@ -163,7 +167,7 @@ class OptimizerState:
         # the tensors the optimizer holds now (master pieces once adopted) -> (name, piece)
         self.held: dict[int, tuple[str, Piece]] = {}
         for name, pieces in model.pieces.items():
-            for piece in pieces:
+            for piece in pieces if name in model.trainable else []:
                 self.held[id(piece.master)] = (name, piece)
 
     def hyperparameters(self) -> list[dict]:
@@ -175,7 +179,7 @@ class OptimizerState:
         anything not shaped like the parameter) by name, from the piece that starts at 0."""
         out, whole = [], {}
         for name, pieces in self.model.pieces.items():
-            if not self.model.writes(name, owner):
+            if name not in self.model.trainable or not self.model.writes(name, owner):
                 continue
             for piece in pieces:
                 for key, value in self.optimizer.state.get(piece.master, {}).items():

@@ -19,6 +19,20 @@ parameter, flat otherwise). So a parameter that got no gradient on any rank has 
 step count touches it. And the optimizer state is per parameter piece, which is what lets it
 be reassembled into the per-parameter state a single process has (optim.py).
 
+[Note: frozen parameters in a unit]
+Under zero3 a unit also holds the frozen parameters of the modules it covers (the engine plans
+its units over every floating parameter, trainable or not: units.py), after its trainable ones:
+the flat buffer is [trainable, padded to the world size | frozen, padded likewise], each
+segment sharded 1/N per rank and gathered by an all-gather of its own, both views of one
+storage freed and given back together. The owned slice of the frozen segment lives in
+`frozen_shard`, in the compute dtype (the dtype frozen parameters are cast to: model/
+precision.py): no master, no slot in the gradient bucket, no optimizer state, never reduced.
+Its pieces (`frozen_pieces`, indexed into `members`) are how a checkpoint, a load and a meta
+build reach it, as the masters' pieces are. A unit of frozen parameters only has no bucket; the
+engine keeps such units apart from those with gradients (flat_engine.py). The other strategies
+keep whole parameters between steps, frozen ones included, and their units hold trainable
+parameters only.
+
 A change made to the parameters behind phalanx's back (an in-place edit, through `.data` too,
 which no version counter sees; a load through the user's module is not one: its hooks set the
 masters from the loaded values, model/prepared.py) leaves the cache different
@@ -37,7 +51,7 @@ import torch
 
 from ..collectives import Handle
 from .buckets import BufferPool, GradBucket
-from .vote import FAILED_AT
+from .flat_grads import UnitGradients
 
 __all__ = ["FlatUnit", "Piece"]
 
@@ -58,14 +72,18 @@ class Piece:
         return cls(index, 0, param.numel(), param, offset, offset + param.numel())
 
 
-class FlatUnit:
+class FlatUnit(UnitGradients):
     """One run of parameters, laid out flat (see [Note: the shard is the truth])."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,
                  sharded: bool, compute_dtype: torch.dtype, adopt: bool,
-                 pool: BufferPool | None, reshards: bool = False, shard_grads: bool = False):
+                 pool: BufferPool | None, reshards: bool = False, shard_grads: bool = False,
+                 frozen: list[torch.nn.Parameter] = ()):
         self.index = index
-        self.params = params
+        self.params = params  # the trainable ones: the gradient bucket's, in its order
+        # zero3: frozen parameters gathered with them (see [Note: frozen parameters in a unit])
+        self.frozen = list(frozen)
+        self.members = list(params) + self.frozen
         self.sharded = sharded
         # zero3: the full flat buffer exists only while the unit computes (see [Note: zero3's
         # gather and free] in zero3.py); its storage is freed between uses, and the
@@ -75,15 +93,29 @@ class FlatUnit:
         self.pending = None  # zero3: the all-gather of a prefetch, until someone waits on it
         # See [Note: a gradient reduced where autograd made it] in buckets.py, and
         # [Note: waiting for a reduction in backward] in reducer.py for `probe`.
-        alone = len(params) == 1 and params[0].numel() % (world if sharded else 1) == 0
-        self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
-                                 dtype=compute_dtype, pool=pool,
-                                 tail_apart=shard_grads and (alone or reshards))
+        self.bucket = None
+        if params:
+            alone = len(params) == 1 and params[0].numel() % (world if sharded else 1) == 0
+            self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
+                                     dtype=compute_dtype, pool=pool,
+                                     tail_apart=shard_grads and (alone or reshards))
         self.probe = None  # the tail's own collective, while the gradients' is in flight
-        n = self.bucket.padded_numel
+        n = self.bucket.padded_numel if self.bucket is not None else 0
         shard = n // world if sharded else n
         self.lo, self.hi = (rank * shard, (rank + 1) * shard) if sharded else (0, n)
-        self.master_dtype = params[0].dtype
+        # the frozen segment follows the trainable one, padded and sharded apart
+        frozen_numel = -(-sum(p.numel() for p in self.frozen) // world) * world
+        self.frozen_at = n
+        self.flo = n + rank * frozen_numel // world
+        self.fhi = self.flo + frozen_numel // world
+        self.numel = n + frozen_numel  # of the full flat buffer
+        self.offsets = list(self.bucket.offsets if self.bucket is not None else [])
+        for p in self.frozen:
+            self.offsets.append(n)
+            n += p.numel()
+        if self.frozen and not (reshards and sharded):
+            raise ValueError("frozen parameters are held in units under zero3 only")
+        self.master_dtype = self.members[0].dtype
         self.compute_dtype = compute_dtype
         self.grad_shard: torch.Tensor | None = None  # grads SHARD: the reduced owned slice
         self.reduced: torch.Tensor | None = None     # the owned reduced gradient, compute dtype
@@ -95,7 +127,9 @@ class FlatUnit:
         self.tail: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
-        self.pieces: list[Piece] = []
+        self.frozen_shard: torch.Tensor | None = None  # the owned slice of the frozen segment
+        self.pieces: list[Piece] = []         # of the masters: what the optimizer steps
+        self.frozen_pieces: list[Piece] = []  # of the frozen shard (param_index into members)
         self._received: torch.Tensor | None = None  # reduce-scatter's output, until finished
         self._sent_compressed = False
         if adopt:
@@ -108,39 +142,60 @@ class FlatUnit:
     def master_is_view(self) -> bool:
         return self.compute_dtype == self.master_dtype and not self.reshards
 
+    def owned(self, i: int) -> tuple[int, int, torch.Tensor]:
+        """Member i's segment as (lo, hi, held): the owned range of the flat buffer, and the
+        tensor that holds it between uses (the master, or the frozen shard)."""
+        if i < len(self.params):
+            return self.lo, self.hi, self.master
+        return self.flo, self.fhi, self.frozen_shard
+
+    def held(self) -> list[torch.Tensor]:
+        """What this rank holds of the unit between uses: the master of the trainable segment,
+        the shard of the frozen one (those that exist, in that order)."""
+        return ([self.master] if self.params else []) + ([self.frozen_shard] if self.frozen else [])
+
     @torch.no_grad()
     def _lay_out_flat(self) -> None:
-        n, device = self.bucket.padded_numel, self.params[0].device
+        n, device = self.numel, self.members[0].device
         if self.reshards:
-            # zero3: only the owned slice is read and kept; the full buffer is never written
+            # zero3: only the owned slices are read and kept; the full buffer is never written
             # here (its pages are not touched) and is freed below, so building the engine takes
-            # the masters and nothing more, however large the unit.
+            # the shards and nothing more, however large the unit.
             self.flat = torch.empty(n, dtype=self.compute_dtype, device=device)
             self.master = torch.zeros(self.hi - self.lo, dtype=self.master_dtype, device=device)
-            for p, offset in zip(self.params, self.bucket.offsets):
-                a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
-                if a < b and _has_room(p):  # a meta build's values come later (model/materialize.py)
-                    self.master[a - self.lo:b - self.lo].copy_(
-                        p.detach().reshape(-1)[a - offset:b - offset])
+            if self.frozen:
+                self.frozen_shard = torch.zeros(self.fhi - self.flo, dtype=self.compute_dtype,
+                                                device=device)
+            for i, (p, offset) in enumerate(zip(self.members, self.offsets)):
+                lo, hi, held = self.owned(i)
+                a, b = max(offset, lo), min(offset + p.numel(), hi)
+                if a < b and _has_room(p):  # a meta build's come later (model/materialize.py)
+                    held[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
         else:
             full = torch.zeros(n, dtype=self.master_dtype, device=device)
-            for p, offset in zip(self.params, self.bucket.offsets):
+            for p, offset in zip(self.params, self.offsets):
                 full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
             # The master starts from the user's full-precision values, not a low-precision copy.
             self.flat = full if self.master_is_view else full.to(self.compute_dtype)
             self.master = self.flat[self.lo:self.hi] if self.master_is_view \
                 else full[self.lo:self.hi].clone()
             del full
-        for p, offset in zip(self.params, self.bucket.offsets):
+        for p, offset in zip(self.members, self.offsets):
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
-        for i, (p, offset) in enumerate(zip(self.params, self.bucket.offsets)):
-            a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
+        for i, (p, offset) in enumerate(zip(self.members, self.offsets)):
+            lo, hi, held = self.owned(i)
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
             if a >= b:
                 continue
-            view = self.master[a - self.lo:b - self.lo]
+            view = held[a - lo:b - lo]
             whole = (a, b) == (offset, offset + p.numel())
-            master = torch.nn.Parameter(view.view_as(p) if whole else view)
-            self.pieces.append(Piece(i, a - offset, b - offset, master, a - self.lo, b - self.lo))
+            if i < len(self.params):
+                master = torch.nn.Parameter(view.view_as(p) if whole else view)
+                self.pieces.append(Piece(i, a - offset, b - offset, master, a - lo, b - lo))
+            else:  # no gradient, no optimizer: a plain view
+                self.frozen_pieces.append(Piece(i, a - offset, b - offset,
+                                                view.view_as(p) if whole else view,
+                                                a - lo, b - lo))
         self.reshard()  # zero3: the full buffer's storage exists only while gathered
 
     # -- the cache and the truth ---------------------------------------------------------------
@@ -159,8 +214,7 @@ class FlatUnit:
     @property
     def full_bytes(self) -> int:
         """What the full buffer takes while gathered."""
-        return self.bucket.padded_numel * self.flat.element_size() if self.flat is not None \
-            else 0
+        return self.numel * self.flat.element_size() if self.flat is not None else 0
 
     def wait_gathered(self) -> None:
         """Wait for a prefetched all-gather, if one is on the wire."""
@@ -194,18 +248,33 @@ class FlatUnit:
 
     @torch.no_grad()
     def unshard(self, comm, async_op: bool = True):
-        """Refresh the full compute-dtype buffer from the masters of every rank."""
+        """Refresh the full compute-dtype buffer from the shards of every rank: the masters
+        (cast), and under zero3 the frozen shards, each segment its own all-gather."""
         if self.flat is None:
             return None
         if not self.gathered:  # zero3: give the storage back its size, then fill it
             self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
             self.gathered = True
-        if not self.master_is_view:
+        if self.params and not self.master_is_view:
             self.flat[self.lo:self.hi].copy_(self.master)
         if not self.sharded:
             return None
-        return comm.all_gather_into(self.flat, self.flat[self.lo:self.hi], async_op=async_op,
-                                    tag=f"unit[{self.index}]:unshard")
+        handles = []
+        if self.params:
+            handles.append(comm.all_gather_into(
+                self.flat[:self.frozen_at], self.flat[self.lo:self.hi], async_op=async_op,
+                tag=f"unit[{self.index}]:unshard"))
+        if self.frozen:
+            self.flat[self.flo:self.fhi].copy_(self.frozen_shard)
+            handles.append(comm.all_gather_into(
+                self.flat[self.frozen_at:], self.flat[self.flo:self.fhi], async_op=async_op,
+                tag=f"unit[{self.index}]:unshard frozen"))
+        if not async_op:
+            return None
+        if len(handles) == 1:
+            return handles[0]
+        return Handle([w for h in handles for w in h.works],
+                      records=[r for h in handles for r in h.records])
 
     @torch.no_grad()
     def fill(self, values: torch.Tensor) -> None:
@@ -218,113 +287,12 @@ class FlatUnit:
 
     @torch.no_grad()
     def load_master(self, values: list[torch.Tensor | None]) -> None:
-        """Set the owned master from full-precision values of every parameter (None: keep)."""
-        for piece in self.pieces:
+        """Set the owned master (and frozen shard) from full-precision values of every member
+        (None: keep)."""
+        for piece in self.pieces + self.frozen_pieces:
             v = values[piece.param_index]
             if v is not None:
                 piece.master.view(-1).copy_(v.reshape(-1)[piece.start:piece.end])
-
-    # -- gradients ----------------------------------------------------------------------------
-    def reduce_grad(self, comm, comm_dtype: torch.dtype | None, shard: bool):
-        """Start averaging the unit's bucket over the ranks (asynchronously): all of it, in
-        place, where gradients stay full; to the owned shard where they are sharded (by
-        reduce-scatter or by all-reduce, as the Comm prefers). The used-flags ride along, or
-        go in a collective of their own beside the gradients' (a bucket whose tail is apart,
-        or a reduce-scatter). A reduce-scatter writes straight into the owned gradient when
-        nothing is accumulated there yet."""
-        bucket = self.bucket
-        buf = bucket.buffer
-        self._sent_compressed = comm_dtype is not None and comm_dtype != buf.dtype
-        if self._sent_compressed:
-            buf = bucket.copy_for_comm(comm_dtype)
-        tag = f"unit[{self.index}]:grads"
-        self._received = None
-        n = bucket.padded_numel
-        if not (shard and (comm.uses_reduce_scatter or bucket.tail_apart)):
-            return comm.all_reduce(buf, async_op=True, tag=tag)
-        if comm.uses_reduce_scatter:
-            if self.grad_shard is None:
-                self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
-                                              device=buf.device)
-            into = self.reduced is None and buf.dtype == self.grad_shard.dtype
-            self._received = self.grad_shard if into else \
-                torch.empty(self.hi - self.lo, dtype=buf.dtype, device=buf.device)
-            grads = comm.reduce_shard(buf[:n], self._received, tag=tag)
-        else:
-            grads = comm.all_reduce(buf[:n], async_op=True, tag=tag)
-        tail = bucket.tail() if bucket.tail_apart else buf[n:]
-        flags = comm.all_reduce(tail, async_op=True, tag=tag + ":flags")
-        self.probe = flags if bucket.tail_apart else None
-        return Handle(grads.works + flags.works, records=grads.records + flags.records)
-
-    def finish_grad(self, shard: bool) -> None:
-        """Turn the reduced bucket into what the step reads, once its collective is done, on
-        the device alone: which parameters got a gradient is read by the host later, with
-        every unit's, in `settle` (see host.py).
-
-        See [Note: gradients that never arrived] in reducer.py: under full gradients a parameter
-        still holding an accumulated `.grad` counts as used by itself (its slot is kept, its
-        flag set); sharded gradients leave `.grad` None, so the flags of earlier backwards since
-        zero_grad() are remembered in `settle`.
-        """
-        bucket = self.bucket
-        reduced = bucket.comm_buffer if self._sent_compressed \
-            else bucket.buffer
-        if shard:
-            tail = bucket.tail() if bucket.tail_apart else reduced[bucket.padded_numel:]
-            self.tail = tail.clone()  # the bucket's buffer is about to go
-            owned = self._received if self._received is not None \
-                else reduced[self.lo:self.hi]
-            self._received = self.probe = None
-            if self.grad_shard is None:
-                self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
-                                              device=owned.device)
-            # A second backward before zero_grad() accumulates, as in one process.
-            if owned is self.grad_shard:
-                pass  # reduce-scattered into it
-            elif self.reduced is None:
-                self.grad_shard.copy_(owned)
-            else:
-                self.grad_shard.add_(owned)
-            self.reduced = self.grad_shard
-            for p in self.params:
-                p.grad = None
-            bucket.free()
-            return
-        if reduced is not bucket.buffer:
-            bucket.buffer.copy_(reduced)  # the mean, into every element: `.grad` is the mean
-        # The bucket is kept and the parameters keep their views into it, so a second backward
-        # accumulates into it in place (the mean of a sum already equal on every rank plus the
-        # new gradients is that sum plus their mean).
-        self.tail = bucket.tail()
-        self.reduced = bucket.grads()[self.lo:self.hi]
-
-    def settle(self, tail: list[float], shard: bool) -> None:
-        """The host's part of finishing, given this unit's reduced flags and signal as read."""
-        used, self.nonfinite = [f > 0 for f in tail[:-1]], tail[-1] > 0
-        self.failed = tail[-1] >= FAILED_AT
-        self.tail = None
-        if shard:
-            if self.used is not None:
-                used = [a or b for a, b in zip(self.used, used)]
-            self.used = used
-            return
-        self.used = used
-        for i, p in enumerate(self.params):
-            p.grad = self.bucket.view(i) if used[i] else None
-
-    def set_piece_grads(self, grad: torch.Tensor | None) -> None:
-        """Point every piece's `.grad` at its slice of `grad` (the owned reduced gradient in the
-        master dtype), None for parameters that got no gradient on any rank."""
-        for piece in self.pieces:
-            if grad is None or not self.used[piece.param_index]:
-                piece.master.grad = None
-            else:
-                piece.master.grad = grad[piece.lo:piece.hi].view_as(piece.master)
-
-    def clear_reduced(self) -> None:
-        self.reduced = None
-        self.used = None
 
 
 def _has_room(p: torch.Tensor) -> bool:

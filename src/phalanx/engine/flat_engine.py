@@ -76,30 +76,41 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
             raise ValueError(
                 f"strategy {policy.name!r} with precision {precision.name!r} needs the optimizer: "
                 "px.prepare(model, optimizer, ...)")
-        itemsize = torch.empty((), dtype=compute or self.params[0].dtype).element_size() \
-            if self.params else 4
+        # zero3 shards frozen parameters too, in the units of the modules that hold them
+        # (see [Note: frozen parameters in a unit] in flat.py)
+        members = [p for p in module.parameters()
+                   if p.requires_grad or (self.reshards and p.is_floating_point())]
+        itemsize = torch.empty((), dtype=compute or members[0].dtype).element_size() \
+            if members else 4
         # In a world of one with nothing to adopt there is nothing to do: the module is trained
         # exactly as without phalanx, with no hooks at all.
         # (PowerSGD changes what a step applies, so a world of one runs it too: powersgd.py)
         plain = self.world == 1 and not self.adopt and compression is None
-        runs = module_units(module, self.params, itemsize, bucket_mb, block_classes) \
-            if self.params and not plain else []
+        runs = module_units(module, members, itemsize, bucket_mb, block_classes, compute) \
+            if members and not plain else []
+        # Units with gradients first (a bucket's index is its unit's), then frozen ones only.
+        split = [([p for p in run if p.requires_grad], [p for p in run if not p.requires_grad])
+                 for run in runs]
+        split = [s for s in split if s[0]] + [s for s in split if not s[0]]
         # ZeRO-2 and zero3 lend their short-lived bucket buffers from a pool of two: one
         # reduced but unfinished (max_in_flight below) and one filling. A unit of one
         # parameter needing no padding borrows none: its gradient is reduced in the tensor
         # autograd made (see [Note: a gradient reduced where autograd made it] in buckets.py).
         self.pool = None
-        pooled = [run for run in runs if borrows([p.numel() for p in run], self.world)]
+        pooled = [run for run, _ in split if run and borrows([p.numel() for p in run],
+                                                             self.world)]
         if self.shard_grads and pooled:
             largest = max(sum(p.numel() for p in run) + self.world for run in pooled)
             largest += max(len(run) for run in pooled)  # the flags (the signal: in the pad)
-            self.pool = BufferPool(largest, compute or runs[0][0].dtype, runs[0][0].device,
+            self.pool = BufferPool(largest, compute or pooled[0][0].dtype, pooled[0][0].device,
                                    keep=2)
-        self.units = [FlatUnit(i, run, world=self.world, rank=self.rank, sharded=self.sharded,
-                               compute_dtype=compute or run[0].dtype, adopt=self.adopt,
-                               pool=self.pool, reshards=self.reshards,
-                               shard_grads=self.shard_grads)
-                      for i, run in enumerate(runs)]
+        every = [FlatUnit(i, trained, world=self.world, rank=self.rank, sharded=self.sharded,
+                          compute_dtype=compute or (trained + frozen)[0].dtype,
+                          adopt=self.adopt, pool=self.pool, reshards=self.reshards,
+                          shard_grads=self.shard_grads, frozen=frozen)
+                 for i, (trained, frozen) in enumerate(split)]
+        self.units = [u for u in every if u.params]       # with gradients: the reducer's
+        self.frozen_units = [u for u in every if not u.params]  # zero3: frozen ones only
         self.delayed = DelayedGrads(self) if staleness else None  # [Note: staleness=1]
         self.compression = PowerSGDReducer(compression, self.units, self.params) \
             if compression is not None and self.units else None
@@ -107,9 +118,9 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         # See [Note: waiting for a reduction in backward] in reducer.py: zero3 where a wait
         # blocks the host (gloo; NCCL's holds the stream, and the host goes on gathering)
         self._host_waits = self.reshards and bool(self.units) and not comm.polls
-        if self.reshards and self.units:
+        if self.reshards and self.all_units:
             # Gathers on a group of their own: see [Note: two sequences of collectives]
-            self.gatherer = UnitGatherer(module, self.units, comm.apart("zero3:gathers"),
+            self.gatherer = UnitGatherer(module, self.all_units, comm.apart("zero3:gathers"),
                                          block_classes=block_classes,
                                          **(gather_options or {}))
         self.nonfinite = None  # a NonFiniteWatch (faults/nonfinite.py), set by px.prepare
@@ -142,6 +153,11 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         self._overflow: bool | None = None    # fp16: read at the end of the last backward
         # See [Note: fp32 gradients a few units at a time] in units.py
         self.step_chunk_bytes = step_run_bytes(bucket_mb)
+
+    @property
+    def all_units(self) -> list[FlatUnit]:
+        """Every unit, by index: those with gradients, then zero3's of frozen parameters."""
+        return self.units + self.frozen_units
 
     # -- the Engine protocol ------------------------------------------------------------------
     def watch_steps(self, optimizer, fn) -> None:

@@ -35,8 +35,9 @@ class AcrossGenerations:
     def release(self) -> None:
         """Stop being the engine of its model, for a rebuilt one (model/relayout.py): the
         optimizer given back, the gathers' hooks taken off, the reducer's hooks disarmed, this
-        engine no longer served to peers, and every trainable parameter standalone again in
-        its own dtype (its values are loaded next)."""
+        engine no longer served to peers, and every parameter it holds standalone again (a
+        trainable one in its own dtype, a frozen one of zero3's in the dtype it was cast to);
+        their values are loaded next."""
         if self.optim is not None:
             self.optim.release()
         if self.gatherer is not None:
@@ -45,9 +46,10 @@ class AcrossGenerations:
         if self.remote is not None:
             self.remote.retire(self.remote_id)
         with torch.no_grad():
-            for unit in self.units:
-                for p in unit.params:
-                    p.data = torch.zeros(p.shape, dtype=unit.master_dtype, device=p.device)
+            for unit in self.all_units:  # zero3's frozen parameters too, in their cast dtype
+                for p in unit.members:
+                    dtype = unit.master_dtype if p.requires_grad else unit.compute_dtype
+                    p.data = torch.zeros(p.shape, dtype=dtype, device=p.device)
                     p.grad = None
 
     def elastic_state(self) -> dict:

@@ -45,6 +45,19 @@ class EngineState:
             out.setdefault(id(p), [] if self.sharded else [Piece.whole(p)])
         return out
 
+    def held_pieces(self) -> dict[int, list[Piece]]:
+        """`master_pieces()`, and under zero3 also the pieces of every frozen parameter's
+        shard this rank holds (in the compute dtype: [Note: frozen parameters in a unit] in
+        flat.py): every parameter held in pieces, for what reads or writes them all (a
+        checkpoint, a meta build's values, pretrained weights)."""
+        out = self.master_pieces()
+        for unit in self.all_units:
+            for p in unit.frozen:  # none of its elements may be this rank's
+                out.setdefault(id(p), [])
+            for piece in unit.frozen_pieces:
+                out[id(unit.members[piece.param_index])].append(piece)
+        return out
+
     @torch.no_grad()
     def publish_masters(self) -> None:
         """Refresh the parameters from masters written in place (through `master_pieces`):
@@ -57,12 +70,13 @@ class EngineState:
 
     @torch.no_grad()
     def load_masters(self, values: dict[int, torch.Tensor]) -> None:
-        """Set the masters from full-precision values, keyed by id(param); then refresh the
-        parameters from them (no collective: every rank was given the same values)."""
-        for unit in self.units:
-            unit.load_master([values.get(id(p)) for p in unit.params])
+        """Set the masters (and zero3's frozen shards) from full-precision values, keyed by
+        id(param); then refresh the parameters from them (no collective: every rank was given
+        the same values)."""
+        for unit in self.all_units:
+            unit.load_master([values.get(id(p)) for p in unit.members])
             if unit.flat is not None and not unit.master_is_view and not unit.reshards:
-                for p, offset in zip(unit.params, unit.bucket.offsets):
+                for p, offset in zip(unit.params, unit.offsets):
                     v = values.get(id(p))
                     if v is not None:
                         unit.flat[offset:offset + p.numel()].copy_(v.reshape(-1))
@@ -73,7 +87,7 @@ class EngineState:
         load through the user's module can write them; returns the units opened, for
         `close_params`. No collective: the loaded values are every rank's alike, and
         `load_masters` takes each rank's slices of them. Nothing under the other strategies."""
-        return [unit for unit in self.units if unit.allocate()]
+        return [unit for unit in self.all_units if unit.allocate()]
 
     def close_params(self, opened: list[FlatUnit]) -> None:
         """Free again what `open_params` gave storage (the next forward gathers the masters)."""
@@ -86,9 +100,9 @@ class EngineState:
         this rank's slice of unit `arg`'s masters; "optimizer", this rank's optimizer state
         (the adapter's per-piece parts: their skeleton in the header, their tensors joined)."""
         if kind == "master":
-            unit = self.units[arg]
+            unit = self.all_units[arg]
             unit.sync_master_from_cache()
-            return {}, [unit.master.detach().to("cpu", copy=True)]
+            return {}, [t.detach().to("cpu", copy=True) for t in unit.held()]
         if kind == "optimizer":
             skeleton, tensors = _pack(self.optim._local_parts())
             return {"skeleton": skeleton}, tensors
@@ -96,33 +110,39 @@ class EngineState:
 
     @torch.no_grad()
     def fetch_unit(self, unit: FlatUnit, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Unit `unit`'s whole flat master buffer (padded), on the CPU, in `dtype` (default the
-        master dtype): this rank's slice from its master, the others' read from the peers
-        without their taking part (see [Note: reading a peer's shards] in remote.py)."""
-        out = torch.empty(unit.bucket.padded_numel, dtype=dtype or unit.master_dtype)
-        shard = unit.hi - unit.lo
+        """Unit `unit`'s whole flat buffer of masters (padded; under zero3 its frozen segment
+        too), on the CPU, in `dtype` (default the master dtype): this rank's slices from its
+        own, the others' read from the peers without their taking part (see [Note: reading a
+        peer's shards] in remote.py)."""
+        out = torch.empty(unit.numel, dtype=dtype or unit.master_dtype)
+        segments = [(0, unit.hi - unit.lo)] if unit.params else []
+        if unit.frozen:
+            segments.append((unit.frozen_at, unit.fhi - unit.flo))
         with self.lock:
             unit.sync_master_from_cache()
-            out[unit.lo:unit.hi].copy_(unit.master)
+            for (at, shard), held in zip(segments, unit.held()):
+                out[at + self.rank * shard:at + (self.rank + 1) * shard].copy_(held)
         peers = [peer for peer in range(self.world) if peer != self.rank]
         answers = self.remote.ask(peers, self.remote_id, "master", unit.index, self.version,
                                   f"its shard of unit {unit.index}")
-        for peer, (_, (values,)) in zip(peers, answers):
-            out[peer * shard:(peer + 1) * shard].copy_(values)
+        for peer, (_, held) in zip(peers, answers):
+            for (at, shard), values in zip(segments, held):
+                out[at + peer * shard:at + (peer + 1) * shard].copy_(values)
         return out
 
     @torch.no_grad()
     def full_master_values(self) -> dict[int, torch.Tensor]:
         """id(param) -> its whole master (the truth: fp32 under bf16), for every trainable
-        parameter: this rank's own where it holds all of it, else read one unit at a time from
-        the peers onto the CPU (no collective: one rank may call it alone)."""
+        parameter, and under zero3 every frozen one's whole value: this rank's own where it
+        holds all of it, else read one unit at a time from the peers onto the CPU (no
+        collective: one rank may call it alone)."""
         local = self.master_values()
         if local is not None:
             return {k: v.detach().clone() for k, v in local.items()}
         out = {}
-        for unit in self.units:
+        for unit in self.all_units:
             flat = self.fetch_unit(unit)
-            for p, offset in zip(unit.params, unit.bucket.offsets):
+            for p, offset in zip(unit.members, unit.offsets):
                 out[id(p)] = flat[offset:offset + p.numel()].view(p.shape).clone()
         return out
 

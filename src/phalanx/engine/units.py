@@ -118,15 +118,22 @@ def plan_units(entries, first_cap: int, cap: int) -> list[list[int]]:
 
 
 def module_units(module: nn.Module, params: list[torch.Tensor], itemsize: int,
-                 bucket_mb: float, block_classes=None) -> list[list[torch.Tensor]]:
-    """The units of `params` (trainable parameters of `module`, in registration order), for a
-    compute dtype of `itemsize` bytes."""
+                 bucket_mb: float, block_classes=None,
+                 compute: torch.dtype | None = None) -> list[list[torch.Tensor]]:
+    """The units of `params` (parameters of `module`, in registration order: the trainable
+    ones, and under zero3 the frozen ones too), for a compute dtype of `itemsize` bytes. A unit
+    holds one flat dtype (`compute`, else the parameters' own) and, among its trainable
+    parameters, one master dtype; a frozen parameter, which has no master, joins the trainable
+    ones of the model's master dtype."""
     block_of = {}
     for b, block in enumerate(find_blocks(module, block_classes)):
         for p in block.parameters():
             block_of.setdefault(p, b)
+    master = next((p.dtype for p in params if p.requires_grad), None)
     ordered = list(reversed(params))
-    entries = [(p.numel(), block_of.get(p), (p.dtype, p.device)) for p in ordered]
+    entries = [(p.numel(), block_of.get(p),
+                (compute or p.dtype, p.device, p.dtype if p.requires_grad else master))
+               for p in ordered]
     first, cap = unit_caps(bucket_mb, itemsize)
     return [[ordered[i] for i in unit] for unit in plan_units(entries, first, cap)]
 

@@ -26,13 +26,17 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
   besides what is prefetched;
 - when a unit's gradients are all there, the reducer sends them out (reduced to the owned
   shard, as zero2 does, from the tensor autograd made where the unit is one parameter) and
-  the unit is freed at once (see [Note: prefetch] for what is waited for when); at the end
+  the unit is freed at once (see [Note: prefetch] in zero3_prefetch.py for what is waited for when; a unit holding
+  frozen parameters also waits for its root's backward to be over: [Note: freeing a unit in
+  backward] in zero3_release.py); at the end
   of the outermost backward (queued from the prepared model's output gate, so a reentrant
   checkpoint's nested backward does not end it) every unit still gathered is freed (one that
   got no gradient on this rank, or under `no_sync`).
 
 A module inside a root, called while that root's forward is not running, is refused with an
-error naming both (it would compute on freed storage, or on whatever happens to be gathered).
+error naming both (it would compute on freed storage, or on whatever happens to be gathered),
+unless the model's forward (or a backward) is running: see [Note: a root whose module is not
+called] in zero3_roots.py.
 
 [Note: two sequences of collectives]
 A unit's gradients are reduced when they are all there, which can differ between ranks: a
@@ -65,28 +69,7 @@ autograd: each parameter keeps its own version counter (it was given the view wi
 The optimizer steps the masters; nothing is gathered after the step: the next forward gathers
 what it needs.
 
-[Note: prefetch]
-A gather waits for the slowest rank and the wire; issued early, it can proceed while the root
-before it computes. Each forward records the order in which it reached the roots, and each
-backward the order in which its output hooks fired. When a root starts (in forward or
-backward), the roots that followed it last time, up to `prefetch` of them and within
-`max_gathered_bytes` counting everything gathered now, are gathered asynchronously (the work
-handle waits on the unit: `unit.pending`, waited for before the unit is used or freed). In
-backward they are chosen then but gathered once the root's units are freed (its gradients
-out), and before the root makes its gradients the reductions issued before it are finished
-where safe ([Note: waiting for a reduction in backward] in reducer.py): a root's gradients
-then meet only its own parameters, and the next root's gather runs beside their reduction,
-so beyond the shards a rank holds two units' worth at most (measured: 1.14x the ZeRO formula
-on 8 blocks of 64 MiB, where prefetching at the root's start and reducing during the next one
-held four; benchmarks/anchors.py). A deferred gather is issued before any other gather.
-Every rank runs the same model, so every rank issues the same all-gathers in the same order. When
-this pass departs from the last one (a block skipped), the roots no longer line up position
-by position and prefetching stops until they do again; roots are gathered on demand; what was
-gathered for nothing is freed at the end of the forward (or of backward), so a changing order
-costs time, never correctness or memory beyond the bound. The first step has no order yet and
-prefetches nothing. A parameter used outside the forward of every module that registers it
-(read through an attribute by an unrelated module) is not gathered there: register it in the
-module that uses it, as with PyTorch's FSDP.
+[Note: prefetch] is in zero3_prefetch.py: what is gathered ahead, and when.
 """
 
 from __future__ import annotations
@@ -97,8 +80,10 @@ from torch.autograd import Variable
 
 from .._tree import map_tensors
 from .units import unit_roots
+from .zero3_prefetch import Prefetching
+from .zero3_release import BackwardRelease
 from .zero3_replay import GatherLog
-from .zero3_roots import compare_roots, raise_if_differed
+from .zero3_roots import compare_roots, guard_modules, raise_if_differed
 
 __all__ = ["UnitGatherer"]
 
@@ -116,12 +101,13 @@ class _Root:
         self.name = name
         self.units = units
         self.is_model = name == ""
+        self.holds_frozen = any(u.frozen for u in units)
 
     def missing_bytes(self) -> int:
         return sum(u.full_bytes for u in self.units if not u.gathered)
 
 
-class UnitGatherer:
+class UnitGatherer(Prefetching):
     """The hooks of [Note: zero3's gather and free] and [Note: prefetch] for one model.
 
     prefetch: how many roots ahead to gather while the current one computes (0: none).
@@ -141,33 +127,25 @@ class UnitGatherer:
         self.reshard_after_forward = reshard_after_forward
         modules = dict(module.named_modules(remove_duplicate=False))
         by_root: dict[str, list] = {}
-        runs = [u.params for u in self.units]
+        runs = [u.members for u in self.units]  # frozen parameters too (flat.py)
         for unit, root in zip(self.units, unit_roots(module, runs, block_classes)):
             by_root.setdefault(root, []).append(unit)
         self.roots = [_Root(i, name, units_here)
                       for i, (name, units_here) in enumerate(by_root.items())]
-        root_of = {}
         hooks = self._hooks = []  # removed by `release` (elastic/: a rebuilt engine)
         for root in self.roots:
             hooks.append(modules[root.name].register_forward_pre_hook(self._before(root)))
-            hooks.append(modules[root.name].register_forward_hook(self._after(root)))
-            root_of.update({id(u): root.name for u in root.units})
+            hooks.append(modules[root.name].register_forward_hook(self._after(root),
+                                                                  with_kwargs=True))
         hooks.append(module.register_forward_hook(self._forward_done))  # after the roots' own
         # Whether the model's (outermost) forward records a graph: a reentrant activation
         # checkpoint runs its blocks under no_grad inside a training forward, and those gather
         # collectively like the rest of it (see [Note: a forward without gradients]).
         self._grad_forward = True
         hooks.append(module.register_forward_pre_hook(self._model_forward_starts, prepend=True))
-        # A module inside a root, called on its own, would compute on freed storage: it gets
-        # an error that says so instead (a check of a flag per call).
-        unit_of = {id(p): u for u in self.units for p in u.params}
-        index_of = {r.name: r.index for r in self.roots}
-        for name, sub in modules.items():
-            mine = {id(unit_of[id(p)]) for p in sub._parameters.values()
-                    if p is not None and id(p) in unit_of}
-            if any(root_of[k] != name for k in mine):
-                hooks.append(sub.register_forward_pre_hook(self._guard(
-                    name, sorted({index_of[root_of[k]] for k in mine}))))
+        hooks += guard_modules(self, modules)  # a module called outside its root's forward
+        self.in_forward = False  # the model's (outermost) forward is running
+        self._late: set[int] = set()  # roots entered at a use of their parameters (zero3_roots)
         self._active: set[int] = set()        # roots whose forward is running
         self._recomputed: list[int] = []      # roots kept after a recomputation in backward
         self._callback_queued = False  # the end-of-backward free is queued
@@ -186,6 +164,8 @@ class UnitGatherer:
         # without gradients gathers, with no collective, so that one rank may run it alone
         self.fetch = None
         self.log = GatherLog()  # this pass's collectives, the last pass's (zero3_replay.py)
+        self.freeing = BackwardRelease(self._root_backward_done)  # zero3_release.py
+        self._root_of = {id(u): r for r in self.roots for u in r.units}
 
     def release(self) -> None:
         """Take this gatherer's hooks off the model (its engine is being replaced)."""
@@ -234,6 +214,7 @@ class UnitGatherer:
         self._backward_seen = []
         self._active.clear()  # a forward that raised
         self._recomputed = []
+        self.freeing.forward_starts()
         self.free_all()
 
     def backward_started(self) -> None:
@@ -245,8 +226,25 @@ class UnitGatherer:
 
     def _model_forward_starts(self, _module, _args):
         self._grad_forward = torch.is_grad_enabled()
+        self.in_forward = True
+
+    def enter_late(self, root: _Root) -> bool:
+        """See [Note: a root whose module is not called] in zero3_roots.py: gather `root` at
+        a use of its parameters, where the model's forward (or a backward) runs; False where
+        neither does."""
+        if not (self.in_forward or _in_backward()):
+            return False
+        self._late.add(root.index)
+        self._before(root)(None, ())
+        return True
 
     def _forward_done(self, _module, _args, _output):
+        self.in_forward = False
+        for index in self._late:  # kept for backward as the model's own, else freed now
+            self._active.discard(index)
+            for unit in self.roots[index].units if not torch.is_grad_enabled() else ():
+                unit.reshard()
+        self._late.clear()
         if self.comm.world > 1 and torch.is_grad_enabled():
             compare_roots(self)
         for index in self._prefetched:  # the forward took another path than the last one
@@ -263,64 +261,21 @@ class UnitGatherer:
     def raise_if_differed(self, checks: list, same: list) -> None:
         raise_if_differed(self, checks, same)
 
-    def _prefetch(self, order: list[int], seen: list[int], defer: bool = False) -> None:
-        """See [Note: prefetch]: gather the roots that followed this one in `order` (with
-        `defer`, once this root's units are freed: `reduced`)."""
-        pos = len(seen) - 1
-        if not self.prefetch or pos >= len(order) or order[pos] != seen[-1]:
-            return  # no order yet, or this pass went another way: gather on demand
-        gathered, chosen = self.gathered_bytes(), []
-        for index in order[pos + 1:pos + 1 + self.prefetch]:
-            need = self.roots[index].missing_bytes()
-            if not need:
-                continue
-            if self.limit is not None and gathered + need > self.limit:
-                break
-            chosen.append(index)
-            gathered += need
-        if defer:
-            self._deferred = (seen[-1], chosen) if chosen else None
-        else:
-            self._issue(chosen)
-
-    def _issue(self, indices: list[int]) -> None:
-        for index in indices:
-            for unit in self.roots[index].units:
-                if not unit.gathered:
-                    unit.pending = self._unshard(unit)
-            self._prefetched.add(index)
-            self.prefetched += 1
-        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
-
-    def flush(self) -> None:
-        """Issue the deferred prefetch now (before any other gather, and at the end)."""
-        if self._deferred is not None:
-            chosen, self._deferred = self._deferred[1], None
-            self._issue(chosen)
-
     def reduced(self, unit) -> None:
-        """From the engine: every gradient of `unit` is out, its values no longer needed. The
-        deferred prefetch goes once its root holds nothing gathered: in backward the next root
-        is gathered while this one's gradients are reduced, not while they are made, so a
-        root's gradients meet only its own parameters (see [Note: prefetch])."""
-        unit.reshard()
-        if self._deferred is not None and not any(
-                u.gathered for u in self.roots[self._deferred[0]].units):
-            self.flush()
+        """From the engine: every gradient of `unit` is out, it may be freed (see [Note:
+        freeing a unit in backward]). The deferred prefetch goes once its root holds nothing
+        gathered but frozen parameters: in backward the next root is gathered while this one's
+        gradients are reduced, not while they are made (see [Note: prefetch])."""
+        self.freeing.gradients_out(unit)
+        if self.freeing.may_free(unit, self._root_of[id(unit)]):
+            unit.reshard()
+        self._flush_when_released()
 
-    def _guard(self, name: str, roots: list[int]):
-        def hook(_module, _args):
-            for index in roots:
-                if index not in self._active:
-                    root = self.roots[index].name or "the model"
-                    raise RuntimeError(
-                        f"zero3: module {name!r} was called on its own, but its parameters "
-                        f"are gathered only during the forward of {root!r} (between uses each "
-                        "rank keeps 1/N of them); call the prepared model instead, or prepare "
-                        "with strategy='zero2', which keeps whole parameters")
-                for unit in self.roots[index].units:
-                    unit.wait_gathered()
-        return hook
+    def _root_backward_done(self, root) -> None:
+        for unit in root.units:
+            if self.freeing.may_free(unit, root):
+                unit.reshard()
+        self._flush_when_released()
 
     def _before(self, root: _Root):
         def hook(_module, _args):
@@ -346,7 +301,7 @@ class UnitGatherer:
         return hook
 
     def _after(self, root: _Root):
-        def hook(_module, _args, output):
+        def hook(_module, args, kwargs, output):
             self._active.discard(root.index)
             grad = torch.is_grad_enabled()
             recomputed = grad and _in_backward()
@@ -362,6 +317,8 @@ class UnitGatherer:
                     unit.reshard()
             if grad:
                 map_tensors(lambda t: self._watch_output(t, root), output)
+                if not recomputed:
+                    self.freeing.watch(root, args, kwargs)
             return None
         return hook
 
@@ -374,11 +331,12 @@ class UnitGatherer:
 
     def _watch_output(self, t, root):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(self._before_backward(root))
+            t.register_hook(self._before_backward(root, self.freeing.output(t)))
         return t
 
-    def _before_backward(self, root: _Root):
+    def _before_backward(self, root: _Root, key: int):
         def hook(grad):
+            self.freeing.gradient_of(key)  # the roots whose input it is are done with it
             self._prefetched.discard(root.index)
             self.gather(root.units)
             self.backward_started()  # in case backward began elsewhere than at the gate
@@ -394,6 +352,7 @@ class UnitGatherer:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._recomputed = []
+        self.freeing.reset()
         if self._backward_seen:
             self._backward_order, self._backward_seen = self._backward_seen, []
         self.free_all()

@@ -1,4 +1,5 @@
-"""zero3: every rank must gather the same roots in the same order; checked here.
+"""zero3: every rank must gather the same roots in the same order, checked here; and a module
+inside a root is used only while the root's forward runs, or the root is entered then.
 
 [Note: every rank runs the same roots]
 A gather is a collective: every rank must reach the same roots in the same order, as with
@@ -13,6 +14,17 @@ end of the backward that communicates (see [Note: one host read per step] in fla
 and if any forward since the last such backward differed, every rank raises an error naming
 where, before the optimizer step can apply anything. Forwards under `torch.no_grad()` are not
 compared.
+
+[Note: a root whose module is not called]
+A unit outside the repeated blocks is rooted at the model's child that holds it (units.py), on
+the assumption that the model calls its children. A wrapper's forward may skip one: PEFT's
+`PeftModel` (a LoRA model made without a task type) calls the model it wraps directly,
+never its child `base_model`, whose parameters (the embedding, the final norm, the head) are
+then used without their root's forward. So the first use of such a parameter while the model's
+forward runs (a module registering it is called: its guard, below) enters the root there: its
+units are gathered (a collective, at the same point on every rank: the ranks run the same
+code) and kept, as the model's own root's are, until backward has used them (or the forward
+ends, without gradients). Outside the model's forward and any backward such a call is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import torch
 
 from .zero3_replay import ROOTS
 
-__all__ = ["compare_roots", "raise_if_differed"]
+__all__ = ["compare_roots", "raise_if_differed", "guard_modules"]
 
 
 def compare_roots(gatherer) -> None:
@@ -60,3 +72,35 @@ def raise_if_differed(gatherer, checks: list, same: list) -> None:
         "(a repeated block; px.prepare(..., blocks=[its class]) makes one), or the choice "
         "the same on every rank; strategy='zero2' keeps whole parameters. (Found at the "
         "end of backward, before the optimizer step: nothing was applied.)")
+
+
+def guard_modules(gatherer, modules: dict) -> list:
+    """Hooks on every module that registers parameters of a root other than itself: called
+    while that root's forward is not running, it would compute on freed storage (or on whatever
+    happens to be gathered), so the root is entered there (see [Note: a root whose module is
+    not called]) or the call refused (a check of a flag per call). `modules`: the model's, by
+    qualified name. Returns the hooks' handles."""
+    root_of = {id(u): r for r in gatherer.roots for u in r.units}
+    unit_of = {id(p): u for u in gatherer.units for p in u.members}
+    handles = []
+    for name, sub in modules.items():
+        mine = {root_of[id(unit_of[id(p)])] for p in sub._parameters.values()
+                if p is not None and id(p) in unit_of}
+        if any(root.name != name for root in mine):
+            handles.append(sub.register_forward_pre_hook(
+                _guard(gatherer, name, sorted(mine, key=lambda r: r.index))))
+    return handles
+
+
+def _guard(gatherer, name: str, roots: list):
+    def hook(_module, _args):
+        for root in roots:
+            if root.index not in gatherer._active and not gatherer.enter_late(root):
+                raise RuntimeError(
+                    f"zero3: module {name!r} was called on its own, but its parameters are "
+                    f"gathered only during the forward of {root.name or 'the model'!r} (between "
+                    "uses each rank keeps 1/N of them); call the prepared model instead, or "
+                    "prepare with strategy='zero2', which keeps whole parameters")
+            for unit in root.units:
+                unit.wait_gathered()
+    return hook

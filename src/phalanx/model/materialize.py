@@ -27,13 +27,13 @@ MultiheadAttention draws its output projection before its input projection) need
 Under zero3 (more than one rank, no `init=`) the values are drawn after the engine is built, so
 that no rank ever holds the whole model (with `init=px.from_safetensors(...)` they are read
 after it the same way, each rank reading the slices it owns: [Note: reading only what a rank
-keeps] in model/pretrained.py): `materialize(..., values=False)` gives every trainable
-parameter a one-element storage seen through a zero stride (its shape, no room for values; the
-engine reads nothing from such a parameter and keeps masters of the owned slices only), frozen
-parameters and buffers real storage. Then `fill_shards` runs each module's `reset_parameters()`
-in order, on temporary CPU tensors in the parameters' own dtypes (what a CPU build draws into,
-whatever the precision or device), copies the owned pieces into the masters (frozen parameters
-whole) and drops the rest. What exists at once is the masters plus one module's parameters.
+keeps] in model/pretrained.py): `materialize(..., values=False)` gives every floating
+parameter, trainable or frozen, a one-element storage seen through a zero stride (its shape, no
+room for values; the engine reads nothing from such a parameter and keeps the owned slices
+only: [Note: frozen parameters in a unit] in engine/flat.py), buffers real storage. Then `fill_shards` runs each module's `reset_parameters()` in order, on
+temporary CPU tensors in the parameters' own dtypes (what a CPU build draws into, whatever the
+precision or device), copies the owned pieces into the masters and frozen shards, and drops the
+rest. What exists at once is the shards plus one module's parameters.
 
 A `reset_parameters` may initialise its children too (a block resetting its layers): the
 children's parameters are meta tensors during the first try, and if it wrote them (their version
@@ -97,7 +97,8 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
     for module in model.modules():
         for attr, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                storage = _no_room(p, device) if not values and p.requires_grad \
+                # zero3 holds every floating parameter in shards, frozen ones too
+                storage = _no_room(p, device) if not values and p.is_floating_point() \
                     else torch.empty_like(p, device=place)
                 module._parameters[attr] = nn.Parameter(storage, requires_grad=p.requires_grad)
         for attr, b in list(module._buffers.items()):
@@ -148,8 +149,8 @@ def has_room(t: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def fill_shards(model: nn.Module, pieces: dict, comm, dtypes: dict, reading=None) -> None:
-    """See [Note: only the shards are kept]. `pieces`: id(param) -> the master pieces this rank
-    holds (the engine's `master_pieces()`), for every parameter the engine manages; `dtypes`:
+    """See [Note: only the shards are kept]. `pieces`: id(param) -> the pieces this rank holds
+    (the engine's `held_pieces()`), for every parameter the engine holds in shards; `dtypes`:
     id(param) -> its dtype before any cast for the precision; `reading`: pretrained weights to
     read the pieces from instead (model/pretrained.py)."""
     if reading is not None:

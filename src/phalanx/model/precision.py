@@ -57,6 +57,7 @@ import torch
 from .. import runtime
 from ..precisions import PRECISIONS
 from .loss_scaling import DynamicLossScaler
+from .materialize import has_room
 
 __all__ = ["Precision", "COMM_DTYPES", "make_precision", "cast_model"]
 
@@ -114,14 +115,17 @@ def make_precision(name: str, comm_dtype, output_dtype=torch.float32,
 
 @torch.no_grad()
 def cast_model(module: torch.nn.Module, precision: Precision) -> None:
-    """Cast frozen parameters, and the buffers of modules holding cast parameters (see above)."""
+    """Cast frozen parameters, and the buffers of modules holding cast parameters (see above).
+    A zero3 parameter of a meta build that has no room for values yet (model/materialize.py)
+    gets the new dtype and still no room."""
     if not precision.low:
         return
     for sub in module.modules():
         own = list(sub.parameters(recurse=False))
         for p in own:
             if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(precision.compute_dtype)
+                p.data = p.data.to(precision.compute_dtype) if has_room(p) else \
+                    torch.empty((), dtype=precision.compute_dtype, device=p.device).expand(p.shape)
         if any(p.is_floating_point() for p in own):
             for name, b in sub.named_buffers(recurse=False):
                 if b is not None and b.is_floating_point():

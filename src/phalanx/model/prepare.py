@@ -236,7 +236,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     engine = attach_engine(model, optimizer, comm, recipe)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
-        fill_shards(model, engine.master_pieces(), comm, dtypes, reading)
+        fill_shards(model, engine.held_pieces(), comm, dtypes, reading)
     outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
     note_run({"strategy": strategy, "precision": precision, "world": comm.world,

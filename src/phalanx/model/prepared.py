@@ -18,9 +18,10 @@ waits for nobody, and a rank left in eval mode by mistake still meets the others
 `state_dict()` is the user's module's, without a `module.` prefix, and so is
 `px.unwrap(model).state_dict()`: the user's module answers through a state_dict hook with what
 one process would hold, in the dtypes the model had before prepare. Under bf16/fp16 the
-trainable parameters are the fp32 masters' values; under zero3 (whose parameters exist only
-while their unit computes) and wherever masters are sharded, the shards this rank does not
-hold are read from the peers one unit at a time onto the CPU, without their taking part
+trainable parameters are the fp32 masters' values; under zero3 (whose parameters, frozen ones
+included, exist only while their unit computes) and wherever masters are sharded, the shards
+this rank does not hold are read from the peers one unit at a time onto the CPU, without their
+taking part
 ([Note: reading a peer's shards] in engine/remote.py), so one rank may call it alone (nanoGPT
 saves `raw_model.state_dict()` inside `if master_process:`). Frozen parameters and cast buffers
 are widened back. With `keep_vars=True` the live tensors are returned as torch returns them.
@@ -260,8 +261,9 @@ class PreparedModule(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _before_load(self, module, state_dict, prefix: str, metadata: dict) -> None:
-        """The load pre-hook on the user's module: note the loaded values of the trainable
-        parameters, and under zero3 give the parameters storage to be written."""
+        """The load pre-hook on the user's module: note the loaded values of the parameters
+        (the engine takes those it holds: the trainable ones' masters, and under zero3 the
+        frozen ones' shards), and under zero3 give the parameters storage to be written."""
         if metadata.get("assign_to_params_buffers"):
             raise ValueError("load_state_dict(assign=True) would replace parameters that phalanx "
                              "holds in its buffers; load with assign=False (the default)")
@@ -269,7 +271,7 @@ class PreparedModule(torch.nn.Module):
         for name, p in module.named_parameters():
             value = state_dict.get(prefix + name)
             # a value of another shape is torch's to refuse, with its own message
-            if p.requires_grad and isinstance(value, torch.Tensor) and value.shape == p.shape:
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
                 values[id(p)] = value
         self._loading = (values, self._engine.open_params())
 

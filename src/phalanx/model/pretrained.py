@@ -15,12 +15,13 @@ one of them: Hugging Face writes `model.embed_tokens.weight` and leaves out the 
 is the same ValueError on every rank and no rank goes on to wait in a collective. Then:
   - `load`, before the engine is built: every tensor with storage on this rank is read whole.
     That is all of them under ddp, zero1, zero2, one process, or a model not built on meta;
-    under zero3 the frozen parameters and the buffers, which materialize.py gives storage,
-    while the trainable parameters have no room (a zero stride) and wait for:
-  - `load_pieces`, after the engine is built: each master piece this rank owns
-    (`engine.master_pieces()`: `param.view(-1)[start:end]`) is read as the rows of dim 0 that
-    cover it (`safe_open(...).get_slice(name)[first:last]`), so a rank reads its share of the
-    file plus at most two partial rows per piece, and holds the masters plus one piece's rows.
+    under zero3 the buffers, which materialize.py gives storage, while the (floating)
+    parameters have no room (a zero stride) and wait for:
+  - `load_pieces`, after the engine is built: each piece this rank owns, of a trainable
+    parameter's master or of a frozen one's shard (`engine.held_pieces()`:
+    `param.view(-1)[start:end]`), is read as the rows of dim 0 that cover it
+    (`safe_open(...).get_slice(name)[first:last]`), so a rank reads its share of the file plus
+    at most two partial rows per piece, and holds its shards plus one piece's rows.
   - safetensors gives a tensor as a view of the whole file mapped into memory, and every page
     read stays in the process's resident set until the file is closed: each tensor is read
     with the file opened for it alone, so at most one tensor's pages of the file are resident
@@ -195,8 +196,8 @@ class Reading:
 
     @torch.no_grad()
     def load_pieces(self, pieces: dict) -> None:
-        """zero3: read into each master piece this rank owns (`pieces`: the engine's
-        `master_pieces()`) the rows of dim 0 that cover it, for every parameter `load` left."""
+        """zero3: read into each piece this rank owns (`pieces`: the engine's `held_pieces()`)
+        the rows of dim 0 that cover it, for every parameter `load` left."""
         for e in self.later:
             t = self._tensor(e)
             if id(t) not in pieces:

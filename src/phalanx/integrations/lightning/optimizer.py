@@ -3,10 +3,13 @@
 [Note: Fabric's optimizer wrapper and zero_grad]
 `fabric.setup` wraps the optimizer in a class built as a subclass of the optimizer's own class,
 so `optimizer.zero_grad()` on what Fabric returns runs torch's `Optimizer.zero_grad` found on
-that class, not the `zero_grad` that `px.prepare` put on the optimizer object. Torch's sets the
-masters' `.grad` to None but leaves zero2's and zero3's reduced gradient shards, so the next
+that class, not the `zero_grad` that `px.prepare` put on the optimizer object. Torch's walks
+the param groups, which hold the model's parameters between steps ([Note: the param groups
+hold the user's parameters between steps] in engine/optim.py), whose `.grad` is None under
+zero2 and zero3: it never reaches the reduced gradient shards the engine keeps, so the next
 step adds the old gradients to the new ones (measured: a 2-rank zero2 Fabric loop ended 0.29
-away from DDPStrategy's after 6 steps). So Fabric is handed this thin optimizer instead, whose
+away from DDPStrategy's after 6 steps). Nothing the engine can see tells that call from a
+second backward meant to accumulate. So Fabric is handed this thin optimizer instead, whose
 class methods are the prepared optimizer's: zero_grad, step, state_dict, load_state_dict; every
 other attribute (param_groups, state, defaults) is the prepared optimizer's own.
 """
