@@ -79,6 +79,7 @@ def test_a_rank_with_fewer_steps_is_named_with_both_collectives():
     err = result.stderr
     assert "hang at step 4: rank 1 has not entered all_reduce #" in err, err
     assert 'in shutdown: leaving.leave("px.shutdown")' in err, err  # rank 1 waits at its end
+    assert "; rank 1 has reached its end (px.shutdown at step 4): it left early\n" in err, err
 
 
 @pytest.mark.parametrize("kind", [pytest.param("skip", marks=pytest.mark.slow), "extra"])

@@ -69,7 +69,7 @@ __all__ = ["call_at_exit", "caller_sets_exit_status", "done", "ended", "ending",
 _KEY = "phalanx/leaving"
 _POLL_MIN, _POLL_MAX = 0.002, 0.1  # seconds between two looks at the store while waiting
 _now: dict = {}
-_exit: dict = {}   # the end of the script: "end" (px.shutdown), "ending", "error"
+_script_end: dict = {}  # the end of the script: "end" (px.shutdown), "ending", "error"
 _torch: dict = {}  # "destroy" -> torch's destroy_process_group while ours is installed
 _at_exit_registered: list = []
 
@@ -93,7 +93,7 @@ def call_at_exit(end) -> None:
     """Have the end of the script call `end` (`px.shutdown`) unless it failed: every
     `px.init` with peers, under `--on-failure continue` too, where nothing else of this
     module runs (its ranks meet at px.shutdown's barrier)."""
-    _exit["end"] = end
+    _script_end["end"] = end
     if not _at_exit_registered:  # once per process (a forked child inherits it)
         atexit.register(_at_exit)
         _at_exit_registered.append(True)
@@ -120,7 +120,7 @@ def _at_exit() -> None:
     status 1: the job did not complete. A launcher's worker reads that through
     `shutdown_error()` (launch/worker.py); any other process ends here, with its streams
     flushed, without the exit handlers registered before `px.init`."""
-    end = _exit.pop("end", None)
+    end = _script_end.pop("end", None)
     if end is None:
         return
     if ending_on_failure():
@@ -130,11 +130,11 @@ def _at_exit() -> None:
     try:
         end()
     except Exception as exc:  # noqa: BLE001 - said, as nothing is left to raise it to
-        _exit["error"] = exc
+        _script_end["error"] = exc
         who = "" if rank is None else f"rank {rank}: "
         print(f"phalanx: {who}px.shutdown() at the end of the script failed: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if not _exit.get("status_by_caller"):
+        if not _script_end.get("status_by_caller"):
             sys.stdout.flush()
             os._exit(1)
 
@@ -142,19 +142,19 @@ def _at_exit() -> None:
 def shutdown_error() -> BaseException | None:
     """The error `px.shutdown()` raised at the end of the script, if it did (then the
     process's exit status is 1)."""
-    return _exit.get("error")
+    return _script_end.get("error")
 
 
 def caller_sets_exit_status() -> None:
     """The caller runs the exit handlers and sets the exit status from `shutdown_error()`
     (launch/worker.py), so a failed `px.shutdown()` at the end does not end the process."""
-    _exit["status_by_caller"] = True
+    _script_end["status_by_caller"] = True
 
 
 def ending(how_: str) -> None:
     """How the script ended ("the script called sys.exit(0)", from launch/worker.py): what
     this rank's key says at its end (`leave`), for a peer's hang report."""
-    _exit["ending"] = how_
+    _script_end["ending"] = how_
 
 
 def failing() -> None:
@@ -206,7 +206,8 @@ def leave(how_: str) -> None:
     fails = how_ == "failed" or ending_on_failure()
     store, prefix, world = _now["store"], _now["prefix"], _now["world"]
     try:
-        store.set(f"{prefix}/{_now['rank']}", "failed" if fails else _exit.get("ending", how_))
+        said = "failed" if fails else _script_end.get("ending", how_)
+        store.set(f"{prefix}/{_now['rank']}", said)
         if store.add(f"{prefix}/count", 1) == world:
             store.set(f"{prefix}/all", "1")
         if fails:  # it talks to nobody any more
@@ -243,7 +244,7 @@ def done() -> None:
     except Exception:  # noqa: BLE001 - the store is gone
         pass
     _now.clear()
-    _exit.pop("end", None)  # ended already: the end of the script has nothing left to do
+    _script_end.pop("end", None)  # ended already: the end of the script has nothing left to do
     original = _torch.pop("destroy", None)
     if original is not None:
         for module in (dist, c10d):

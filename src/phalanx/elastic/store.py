@@ -15,6 +15,8 @@ Under the prefix `phalanx/elastic/`:
     over                     the job cannot go on (a MembershipError, a hang report that
                              names nobody to remove): the agents replace nobody and end
                              whatever is left
+    notices                  a count of the two above: an agent looks at it once per
+                             monitoring tick, and at them only when it has changed
     gen                      the newest generation (a group of members; 0 at the start)
     gen<g>/members           pickled sorted list of the members' ranks
     gen<g>/report/<rank>     a member's report in the recovery from generation g
@@ -33,7 +35,7 @@ import pickle
 from torch.distributed import PrefixStore
 
 __all__ = ["keyspace", "set_alive", "alive_total", "post_left", "read", "write", "has",
-           "ask_removal", "removal_asked", "post_over", "over"]
+           "ask_removal", "removal_asked", "post_over", "over", "notices"]
 
 PREFIX = "phalanx/elastic"
 
@@ -76,6 +78,7 @@ def post_left(store, rank: int, life: int, exitcode: int, when: float, **more) -
 
 def ask_removal(store, rank: int, life: int) -> None:
     write(store, f"remove/{rank}.{life}", True)
+    store.add("notices", 1)
 
 
 def removal_asked(store, rank: int, life: int) -> bool:
@@ -85,6 +88,12 @@ def removal_asked(store, rank: int, life: int) -> bool:
 def post_over(store, why: str) -> None:
     """The job cannot go on: no agent replaces a worker any more (launch/continuing.py)."""
     write(store, "over", why)
+    store.add("notices", 1)
+
+
+def notices(store) -> int:
+    """How many removals and `over` were posted so far (one call, whatever the job's size)."""
+    return store.add("notices", 0)
 
 
 def over(store) -> str | None:

@@ -91,12 +91,16 @@ class ContinueMixin:
         node, nodes = group.group_rank, group.group_world_size
         finished = 0
         over_since = None  # when this agent saw that the job cannot go on (the store's `over`)
+        notices = 0        # removals and `over` seen so far (elastic/store.py)
         job_store.set_alive(store, node, len(running), finished)
         while True:
             time.sleep(spec.monitor_interval)
-            if over_since is None and job_store.over(store) is not None:
-                over_since = time.monotonic()
-            self._remove_asked(store, running)
+            seen = job_store.notices(store)
+            if seen != notices:  # written after the keys it counts
+                notices = seen
+                if over_since is None and job_store.over(store) is not None:
+                    over_since = time.monotonic()
+                self._remove_asked(store, running)
             for local_rank in sorted(running):
                 handler = pcontext.subprocess_handlers[local_rank]
                 code = handler.proc.poll()
