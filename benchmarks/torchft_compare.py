@@ -299,6 +299,7 @@ def overhead(args) -> None:
                 cmd, env = _torchrun(args.ranks, 0, "ddp", token, args, {})
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
                                      check=True).stdout
+                shutil.rmtree(token, ignore_errors=True)
                 ticks = [t for t in (keep_going.parse_tick(x, FIELDS) for x in out.splitlines())
                          if t]
                 seconds = _median_step(ticks, args)
@@ -310,9 +311,12 @@ def overhead(args) -> None:
     for name in names:
         print(f"| {name} | {med[name] * 1e3:.1f} ms ({min(times[name]) * 1e3:.1f}-"
               f"{max(times[name]) * 1e3:.1f}) |")
-    print(f"phalanx continue / restart {med['phalanx continue'] / med['phalanx restart']:.3f}, "
-          f"torchft / torch DDP {med['torchft'] / med['torch DDP']:.3f}, "
-          f"torchft / phalanx continue {med['torchft'] / med['phalanx continue']:.3f}")
+    # each round's jobs ran one after the other: their ratio sees the same load
+    for a, b in (("phalanx continue", "phalanx restart"), ("torchft", "torch DDP"),
+                 ("torchft", "phalanx continue")):
+        ratios = [x / y for x, y in zip(times[a], times[b])]
+        print(f"{a} / {b}: {med[a] / med[b]:.3f} (medians); per round "
+              f"{', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.3f}")
 
 
 def _setup(args) -> str:
