@@ -150,6 +150,7 @@ def _strategies():
                 result["alone"] = px.unwrap(model).state_dict()
             px.barrier()
         px.unwrap(model).load_state_dict(initial)  # through the user's module
+        px.barrier()  # every rank has loaded before one reads the others' shards
         result["reloaded"] = model.state_dict()
         with torch.no_grad():
             result["out"] = model(data(99, 2)[0])
