@@ -466,3 +466,7 @@ def meta_build(dry):
 from gpu_checks_nccl import register_nccl_checks  # noqa: E402
 
 register_nccl_checks(check, verdict, gpt, _two_rank_f64, max_rel, STRATEGIES, one_group)
+
+from gpu_checks_offload import register_offload_checks  # noqa: E402
+
+register_offload_checks(check, verdict, gpt, one_group)

@@ -10,6 +10,7 @@ parameters is freed in backward, zero3_roots.py checks that the ranks gather ali
 modules used outside their root), optim.py (adopting the
 optimizer), amp.py (torch.amp's GradScaler routed to the engine's reduced gradients), vote.py
 (a step that raised on one rank dropped on every rank; zero3_replay.py its gathers),
+offload.py (masters and optimizer state in host memory, stepped there),
 powersgd.py (low-rank gradient compression in the reducer; its request in
 powersgd_config.py), naive.py (one all-reduce per parameter: the reference the tests compare
 with).
@@ -24,7 +25,7 @@ import torch
 from .flat_engine import FlatEngine
 from .optim import ELEMENTWISE_OPTIMIZERS, optimizer_state_dict
 from .clipping import route_torch_clip
-from .policy import POLICIES, SHARD, ShardPolicy
+from .policy import POLICIES, SHARD, ShardPolicy, placed
 
 __all__ = ["Engine", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
            "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict"]
@@ -61,13 +62,15 @@ class Engine(Protocol):
 
 def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
                  gather_options: dict | None = None, block_classes=None,
-                 staleness: int = 0, replicas=None, compression=None) -> Engine:
+                 staleness: int = 0, replicas=None, compression=None,
+                 offload: str | None = None) -> Engine:
     """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (zero3.py);
     block_classes: the classes whose instances are the repeated blocks (units.py);
     staleness: 1 applies each step's averaged gradients at the next step (delayed.py);
     replicas: shard_size's average across shard groups, `comm` being the group (hybrid.py);
-    compression: a px.PowerSGD or None (powersgd.py)."""
-    policy = POLICIES[strategy]
+    compression: a px.PowerSGD or None (powersgd.py);
+    offload: "optimizer", "params" or None, the places of policy.py (offload.py)."""
+    policy = placed(POLICIES[strategy], offload)
     engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,
                         gather_options=gather_options, block_classes=block_classes,
                         staleness=staleness, replicas=replicas, compression=compression)

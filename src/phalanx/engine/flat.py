@@ -78,8 +78,13 @@ class FlatUnit(UnitGradients):
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,
                  sharded: bool, compute_dtype: torch.dtype, adopt: bool,
                  pool: BufferPool | None, reshards: bool = False, shard_grads: bool = False,
-                 frozen: list[torch.nn.Parameter] = ()):
+                 frozen: list[torch.nn.Parameter] = (), host=None, shards_on_host: bool = False):
         self.index = index
+        # offload (offload.py): the masters on the host, and with `shards_on_host` zero3's
+        # shards between uses too; `host` is the HostLink, None keeps everything on the device
+        self.host = host
+        self.shards_on_host = shards_on_host
+        self.kept: torch.Tensor | None = None  # zero3 offloaded: what the gathers start from
         self.params = params  # the trainable ones: the gradient bucket's, in its order
         # zero3: frozen parameters gathered with them (see [Note: frozen parameters in a unit])
         self.frozen = list(frozen)
@@ -140,7 +145,7 @@ class FlatUnit(UnitGradients):
 
     @property
     def master_is_view(self) -> bool:
-        return self.compute_dtype == self.master_dtype and not self.reshards
+        return self.compute_dtype == self.master_dtype and not self.reshards and self.host is None
 
     def owned(self, i: int) -> tuple[int, int, torch.Tensor]:
         """Member i's segment as (lo, hi, held): the owned range of the flat buffer, and the
@@ -162,23 +167,31 @@ class FlatUnit(UnitGradients):
             # here (its pages are not touched) and is freed below, so building the engine takes
             # the shards and nothing more, however large the unit.
             self.flat = torch.empty(n, dtype=self.compute_dtype, device=device)
-            self.master = torch.zeros(self.hi - self.lo, dtype=self.master_dtype, device=device)
+            self.master = self._zeros(self.hi - self.lo, self.master_dtype, self.host, device)
             if self.frozen:
-                self.frozen_shard = torch.zeros(self.fhi - self.flo, dtype=self.compute_dtype,
-                                                device=device)
+                self.frozen_shard = self._zeros(self.fhi - self.flo, self.compute_dtype,
+                                                self.shards_on_host, device)
             for i, (p, offset) in enumerate(zip(self.members, self.offsets)):
                 lo, hi, held = self.owned(i)
                 a, b = max(offset, lo), min(offset + p.numel(), hi)
                 if a < b and _has_room(p):  # a meta build's come later (model/materialize.py)
                     held[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
+            if self.host is not None and self.params:  # see [Note: offload] in offload.py
+                same = self.shards_on_host and self.compute_dtype == self.master_dtype
+                self.kept = self.master if same else self._zeros(
+                    self.hi - self.lo, self.compute_dtype, self.shards_on_host, device)
+                self.refresh_kept()
         else:
             full = torch.zeros(n, dtype=self.master_dtype, device=device)
             for p, offset in zip(self.params, self.offsets):
                 full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
             # The master starts from the user's full-precision values, not a low-precision copy.
             self.flat = full if self.master_is_view else full.to(self.compute_dtype)
-            self.master = self.flat[self.lo:self.hi] if self.master_is_view \
-                else full[self.lo:self.hi].clone()
+            if self.master_is_view:
+                self.master = self.flat[self.lo:self.hi]
+            else:
+                self.master = self._zeros(self.hi - self.lo, self.master_dtype, self.host, device)
+                self.master.copy_(full[self.lo:self.hi])
             del full
         for p, offset in zip(self.members, self.offsets):
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
@@ -198,14 +211,39 @@ class FlatUnit(UnitGradients):
                                                 a - lo, b - lo))
         self.reshard()  # zero3: the full buffer's storage exists only while gathered
 
+    def _zeros(self, numel: int, dtype: torch.dtype, on_host, device) -> torch.Tensor:
+        """A tensor of its own, in host memory (offload.py) or on the device."""
+        if on_host:
+            return self.host.zeros(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def refresh_kept(self) -> None:
+        """zero3 offloaded: `kept` (what the gathers start from) from the master, after the
+        master was written (a load, a meta build's values)."""
+        if self.kept is not None and self.kept is not self.master:
+            self.kept.copy_(self.master)
+
+    @torch.no_grad()
+    def publish(self, link, staging: str) -> None:
+        """After a step on the host (offload.py): the master into what the device computes
+        from: the owned slice of the full buffer (zero1, zero2; all-gathered next), or `kept`
+        (zero3: on the device, or on the host under offload="params", copied up at each
+        gather)."""
+        if self.shards_on_host:
+            self.refresh_kept()
+        else:
+            link.upload(self.master, self.kept if self.reshards else self.flat[self.lo:self.hi],
+                        staging)
+
     # -- the cache and the truth ---------------------------------------------------------------
     @torch.no_grad()
     def sync_master_from_cache(self) -> None:
         """Take values written into the parameters behind phalanx's back into the master, on
         the device alone (an element unchanged keeps its master value: nothing is read back to
         the host to decide whether anything changed)."""
-        if self.flat is None or self.master_is_view or self.reshards:
-            return
+        if self.flat is None or self.master_is_view or self.reshards or self.host is not None:
+            return  # offloaded: the cache is on the device, the master on the host (offload.py)
         cache = self.flat[self.lo:self.hi]
         changed = cache != self.master.to(self.compute_dtype)
         changed &= ~(cache.isnan() & self.master.isnan())
@@ -247,16 +285,21 @@ class FlatUnit(UnitGradients):
         return True
 
     @torch.no_grad()
-    def unshard(self, comm, async_op: bool = True):
+    def unshard(self, comm, async_op: bool = True, written: bool = False):
         """Refresh the full compute-dtype buffer from the shards of every rank: the masters
-        (cast), and under zero3 the frozen shards, each segment its own all-gather."""
+        (cast; under offload `kept`, or what `publish` just wrote: `written`), and under zero3
+        the frozen shards, each segment its own all-gather."""
         if self.flat is None:
             return None
         if not self.gathered:  # zero3: give the storage back its size, then fill it
             self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
             self.gathered = True
-        if self.params and not self.master_is_view:
-            self.flat[self.lo:self.hi].copy_(self.master)
+        if self.params and not self.master_is_view and not written:
+            source = self.kept if self.kept is not None else self.master
+            self.flat[self.lo:self.hi].copy_(source, non_blocking=True)
+        if self.shards_on_host:  # offload="params": this rank's shards go up first
+            mine = self.hi - self.lo + self.fhi - self.flo
+            self.host.up_bytes += mine * self.flat.element_size()
         if not self.sharded:
             return None
         handles = []
@@ -265,7 +308,7 @@ class FlatUnit(UnitGradients):
                 self.flat[:self.frozen_at], self.flat[self.lo:self.hi], async_op=async_op,
                 tag=f"unit[{self.index}]:unshard"))
         if self.frozen:
-            self.flat[self.flo:self.fhi].copy_(self.frozen_shard)
+            self.flat[self.flo:self.fhi].copy_(self.frozen_shard, non_blocking=True)
             handles.append(comm.all_gather_into(
                 self.flat[self.frozen_at:], self.flat[self.flo:self.fhi], async_op=async_op,
                 tag=f"unit[{self.index}]:unshard frozen"))
@@ -293,6 +336,7 @@ class FlatUnit(UnitGradients):
             v = values[piece.param_index]
             if v is not None:
                 piece.master.view(-1).copy_(v.reshape(-1)[piece.start:piece.end])
+        self.refresh_kept()
 
 
 def _has_room(p: torch.Tensor) -> bool:

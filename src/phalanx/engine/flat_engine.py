@@ -37,7 +37,8 @@ from .amp import route_grad_scaler, scaler_in_use
 from .clipping import clip_units
 from .delayed import DelayedGrads
 from .optim import OptimizerAdapter
-from .policy import SHARD, ShardPolicy
+from .offload import HostLink
+from .policy import HOST, SHARD, ShardPolicy
 from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
 from .remote import service_for
@@ -69,9 +70,12 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         self.params = [p for p in module.parameters() if p.requires_grad]
         compute = precision.compute_dtype
         low = any(compute is not None and p.dtype != compute for p in self.params)
+        # offload: the masters (and with them the optimizer state) in host memory (offload.py)
+        self.host_link = HostLink(next(module.parameters()).device) \
+            if policy.masters is HOST and self.params else None
         # The optimizer is adopted (its params become master pieces) unless every parameter is
-        # its own master: no sharding and no low precision.
-        self.adopt = self.sharded or low or staleness > 0  # staleness: delayed.py steps
+        # its own master: no sharding, no low precision and no offload.
+        self.adopt = self.sharded or low or staleness > 0 or self.host_link is not None
         if self.adopt and optimizer is None and self.params:
             raise ValueError(
                 f"strategy {policy.name!r} with precision {precision.name!r} needs the optimizer: "
@@ -107,7 +111,8 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         every = [FlatUnit(i, trained, world=self.world, rank=self.rank, sharded=self.sharded,
                           compute_dtype=compute or (trained + frozen)[0].dtype,
                           adopt=self.adopt, pool=self.pool, reshards=self.reshards,
-                          shard_grads=self.shard_grads, frozen=frozen)
+                          shard_grads=self.shard_grads, frozen=frozen, host=self.host_link,
+                          shards_on_host=policy.shards is HOST and self.reshards)
                  for i, (trained, frozen) in enumerate(split)]
         self.units = [u for u in every if u.params]       # with gradients: the reducer's
         self.frozen_units = [u for u in every if not u.params]  # zero3: frozen ones only

@@ -1,10 +1,15 @@
-"""A strategy is a row of a residency table: what each rank keeps in full, what it shards.
+"""A strategy is a row of a residency table: what each rank keeps in full, what it shards, and
+where (on the device, or in host memory).
 
     strategy  parameters  gradients  optimizer state
     ddp       full        full       full
     zero1     full        full       shard
     zero2     full        shard      shard
     zero3     shard       shard      shard   (alias fsdp; engine/zero3.py)
+
+`px.prepare(..., offload=)` moves a row's places (engine/offload.py): "optimizer" puts the
+masters and the optimizer state (`masters`) in host memory, stepped there; "params", under
+zero3 only, the parameter shards between uses (`shards`) too. Gradients stay on the device.
 
 ZeRO: Rajbhandari et al., 2020, arXiv:1910.02054. The engine (flat_engine.py) reads these fields
 and never the strategy's name: `optimizer is SHARD` means each rank owns 1/N of every unit and
@@ -16,9 +21,10 @@ reduced to the owned shard and the full bucket is given back during backward, so
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["Residency", "FULL", "SHARD", "ShardPolicy", "POLICIES"]
+__all__ = ["Residency", "FULL", "SHARD", "Place", "DEVICE", "HOST", "ShardPolicy", "POLICIES",
+           "placed"]
 
 
 class Residency(enum.Enum):
@@ -29,12 +35,22 @@ class Residency(enum.Enum):
 FULL, SHARD = Residency.FULL, Residency.SHARD
 
 
+class Place(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+DEVICE, HOST = Place.DEVICE, Place.HOST
+
+
 @dataclass(frozen=True)
 class ShardPolicy:
     name: str
     params: Residency
     grads: Residency
     optimizer: Residency
+    masters: Place = DEVICE  # the masters and the optimizer state
+    shards: Place = DEVICE   # zero3's parameter shards between uses
 
 
 POLICIES = {
@@ -43,3 +59,11 @@ POLICIES = {
     "zero2": ShardPolicy("zero2", params=FULL, grads=SHARD, optimizer=SHARD),
     "zero3": ShardPolicy("zero3", params=SHARD, grads=SHARD, optimizer=SHARD),
 }
+
+
+def placed(policy: ShardPolicy, offload: str | None) -> ShardPolicy:
+    """`policy` with the places `offload` asks for (None: all on the device); the combination
+    was checked by engine/offload.py's `check_offload`."""
+    if offload is None:
+        return policy
+    return replace(policy, masters=HOST, shards=HOST if offload == "params" else DEVICE)

@@ -62,8 +62,11 @@ class EngineState:
     def publish_masters(self) -> None:
         """Refresh the parameters from masters written in place (through `master_pieces`):
         a collective when the masters are sharded, so every rank calls it. (zero3 keeps no
-        parameters between steps: the next forward gathers them from the masters.)"""
+        parameters between steps: the next forward gathers them from the masters, or under
+        offload from `kept`, refreshed here.)"""
         if self.reshards:
+            for unit in self.units:
+                unit.refresh_kept()
             return
         for unit in self.units:
             unit.unshard(self.comm, async_op=False)

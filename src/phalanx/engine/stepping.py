@@ -6,9 +6,12 @@ A mixin of `FlatEngine` (flat_engine.py), whose attributes it reads.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .flat import FlatUnit
+from .offload import host_kernels, step_on_host
 from .units import step_runs
 
 __all__ = ["Stepping"]
@@ -51,8 +54,10 @@ class Stepping:
                         grad = given.get(id(unit.params[piece.param_index]))
                         piece.master.grad = None if grad is None else \
                             grad.detach().reshape(-1)[piece.start:piece.end].to(
-                                unit.master_dtype).view_as(piece.master)
-                step_one()
+                                piece.master.device, unit.master_dtype).view_as(piece.master)
+                with host_kernels(self.optim.optimizer) if self.host_link is not None \
+                        else contextlib.nullcontext():
+                    step_one()
             finally:
                 for unit in self.units:
                     unit.set_piece_grads(None)
@@ -73,6 +78,9 @@ class Stepping:
             self.loss_scaler.update(found)
             if found:
                 return False
+        if self.host_link is not None:  # the masters are on the host: offload.py
+            step_on_host(self, ready, unscale, step_one)
+            return True
         works = []
         for run in self._step_runs(ready, unscale):
             for unit in run:

@@ -15,7 +15,6 @@ The order of what prepare does matters, and is the same on every rank:
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -40,67 +39,17 @@ from ..engine.optim import optimizer_groups
 from ..engine.powersgd_config import check_compression
 from ..engine.units import check_gather_options
 from ..engine.delayed import check_staleness
+from ..engine.offload import check_offload
 from ..engine.hybrid import check_shard_size, layout
 from ..engine.units import resolve_block_classes
-from ..precisions import PRECISIONS, precision_spec
+from ..precisions import PRECISIONS
 from .precision import COMM_DTYPES, cast_model, make_precision
 from .diloco import attach as attach_diloco, check_diloco_options, inner_comm, split_strategy
+from .options import STRATEGIES, _check_combination, _check_options
 from .prepared import PreparedModule
 
 __all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "optimizer_state_dict",
            "STRATEGIES", "PRECISIONS"]
-
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-
-
-def _check_options(strategy, precision, bucket_mb, comm_dtype, check_replicas_every):
-    if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of "
-                         "'ddp', 'zero1', 'zero2', 'zero3' (alias 'fsdp')")
-    strategy = {"fsdp": "zero3"}.get(strategy.lower(), strategy.lower())
-    if strategy == "zero3" and check_replicas_every is not None:
-        raise ValueError("check_replicas_every compares whole parameters, which zero3 never "
-                         "keeps between steps; use it with ddp, zero1 or zero2")
-    precision = precision_spec(precision).name  # aliases resolved (phalanx/precisions.py)
-    if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
-            and math.isfinite(bucket_mb) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be a positive, finite number of megabytes (default "
-                         f"25), not {bucket_mb!r}")
-    try:
-        ok = comm_dtype in COMM_DTYPES
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"comm_dtype must be None, torch.bfloat16, torch.float16 or "
-                         f"torch.float32 (or 'bf16', 'fp16', 'fp32'), not {comm_dtype!r}")
-    if check_replicas_every is not None and (isinstance(check_replicas_every, bool) or not
-                                             isinstance(check_replicas_every, int)
-                                             or check_replicas_every < 1):
-        raise ValueError(f"check_replicas_every={check_replicas_every!r}: a number of optimizer "
-                         "steps, 1 or more, or None (no check)")
-    return strategy, precision
-
-
-def _check_combination(diloco, staleness, compression, shard_size) -> None:
-    """The ways to communicate less that do not combine, refused by name on every rank."""
-    if staleness and diloco is not None:
-        raise ValueError("staleness=1 delays each step's gradient average, and DiLoCo averages "
-                         "no gradients between its syncs: use one of them, not both")
-    if diloco is not None and shard_size is not None:
-        raise ValueError("shard_size shards zero1/zero2/zero3 state within groups; DiLoCo's "
-                         "inner steps are replicated and local: leave shard_size out")
-    if compression is None:
-        return
-    if diloco is not None:
-        raise ValueError("compression=PowerSGD compresses each step's gradient average, and "
-                         "DiLoCo averages no gradients between its syncs: use one of them")
-    if staleness:
-        raise ValueError("compression=PowerSGD with staleness=1 is not supported: the delayed "
-                         "average sends the bucket whole; use one of them")
-    if shard_size is not None:
-        raise ValueError("compression=PowerSGD with shard_size is not supported: the average "
-                         "across shard groups is sent whole; leave shard_size out or compression")
-
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
@@ -110,7 +59,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
             blocks=None, output_dtype: torch.dtype | None = torch.float32, staleness: int = 0,
-            shard_size: int | str | None = None, compression=None):
+            shard_size: int | str | None = None, compression=None, offload: str | None = None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -142,6 +91,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     shard_size: zero1/zero2/zero3 shard within groups of this many consecutive ranks and
         replicate across the groups ("node": the launcher's LOCAL_WORLD_SIZE); gradients are
         averaged across groups, nothing else crosses them. None: all ranks.
+    offload: "optimizer" keeps the masters and the optimizer state in host memory (pinned
+        where CUDA exists) and steps them there, unit by unit, copying the updated parameters
+        back (zero1, zero2, zero3); "params" (zero3) keeps its parameter shards there between
+        uses too; None (default): everything on the device. The step report's `host_step_s`
+        is the host step's share.
     step_stats: time every optimizer step for `px.step_stats(model)`.
     init: fn(model) setting every parameter and buffer of a meta build (default: each module's
         reset_parameters(), in order), or px.from_safetensors(path) for any model.
@@ -167,6 +121,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     staleness = check_staleness(staleness, strategy, precision)
     check_compression(compression, strategy, precision, comm_dtype)
     _check_combination(diloco, staleness, compression, shard_size)
+    offload = check_offload(offload, strategy, diloco)
     elastic.check_options(strategy, precision, staleness, compression, diloco, shard_size)
     if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                          and output_dtype.is_floating_point):
@@ -217,7 +172,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
                "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
                **gather_options, "staleness": staleness, "shard_size": shard_size,
-               "compression": compression,
+               "compression": compression, "offload": offload,
                "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
                "diloco": diloco}
     check_same_structure(model, comm, options)
@@ -232,11 +187,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     cast_model(model, policy)
     recipe = Recipe(strategy, policy, bucket_mb, gather_options if strategy == "zero3" else None,
                     block_classes, staleness, compression, shard_size, on_nonfinite,
-                    check_replicas_every, steps, inner=diloco is not None)
+                    check_replicas_every, steps, inner=diloco is not None, offload=offload)
     engine = attach_engine(model, optimizer, comm, recipe)
     _warn_oversized(engine, max_gathered_mb)
     if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.held_pieces(), comm, dtypes, reading)
+        engine.publish_masters()  # offload: what the gathers start from (engine/offload.py)
     outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
     note_run({"strategy": strategy, "precision": precision, "world": comm.world,
@@ -253,6 +209,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         steps_gate.events.watch(clock, engine)
     if clock is not None and getattr(engine, "compression", None) is not None:
         clock.extras.append(engine.compression.step_report)
+    if clock is not None and getattr(engine, "host_link", None) is not None:
+        clock.extras.append(engine.host_link.report)  # offload: the host step's share
     wrapped = PreparedModule(model, engine, comm, policy,
                              broadcast_buffers=broadcast_buffers and outer is None,
                              original_dtypes=original_dtypes, clock=clock,
@@ -281,6 +239,7 @@ class Recipe:
     check_replicas_every: int | None
     steps: StepCounter
     inner: bool = False  # DiLoCo: the engine runs over a world of one (model/diloco.py)
+    offload: str | None = None  # engine/offload.py
 
 
 def attach_engine(model, optimizer, comm, recipe: Recipe):
@@ -291,7 +250,7 @@ def attach_engine(model, optimizer, comm, recipe: Recipe):
     engine = build_engine(model, optimizer, shard_comm, recipe.strategy, recipe.policy,
                           recipe.bucket_mb, recipe.gather_options, recipe.block_classes,
                           staleness=recipe.staleness, replicas=replicas,
-                          compression=recipe.compression)
+                          compression=recipe.compression, offload=recipe.offload)
     if recipe.on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(recipe.on_nonfinite, engine.comm)  # DiLoCo: own
     engine.steps = recipe.steps

@@ -25,6 +25,10 @@ synchronisation:
   at a wait, from two CUDA events); overlap = (communication - exposed) / communication;
 - throughput: samples (the first dimension of the forward's first tensor argument) and tokens
   (its element count, when it is an integer tensor of two or more dimensions) per second;
+- offload (`px.prepare(..., offload=...)`, engine/offload.py): `host_step_s`, the time of the
+  optimizer's step on the host (its kernels and the host's casts, part of `optimizer_s`), and
+  `host_down_bytes` / `host_up_bytes`, what crossed the host link each way (gradients down; the
+  updated parameters up, and under offload="params" each gather's shard);
 - memory: resident memory now and the process's peak (CPU); on GPU, the memory allocated now,
   the peak allocated (`torch.cuda.max_memory_allocated()`: since the start, or since the
   user's own `reset_peak_memory_stats()`, which the report never calls) and the reserved
