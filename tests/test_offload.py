@@ -17,8 +17,19 @@ import pytest
 import torch
 from parity import one_thread
 from test_parity64 import assert_state_dicts_equal
-from test_zero3_frozen import (ACCUM, BUCKET_MB, CLIP, RTOL, SEED, STEPS, build, data, loss_of,
-                               optimizer_for, train)
+from test_zero3_frozen import (
+    ACCUM,
+    BUCKET_MB,
+    CLIP,
+    RTOL,
+    SEED,
+    STEPS,
+    build,
+    data,
+    loss_of,
+    optimizer_for,
+    train,
+)
 
 import phalanx as px
 from phalanx.testing import engine_of, run_ranks

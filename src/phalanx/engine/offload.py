@@ -57,7 +57,7 @@ import torch
 
 from .units import step_runs
 
-__all__ = ["OFFLOADS", "check_offload", "HostLink", "step_on_host", "host_kernels"]
+__all__ = ["OFFLOADS", "HostLink", "check_offload", "host_kernels", "step_on_host"]
 
 OFFLOADS = ("optimizer", "params")
 _FUSED_ON_CPU = tuple(getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad")
@@ -117,7 +117,7 @@ class HostLink:
                                                      pin_memory=self.cuda)
         return buf[:numel]
 
-    def download(self, tensors: list[torch.Tensor], name: str) -> "_Landing":
+    def download(self, tensors: list[torch.Tensor], name: str) -> _Landing:
         """Copy `tensors` (on the device, one dtype) into host buffer `name`, on a stream of
         their own after what the current stream has issued; `wait()` before reading them."""
         dtype = tensors[0].dtype
