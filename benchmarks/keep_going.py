@@ -207,9 +207,8 @@ def _worker_pid(token: Path, *env: bytes) -> int:
     raise RuntimeError(f"no worker with {env} found")
 
 
-def step_time(mode: str, args) -> float:
-    """The median step of rank 0 after `args.warmup` steps, in a job with no failure and no
-    save."""
+def step_times(mode: str, args) -> list[float]:
+    """Rank 0's steps after `args.warmup` steps, in a job with no failure and no save."""
     ckpt = Path(tempfile.mkdtemp(prefix="keep-going-"))
     cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--on-failure",
            mode, str(HERE), "--worker", "--ckpt", str(ckpt), "--steps", str(args.steps),
@@ -217,7 +216,7 @@ def step_time(mode: str, args) -> float:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False).stdout
     shutil.rmtree(ckpt, ignore_errors=True)
     ticks = [t for t in (parse_tick(line, 9) for line in out.splitlines()) if t]
-    return statistics.median(_gaps(ticks[args.warmup * args.ranks:]))
+    return _gaps(ticks[args.warmup * args.ranks:])
 
 
 def overhead(args) -> None:
@@ -226,7 +225,7 @@ def overhead(args) -> None:
     times = {"continue": [], "restart": []}
     for r in range(args.rounds):
         for mode in ("continue", "restart"):
-            times[mode].append(step_time(mode, args))
+            times[mode].append(statistics.median(step_times(mode, args)))
             print(f"round {r} {mode:8s} median step {times[mode][-1] * 1e3:.1f} ms", flush=True)
     a, b = statistics.median(times["continue"]), statistics.median(times["restart"])
     print(f"median step: continue {a * 1e3:.1f} ms, restart {b * 1e3:.1f} ms, ratio {a / b:.3f}")

@@ -279,44 +279,50 @@ def failure(args) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def _median_step(ticks, args) -> float:
-    return statistics.median(keep_going._gaps(ticks[args.warmup * args.ranks:]))
+def _steps(ticks, args) -> list[float]:
+    return keep_going._gaps(ticks[args.warmup * args.ranks:])
+
+
+def _fastest_tenth(steps: list[float]) -> float:
+    """The 10th percentile: what a step takes when the machine's other work leaves it alone."""
+    return statistics.quantiles(steps, n=10)[0]
 
 
 def overhead(args) -> None:
     install = args.torchft.split(",")[0]
     names = ["phalanx continue", "phalanx restart", "torchft", "torch DDP"]
-    times = {name: [] for name in names}
+    times = {(name, stat): [] for name in names for stat in ("median", "p10")}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             if name.startswith("phalanx"):
-                seconds = keep_going.step_time(name.split()[1], args)
+                steps = keep_going.step_times(name.split()[1], args)
             elif name == "torchft":
-                seconds = _median_step(torchft_job(args, None, install, 5000, kill=False)[0],
-                                       args)
+                steps = _steps(torchft_job(args, None, install, 5000, kill=False)[0], args)
             else:
                 token = Path(tempfile.mkdtemp(prefix="torchft-compare-"))
                 cmd, env = _torchrun(args.ranks, 0, "ddp", token, args, {})
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
                                      check=True).stdout
                 shutil.rmtree(token, ignore_errors=True)
-                ticks = [t for t in (keep_going.parse_tick(x, FIELDS) for x in out.splitlines())
-                         if t]
-                seconds = _median_step(ticks, args)
-            times[name].append(seconds)
-            print(f"round {r} {name:17s} median step {seconds * 1e3:6.1f} ms, "
+                steps = _steps([t for t in (keep_going.parse_tick(x, FIELDS)
+                                            for x in out.splitlines()) if t], args)
+            times[name, "median"].append(statistics.median(steps))
+            times[name, "p10"].append(_fastest_tenth(steps))
+            print(f"round {r} {name:17s} median step {times[name, 'median'][-1] * 1e3:6.1f} ms, "
+                  f"10th percentile {times[name, 'p10'][-1] * 1e3:6.1f} ms, "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"\nmedian step of {args.rounds} runs each:")
-    for name in names:
-        print(f"| {name} | {med[name] * 1e3:.1f} ms ({min(times[name]) * 1e3:.1f}-"
-              f"{max(times[name]) * 1e3:.1f}) |")
-    # each round's jobs ran one after the other: their ratio sees the same load
-    for a, b in (("phalanx continue", "phalanx restart"), ("torchft", "torch DDP"),
-                 ("torchft", "phalanx continue")):
-        ratios = [x / y for x, y in zip(times[a], times[b])]
-        print(f"{a} / {b}: {med[a] / med[b]:.3f} (medians); per round "
-              f"{', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.3f}")
+    for stat in ("median", "p10"):
+        print(f"\n{stat} step, median of {args.rounds} runs each (range):")
+        for name in names:
+            ts = times[name, stat]
+            print(f"| {name} | {statistics.median(ts) * 1e3:.1f} ms ({min(ts) * 1e3:.1f}-"
+                  f"{max(ts) * 1e3:.1f}) |")
+        # each round's jobs ran one after the other: their ratio sees the same load
+        for a, b in (("phalanx continue", "phalanx restart"), ("torchft", "torch DDP"),
+                     ("torchft", "phalanx continue")):
+            ratios = [x / y for x, y in zip(times[a, stat], times[b, stat])]
+            print(f"{a} / {b}: per round {', '.join(f'{x:.2f}' for x in ratios)}, "
+                  f"median {statistics.median(ratios):.3f}")
 
 
 def _setup(args) -> str:
