@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 L = pytest.importorskip("lightning", reason="Lightning is not installed: pip install "
                         "-e '.[lightning]' (CI installs it through the test extra)")
@@ -83,10 +84,21 @@ def _corpus(directory: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+class _LocalTransformer(LightningTransformer):
+    """The demo, reading the corpus `_corpus` wrote: its own hooks download WikiText2 (and
+    need `requests`) even where the file is there."""
+
+    def prepare_data(self) -> None:
+        pass
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(WikiText2(download=False))
+
+
 def _transformer(kind: str, directory: str) -> dict:
     os.chdir(directory)
     torch.manual_seed(0)
-    model = LightningTransformer(vocab_size=WikiText2(download=False).vocab_size)
+    model = _LocalTransformer(vocab_size=WikiText2(download=False).vocab_size)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(kind),
                         precision="64-true", max_steps=3, enable_checkpointing=False, **QUIET)
     trainer.fit(model)
