@@ -69,10 +69,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak_rss import _reset_peak, _status  # noqa: E402
+from peak_rss import _reset_peak, _status
 
-import phalanx as px  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
+import phalanx as px
+from phalanx.testing import run_ranks
 
 MB = 2**20
 D, BLOCKS, BATCH = 4096, 8, 8

@@ -194,7 +194,8 @@ def main(argv=None):
         shutil.rmtree(base, ignore_errors=True)
     print(f"2 ranks, CPU, gloo; {params / 1e6:.1f}M fp32 parameters, AdamW; medians of "
           f"{args.repeat}; seconds (slowest rank)")
-    print(f"{'competitor':26s} {'save s':>8s} {'blocked s':>10s} {'load s':>8s} {'MB written':>11s}")
+    print(f"{'competitor':26s} {'save s':>8s} {'blocked s':>10s} {'load s':>8s} "
+          f"{'MB written':>11s}")
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         blocked = f"{med['blocked']:.2f}" if "blocked" in med else "-"

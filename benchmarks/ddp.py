@@ -153,9 +153,9 @@ def main(argv=None):
               f"{'/ phalanx ddp':>14s}")
         for name in names:
             row = f"{name:24s} {1e3 * med[name]:8.1f}"
-            for ref in ("torch DDP", "compute-only", "phalanx ddp"):
-                row += f" {med[name] / med[ref]:{12 if ref == 'torch DDP' else 15 if ref == 'compute-only' else 14}.3f}" \
-                    if ref in med else f" {'-':>12s}"
+            widths = {"torch DDP": 12, "compute-only": 15, "phalanx ddp": 14}
+            for ref, width in widths.items():
+                row += f" {med[name] / med[ref]:{width}.3f}" if ref in med else f" {'-':>12s}"
             print(row)
         sys.stdout.flush()
 

@@ -36,7 +36,8 @@ Reproduce (the checkouts are plain clones; any directory outside the repository 
         --runs /tmp/foreign/runs
 
 All of it took 11 minutes on a 2-core AMD EPYC. `--only NAME` (repeatable) runs one case:
-tutorial, mingpt, mingpt-amp, fsdp2, accelerate. The original and the converted copies stay in --runs (`diff -r RUNS/tutorial/original
+tutorial, mingpt, mingpt-amp, fsdp2, accelerate. The original and the converted copies stay in
+--runs (`diff -r RUNS/tutorial/original
 RUNS/tutorial/zero3` shows the conversion); `--show-diff` prints it.
 """
 
@@ -56,8 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from foreign_accelerate import ACCELERATE  # noqa: E402
-from foreign_cases import CASES, Case, Edit  # noqa: E402
+from foreign_accelerate import ACCELERATE
+from foreign_cases import CASES, Case, Edit
 
 TIMEOUT_S = 900  # one phase of one run; none took over 2 minutes on 2 cores
 ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception))\b(: .*)?$")

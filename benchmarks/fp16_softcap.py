@@ -28,7 +28,7 @@ from phalanx.testing import run_ranks
 # The model and its data are the test's (tests/test_fp16_scaling.py), so the benchmark measures
 # what the test pins.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fp16_scaling import ROWS, SoftCapLM, tokens  # noqa: E402
+from test_fp16_scaling import ROWS, SoftCapLM, tokens
 
 
 def make_model(seed=0):
@@ -130,7 +130,8 @@ def main():
         print(f"  GradScaler norms     {[f'{n:.4g}' for n in amp_norms]}")
         print(f"  phalanx fp16 norms   {[f'{n:.4g}' for n in px_norms]}")
         print(f"  phalanx scales       {scales}")
-        print(f"  GradScaler: skipped {amp_skips}, max norm gap {norm_gap(amp_norms, want_norms):.3g}"
+        print(f"  GradScaler: skipped {amp_skips}, "
+              f"max norm gap {norm_gap(amp_norms, want_norms):.3g}"
               f", final params gap {rel_gap(amp_params, want_params):.3g}")
         print(f"  phalanx:    skipped {px_skips}, max norm gap {norm_gap(px_norms, want_norms):.3g}"
               f", final params gap {rel_gap(px_params, want_params):.3g}")

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")

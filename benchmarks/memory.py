@@ -81,7 +81,7 @@ def measure(strategy, precision, bucket_mb):
         p.register_post_accumulate_grad_hook(sample)
     optimizer.register_step_pre_hook(sample)  # inside the step, with its fp32 gradients made
     steady = 0
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(8, 1024)
         loss = F.mse_loss(model(x), torch.zeros(8, 1024))
         sample()
@@ -132,7 +132,8 @@ def main(argv=None):
                 allowance = results[0][3]
                 print(f"{precision:9s} {strategy:8s} {world:2d} {formula / MB:11.1f} "
                       f"{allowance / MB:9.1f} {peak / MB:9.1f} {steady / MB:10.1f} "
-                      f"{peak / (formula + allowance):12.3f} {steady / (formula + allowance):14.3f}",
+                      f"{peak / (formula + allowance):12.3f} "
+                      f"{steady / (formula + allowance):14.3f}",
                       flush=True)
 
 

@@ -39,8 +39,8 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import phalanx as px  # noqa: E402
-from phalanx.launch.spawn import run_workers  # noqa: E402
+import phalanx as px
+from phalanx.launch.spawn import run_workers
 
 
 def run_ranks(fn, world, args=(), timeout=600):

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import phalanx as px  # noqa: E402
-from phalanx import nonfinite, runtime, step_report  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
-from ddp import batch_for, loss_for, make  # noqa: E402
+import phalanx as px
+from phalanx import nonfinite, runtime, step_report
+from phalanx.testing import run_ranks
+from ddp import batch_for, loss_for, make
 
 WATCHED = [(step_report.StepClock, ["forward_done", "backward_started", "_backward_done",
                                     "step_done"]),

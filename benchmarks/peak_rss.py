@@ -73,10 +73,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import FORMULA, make_model  # noqa: E402
+from memory import FORMULA, make_model
 
-import phalanx as px  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
+import phalanx as px
+from phalanx.testing import run_ranks
 
 MB = 2**20
 D = 1024

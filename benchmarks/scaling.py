@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import phalanx as px  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
-from ddp import batch_for, loss_for, make  # noqa: E402
+import phalanx as px
+from phalanx.testing import run_ranks
+from ddp import batch_for, loss_for, make
 
 STRATEGIES = ("ddp", "zero1", "zero2")
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from staleness_runs import reference  # noqa: E402
+from staleness_runs import reference
 
 
 def main() -> None:

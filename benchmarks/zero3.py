@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import phalanx as px  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
-from ddp import batch_for, loss_for, make  # noqa: E402
-from peak_rss import _reset_peak, _status  # noqa: E402
+import phalanx as px
+from phalanx.testing import run_ranks
+from ddp import batch_for, loss_for, make
+from peak_rss import _reset_peak, _status
 
 NAMES = ("phalanx zero3", "zero3 no prefetch", "FSDP2", "phalanx zero2")
 

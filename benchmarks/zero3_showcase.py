@@ -25,9 +25,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import phalanx as px  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
-from peak_rss import _status  # noqa: E402
+import phalanx as px
+from phalanx.testing import run_ranks
+from peak_rss import _status
 
 
 class Wide(nn.Module):

@@ -72,5 +72,6 @@ def state_of(model, opt):
     sd = px.optimizer_state_dict(opt)
     optim = {}
     for index, s in sd["state"].items():
-        optim[names[int(index)]] = {k: v.double().clone() for k, v in s.items() if torch.is_tensor(v)}
+        optim[names[int(index)]] = {k: v.double().clone() for k, v in s.items()
+                                    if torch.is_tensor(v)}
     return params, optim

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import phalanx as px
 
 DTYPE = torch.float64
-GLOBAL = 12   # rows per step: divides by world x accumulation for 1, 2, 3 ranks and 1, 2 micro-steps
+# rows per step: divides by world x accumulation for 1, 2, 3 ranks and 1, 2 micro-steps
+GLOBAL = 12
 SEED = 1234
 DIM = 6
 

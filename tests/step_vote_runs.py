@@ -157,7 +157,8 @@ def accumulate(model, opt, x, y, last, aids):
         opt.zero_grad()
 
 
-LOOPS = {"caught": caught, "outer": outer, "saved": saved, "accumulate": accumulate, "clipped": clipped,
+LOOPS = {"caught": caught, "outer": outer, "saved": saved, "accumulate": accumulate,
+         "clipped": clipped,
          "scheduled": scheduled, "scaled": scaled}
 
 

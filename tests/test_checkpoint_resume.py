@@ -48,7 +48,8 @@ DROPOUT_LAYOUTS = [("ddp", "px"), ("zero1", "px"), ("zero2", "px"), ("zero3", "p
 def test_a_resume_with_dropout_is_exact_wherever_the_save_fell(tmp_path):
     """Saved mid-epoch (steps 5 and 13 of 10 per epoch) or at an epoch's end (10), resumed in
     a fresh job: equal to the uninterrupted run, dropout masks included, under every strategy,
-    with a loader worker, and with a plain torch DataLoader over px.DistributedSampler. Before, the loader's
+    with a loader worker, and with a plain torch DataLoader over px.DistributedSampler. Before, the
+    loader's
     iterator made after px.load drew once from the generator the load had restored, and the
     mid-epoch resumes ended 0.88 and 0.47 from the uninterrupted run (sampler.py's [Note: a
     pass continued])."""

@@ -36,7 +36,7 @@ def _records(prefer):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     comm = Comm(runtime.default_group(), prefer=prefer)
     model, opt = px.prepare(model, opt, strategy="zero2", bucket_mb=0.0005, comm=comm)
-    for step in range(2):
+    for _ in range(2):
         F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
         opt.step()
         opt.zero_grad()
@@ -53,7 +53,7 @@ def test_every_engine_collective_is_recorded_with_its_completion():
             assert grads and unshards
             assert {r[1] for r in grads} == {reduce_kind}
             assert {r[1] for r in unshards} == {"all_gather"}
-            for seq, kind, nbytes, tag, started, completed in records:
+            for _seq, kind, nbytes, tag, started, completed in records:
                 assert nbytes >= 0 and started > 0
                 # completion comes from the work's future, not from a wait in the recorder
                 assert completed is not None and completed >= started, (kind, tag)

@@ -102,7 +102,8 @@ def _bucketed_vs_naive(bucket_mb, comm_dtype):
     return results
 
 
-@pytest.mark.parametrize("bucket_mb,comm_dtype", [(25, None), (0.001, None), (0.001, torch.bfloat16)])
+@pytest.mark.parametrize("bucket_mb,comm_dtype",
+                         [(25, None), (0.001, None), (0.001, torch.bfloat16)])
 def test_bucketed_gradients_equal_naive_per_parameter_all_reduce(bucket_mb, comm_dtype):
     results = run_ranks(_bucketed_vs_naive, 3, args=(bucket_mb, comm_dtype), timeout=120)
     for rank_results in results:

@@ -217,7 +217,7 @@ def _call_in(fn, where: str):
 def _exec_example(code: str, where: str):
     os.chdir(where)
     namespace = {"__name__": "__main__"}
-    exec(compile(code, "<example>", "exec"), namespace)  # noqa: S102 - the docs' own examples
+    exec(compile(code, "<example>", "exec"), namespace)  # the docs' own examples
 
 
 def _clean_env() -> dict:

@@ -199,7 +199,7 @@ def test_two_ranks_every_strategy_one_file_and_shards_equal_one_process(tmp_path
                 if k.startswith("frozen.") or k == "scale")  # every rank holds these whole
     largest_row = max(t[0].numel() * t.element_size() for t in tensors.values() if t.dim() > 1)
     for results in by_rank:
-        for case, result in zip(cases, results):
+        for _case, result in zip(cases, results):
             check_against_reference(result, tensors, torch.float64, 2)
         zero3_meta, _, zero3_full, ddp, zero2, _ = results
         # zero3 reads about half the trainable tensors per rank, never the whole file

@@ -12,9 +12,7 @@ preference stopped reaching the engine, besides failing on any wrong value.
 """
 
 import pytest
-import torch
 
-import phalanx as px
 from phalanx import collectives, runtime
 from phalanx.collectives import Comm
 from phalanx.testing import run_ranks

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed (CI does not install "
                     "it): pip install transformers")
 
-from phalanx.testing import run_ranks  # noqa: E402
+from phalanx.testing import run_ranks
 
 PAGE = Path(__file__).resolve().parent.parent / "docs/guides/integrations/huggingface.md"
 
@@ -33,7 +33,7 @@ def _run(code: str, directory: str):
     os.makedirs(directory, exist_ok=True)
     os.chdir(directory)
     torch.set_default_dtype(torch.float64)
-    exec(compile(code, "huggingface.md", "exec"), {"__name__": "__main__"})  # noqa: S102
+    exec(compile(code, "huggingface.md", "exec"), {"__name__": "__main__"})
 
 
 def _exported(directory: str) -> dict:

@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("lightning", reason="Lightning is not installed: pip install "
                     "-e '.[lightning]' (CI installs it through the test extra)")
 
-from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
+from lightning.pytorch.demos.boring_classes import BoringModel
 
-import phalanx as px  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
+import phalanx as px
+from phalanx.testing import run_ranks
 
 SCRIPT = textwrap.dedent('''
     import sys

@@ -221,7 +221,7 @@ def test_a_replay_back_into_the_epoch_the_loop_finished_goes_on_through_the_loop
     loader = px.data_loader(list(range(24)), 4, shuffle=False)
     sampler = _with_ledger(loader.sampler)
     loader.sampler.set_epoch(0)
-    for i, batch in enumerate(loader):
+    for i, _batch in enumerate(loader):
         _step(sampler)
         if i == 4:
             checkpoint = sampler.state_dict()  # px.save after step 4: position 20

@@ -79,7 +79,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("n,form", [(2, "module"), pytest.param(3, "script", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n,form",
+                         [(2, "module"), pytest.param(3, "script", marks=pytest.mark.slow)])
 def test_n_workers_form_one_world(n, form):
     target = ["-m", "world"] if form == "module" else [SCRIPTS / "world.py"]
     result = phalanx("run", "-n", n, *target, "--lr", "0.1", cwd=SCRIPTS)
@@ -357,7 +358,8 @@ def test_a_run_killed_at_random_moments_ends_as_an_uninterrupted_one(tmp_path):
         assert torch.equal(resumed[key], value), key  # bit for bit
 
 
-@pytest.mark.slow  # the save's atomicity: test_checkpoint_safety.py; continue mode's: test_keep_going
+# the save's atomicity: test_checkpoint_safety.py; continue mode's: test_keep_going
+@pytest.mark.slow
 def test_a_rank_killed_inside_save_resumes_from_the_previous_checkpoint(tmp_path):
     clean, _, _, _ = _resume_run(tmp_path, "clean")
     resumed, starts, _, stderr = _resume_run(tmp_path, "killed", die_in_save=5)

@@ -111,7 +111,8 @@ def test_oversubscribe_lets_more_workers_start(monkeypatch):
     assert worker_limit() == (2 * WORKERS_PER_CORE,
                               f"2 CPU cores, at most {WORKERS_PER_CORE} workers a core")
     too_many = str(2 * WORKERS_PER_CORE + 1)
-    with pytest.raises(CommandError, match=f"-n {too_many} asks for {too_many} workers.*--oversubscribe"):
+    with pytest.raises(CommandError,
+                       match=f"-n {too_many} asks for {too_many} workers.*--oversubscribe"):
         launch.check_arguments(_parsed("-n", too_many))
     launch.check_arguments(_parsed("-n", too_many, "--oversubscribe"))  # no error
 

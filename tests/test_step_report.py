@@ -164,7 +164,7 @@ def traced_run(run_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = px.prepare(model, opt, bucket_mb=0.2)
     reports = []
-    for step in range(3):
+    for _ in range(3):
         model(torch.randn(32, 256)).square().mean().backward()
         opt.step()
         opt.zero_grad()

@@ -1,4 +1,5 @@
-"""SyncBatchNorm: N ranks, each with its slice of the batch, train as one process on the whole batch.
+"""SyncBatchNorm: N ranks, each with its slice of the batch, train as one process on the whole
+batch.
 
 The reference is always a plain, unconverted model run in this process on the concatenated
 batch. Conventions, as under data parallelism: rank r's loss is scaled so that the MEAN of the

@@ -142,7 +142,7 @@ def test_low_precision_tracks_the_fp32_loss(strategy, precision):
     want = _fp32_losses(2)
     results = run_ranks(_mixed, 2, args=(strategy, precision), timeout=120)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    for losses, dtypes, params, skipped in results:
+    for losses, dtypes, _params, skipped in results:
         assert all(d == dtype for d in dtypes)
         if precision == "bf16":
             assert skipped == 0

@@ -15,7 +15,7 @@ import phalanx as px
 from phalanx.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import Chain  # noqa: E402
+from parity import Chain
 
 
 def encoder_layer(d):
@@ -280,7 +280,8 @@ def test_a_meta_build_under_zero3_never_holds_the_whole_model_on_a_rank():
     the resident high-water mark misses pages glibc reuses), so this can fail."""
     whole = 32 * 1024 * 1025 * 4
     for rise in run_ranks(_prepare_peak, 2, args=(None,), timeout=120):
-        assert rise < whole, f"peak rise {rise / 1e6:.1f} MB >= the whole model's {whole / 1e6:.1f} MB"
+        assert rise < whole, \
+            f"peak rise {rise / 1e6:.1f} MB >= the whole model's {whole / 1e6:.1f} MB"
     for rise in run_ranks(_prepare_peak, 2, args=(_reset_all,), timeout=120):
         assert rise > 0.9 * whole, f"peak rise {rise / 1e6:.1f} MB: the whole model not seen"
 

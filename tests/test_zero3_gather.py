@@ -31,8 +31,8 @@ import phalanx as px
 from phalanx.testing import engine_of, run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import CNN, Chain, one_thread  # noqa: E402
-from test_parity64 import make_optimizer  # noqa: E402
+from parity import CNN, Chain, one_thread
+from test_parity64 import make_optimizer
 
 DTYPE = torch.float64
 STEPS = 5
@@ -195,7 +195,7 @@ def _peaks(options):
     model = Chain([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
     model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             strategy="zero3", **options)
-    for step in range(3):
+    for _ in range(3):
         model(torch.randn(4, 64)).square().mean().backward()
         opt.step()
         opt.zero_grad()

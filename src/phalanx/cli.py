@@ -15,10 +15,12 @@ from .command_error import CommandError
 # name -> (module, one-line help)
 COMMANDS = {
     "run": ("phalanx.launch.cli", "start N workers per node through PyTorch's elastic agent"),
-    "plan": ("phalanx.planner.cli", "memory and time planner: will it fit, how fast, which strategy"),
+    "plan": ("phalanx.planner.cli",
+             "memory and time planner: will it fit, how fast, which strategy"),
     "export": ("phalanx.checkpoint.cli", "a checkpoint's full weights as one safetensors file"),
     "checkpoint": ("phalanx.checkpoint.info_cli", "describe a checkpoint and verify its files"),
-    "report": ("phalanx.observe.report_cli", "plots and a summary of a run directory's step reports"),
+    "report": ("phalanx.observe.report_cli",
+               "plots and a summary of a run directory's step reports"),
     "demo": ("phalanx.demo", "train a small model on embedded data (the README's first command)"),
 }
 

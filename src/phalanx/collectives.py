@@ -215,7 +215,8 @@ class Comm:
         return t.numel() * t.element_size()
 
     # -- tensor collectives ----------------------------------------------------------------
-    @_guarded(lambda self, tensor, op='avg', async_op=False, tag=None: _nothing(self, async_op=async_op))
+    @_guarded(lambda self, tensor, op='avg', async_op=False, tag=None:
+              _nothing(self, async_op=async_op))
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False,
                    tag: str | None = None):
         """Reduce `tensor` over the ranks, in place ("avg" divides inside the collective, so
@@ -257,7 +258,8 @@ class Comm:
             wait_whole(handle)
         return handle
 
-    @_guarded(lambda self, output, shard, async_op=False, tag=None: _nothing(self, async_op=async_op))
+    @_guarded(lambda self, output, shard, async_op=False, tag=None:
+              _nothing(self, async_op=async_op))
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                         tag: str | None = None):
         """Concatenate every rank's `shard` into `output`, in rank order."""
@@ -296,7 +298,8 @@ class Comm:
                     False)
         return parts
 
-    @_guarded(lambda self, tensor, src=0, async_op=False, tag=None: _nothing(self, async_op=async_op))
+    @_guarded(lambda self, tensor, src=0, async_op=False, tag=None:
+              _nothing(self, async_op=async_op))
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False,
                   tag: str | None = None):
         """Rank `src`'s (a rank of this group) `tensor` on every rank, in place."""

@@ -155,7 +155,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         return
     env = read_launch_env()
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
-        raise ValueError(f"invalid launch environment: rank {env.rank} of world size {env.world_size}")
+        raise ValueError(f"invalid launch environment: rank {env.rank} of {env.world_size}")
     check_slurm_tasks(env)
     if backend is None:
         on_gpu = requested is None or requested.startswith("cuda")
@@ -364,7 +364,7 @@ def shutdown() -> None:
         for fn in list(_before_shutdown):
             try:
                 fn()
-            except Exception as exc:  # raised once the group is ended
+            except Exception as exc:  # noqa: BLE001 - raised once the group is ended
                 error = error or exc
         elastic.finish()  # phalanx run --on-failure continue: a loss after the last step
         if elastic.current() is None:

@@ -14,7 +14,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, opt = px.prepare(model, opt, strategy=strategy)
-for step in range(2):
+for _ in range(2):
     x = torch.randn(8, 32)
     model(x).square().mean().backward()
     opt.step()

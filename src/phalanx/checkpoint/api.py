@@ -236,7 +236,7 @@ def export(path, model) -> str:
             for alias, name in state.aliases.items():
                 full[alias] = full[name].clone()
             _write_atomically(target, full)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
             error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.export({os.fspath(path)!r})")
     return os.fspath(path)
@@ -266,7 +266,7 @@ def export_checkpoint(checkpoint, out) -> str:
 
 
 def _write_atomically(path: str, tensors: dict) -> None:
-    from safetensors.torch import save_file  # noqa: PLC0415 (only exports need it)
+    from safetensors.torch import save_file  # (only exports need it)
 
     tmp = f"{path}.partial-{uuid.uuid4().hex[:12]}"
     try:

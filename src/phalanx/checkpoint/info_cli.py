@@ -46,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
     files = manifest["files"]
     print(f"  files ({_size(sum(f['bytes'] for f in files.values()))}):")
     for name in sorted(files):
-        print(f"    {name:28s} {_size(files[name]['bytes']):>12s}  crc32 {files[name]['crc32']:08x}")
+        print(f"    {name:28s} {_size(files[name]['bytes']):>12s}  "
+              f"crc32 {files[name]['crc32']:08x}")
     model = {k[len("model/"):]: v for k, v in manifest["tensors"].items() if k.startswith("model/")}
     optim = sorted({k.rsplit("/", 1)[1] for k in manifest["tensors"] if k.startswith("optim/")})
     numel = 0

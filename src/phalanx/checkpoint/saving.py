@@ -130,7 +130,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         snapshot = _take_snapshot(path, f"{path}.partial-{token}", keep_last, model_state,
                                   optim_state, values, comm, copy_out=background)
         snapshot.jobs = jobs
-    except Exception as exc:  # raised on every rank by agree()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.save({path!r}): reading the state to save", saving=True)
     if gate.cut:  # lost meanwhile: see [Note: a save in a lost step]
@@ -238,7 +238,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
         info = write_tensors(os.path.join(snap.partial, own_file), snap.tensors)
         report = {"file": own_file, "info": info, "index": snap.index, "whole": snap.whole,
                   "keys": snap.keys, "rng": snap.rng}
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
         error = _failure(exc, snap)
     snap.tensors = {}  # the copies are written: let them go
     try:
@@ -257,7 +257,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
     if comm.rank == 0:
         try:
             _complete(snap, reports)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
             error = _failure(exc, snap)
             shutil.rmtree(snap.partial, ignore_errors=True)
     agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint", saving=True)
@@ -378,7 +378,7 @@ class _Job:
             self.written = _write(snap, comm)
             if self.written and self.on_written is not None:
                 self.on_written()
-        except BaseException as exc:  # kept for the caller's next wait
+        except BaseException as exc:  # noqa: BLE001 - kept for the caller's next wait
             self.error = exc
         self.seconds = time.perf_counter() - start
 

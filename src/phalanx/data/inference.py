@@ -67,7 +67,7 @@ def map_batches(fn, items, batch_size: int, *, main_only: bool = False,
             lo, hi = split_evenly(len(items), world, rank)
             results = _run(fn, items, lo, hi, batch_size)
             done, status = ({lo: results} if results else {}), None
-    except Exception as exc:  # reported to every rank below, then raised here with its cause
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised here with its cause
         done, status = None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         error = exc
     statuses = comm.all_gather_object((len(items), status), tag="map_batches:status")

@@ -160,7 +160,7 @@ class Membership:
         groups.forget_all()
         try:
             dist.destroy_process_group()
-        except Exception as exc:  # a group broken may fail to end cleanly: it is gone either way
+        except Exception as exc:  # noqa: BLE001 - a group broken may fail to end cleanly: it is gone either way
             debug(f"destroying the group: {exc}"[:200])
 
     def remove_hung(self, ranks: list[int]) -> None:

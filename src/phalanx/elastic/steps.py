@@ -149,7 +149,8 @@ class StepGate:
         if self.decision is None:
             self.decision = self.recover(call)
         d = self.decision
-        debug(f"step call {call} K {d.committed} R {d.resume_after} voting {self.voting} last_voted {self.last_voted}")
+        debug(f"step call {call} K {d.committed} R {d.resume_after} voting {self.voting} "
+              f"last_voted {self.last_voted}")
         run = call == d.committed and self.voting == call and self.last_voted < call
         if run:
             self._committed(call)
@@ -230,7 +231,8 @@ class StepGate:
         loss (see [Note: a sharded engine after a loss])."""
         self.last_save = (path, model, optimizer, stateful)
         self.unsaved[path] = [(weakref.ref(s), s._ledger.rows()) for s in list(self.samplers)
-                              if s._ledger is not None and all(v is not s for v in stateful.values())]
+                              if s._ledger is not None
+                              and all(v is not s for v in stateful.values())]
         for old in list(self.unsaved)[:-4]:
             del self.unsaved[old]
 

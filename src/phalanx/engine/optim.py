@@ -242,7 +242,8 @@ class OptimizerAdapter:
             user_groups = self._user["state_dict"]()["param_groups"]
         position = 0
         for g, group in enumerate(self.original):
-            groups.append({**user_groups[g], "params": list(range(position, position + len(group)))})
+            groups.append({**user_groups[g],
+                           "params": list(range(position, position + len(group)))})
             position += len(group)
         return {"state": state, "param_groups": groups}
 

@@ -49,7 +49,8 @@ step (see [Note: the step vote] in vote.py). For that vote to have a carrier, th
 in launch order is launched at the end of backward only, never by a hook: a backward that
 raised has always left it unlaunched. After the first step the launch order is the order in
 which rank 0's buckets filled, so that bucket is the last to fill there, and its launch waits
-only for what autograd still does after its last gradient. The callback is queued for a backward under `no_sync`
+only for what autograd still does after its last gradient. The callback is queued for a backward
+under `no_sync`
 too (where it only notes the end), so that a failed accumulation micro-step is seen as well.
 
 [Note: waiting for a reduction in backward]

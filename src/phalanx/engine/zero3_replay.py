@@ -6,7 +6,8 @@ backward) after one rank's forward or backward raised, each gather a collective 
 join for the step to be voted down ([Note: the step vote] in vote.py). Which gathers a pass
 makes, in which order, follows from the model's path and from the orders the gatherer learnt
 in the last pass (what it prefetches, which root it keeps for the backward: [Note: prefetch]
-in zero3_prefetch.py); a static model makes the same ones pass after pass once the orders stop changing
+in zero3_prefetch.py); a static model makes the same ones pass after pass once the orders stop
+changing
 (from its third pass: the first has no orders, the second has them for the first time). So
 each rank keeps the sequence of collectives of its gathers' group in the pass under way (a
 unit's all-gather by its index, or the roots' signature exchange of zero3_roots.py) with the

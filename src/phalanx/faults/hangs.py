@@ -202,7 +202,7 @@ class HangWatch:
         waits for that (every wait bounded: a store that went away ends the wait)."""
         try:
             self.store.set(f"{self.prefix}/state/{self.rank}", pickle.dumps(self._state()))
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending
             _end(f"phalanx: rank {self.rank} ends: a hang was reported")
         if reporter:
             goes_on = self._report()
@@ -232,7 +232,7 @@ class HangWatch:
             try:
                 states[r] = pickle.loads(self.store.get(key)) if self.store.check([key]) \
                     else None
-            except Exception:
+            except Exception:  # noqa: BLE001 - a rank whose state cannot be read: unknown
                 states[r] = None
         self._answered = [r for r, s in states.items() if s is not None and r != self.rank]
         report: HangReport = compose_report(states, self.world)
@@ -258,7 +258,7 @@ class HangWatch:
             try:
                 if self.store.check(keys):
                     return True
-            except Exception:  # the store went away with the process that served it
+            except Exception:  # noqa: BLE001 - the store went away with the process that served it
                 return False
             time.sleep(0.05)
         return False
@@ -266,13 +266,13 @@ class HangWatch:
     def _read(self, key: str) -> bytes | None:
         try:
             return self.store.get(key) if self.store.check([key]) else None
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to read
             return None
 
     def _set(self, key: str, value: bytes = b"1") -> None:
         try:
             self.store.set(key, value)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
             pass
 
 

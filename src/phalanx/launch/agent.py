@@ -42,7 +42,8 @@ class _Agent(LocalElasticAgent):
         self._on_restart = on_restart
         self._last_result: RunResult | None = None
         self.earlier_attempts: list = []  # what on_restart returned, one per restart
-        self.endings: dict[int, Ending] = {}  # this attempt's: see [Note: a worker the launcher ended]
+        # this attempt's: see [Note: a worker the launcher ended]
+        self.endings: dict[int, Ending] = {}
 
     def _start_workers(self, worker_group):
         ids = super()._start_workers(worker_group)
@@ -84,7 +85,8 @@ def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: 
     Returns the last attempt's result, what `on_restart` returned for each earlier attempt
     (under `--on-failure continue`: what `on_failure(rank, failure)` returned for each failure
     survived), and what the agent did to end each worker of the last attempt (global rank ->
-    `cleanup.Ending`). Raises torch's `SignalException` when the launcher is signalled (the workers are
+    `cleanup.Ending`). Raises torch's `SignalException` when the launcher is signalled (the workers
+    are
     stopped first) and `DistError` when the rendezvous fails.
     """
     continuing = args.on_failure == "continue"

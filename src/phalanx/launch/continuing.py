@@ -56,8 +56,8 @@ class _AppendingHandler(SubprocessHandler):
 
     def __init__(self, entrypoint: str, args: tuple, env: dict, stdout: str | None,
                  stderr: str | None, local_rank_id: int):
-        self._stdout = open(stdout, "a") if stdout else None  # noqa: SIM115
-        self._stderr = open(stderr, "a") if stderr else None  # noqa: SIM115
+        self._stdout = open(stdout, "a") if stdout else None
+        self._stderr = open(stderr, "a") if stderr else None
         env_vars = os.environ.copy()
         env_vars.update(env)
         self.local_rank_id = local_rank_id

@@ -47,7 +47,8 @@ def _int_env(env, name):
 
 
 def read_launch_env(env=None) -> LaunchEnv:
-    """Read rank and world from torchrun/`phalanx run` variables, else SLURM's, else a world of one."""
+    """Read rank and world from torchrun/`phalanx run` variables, else SLURM's, else a world of
+    one."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         port = env.get("MASTER_PORT")

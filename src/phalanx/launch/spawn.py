@@ -198,7 +198,7 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
         code = 1
     try:
         conn.send_bytes(pickle.dumps(payload + (time.time(),)))
-    except Exception as exc:  # the result itself did not pickle
+    except Exception as exc:  # noqa: BLE001 - the result itself did not pickle
         conn.send_bytes(pickle.dumps(("error", f"rank {rank}'s result could not be sent back: "
                                                f"{type(exc).__name__}: {exc}", time.time())))
         code = 1

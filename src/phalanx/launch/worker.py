@@ -70,7 +70,7 @@ def run(argv: list[str]) -> tuple[int, object]:
             return code, exc
         print(code, file=sys.stderr)  # what Python does with sys.exit("message")
         return 1, exc
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - recorded for the launcher and printed
         exc = exc.with_traceback(_user_frames(exc.__traceback__))
         if isinstance(exc, Exception):
             _say_raised(exc)

@@ -34,7 +34,8 @@ fp16's 65504 still overflowed: on a causal LM whose loss comes from fp32 soft-ca
 (Gemma-2's shape) the final norm's weight gradient at S = 2**16 reached 38205 on one rank and
 42496 on the other: their mean fit, their sum was inf, so 2 ranks skipped a step that
 torch.amp's GradScaler on the same global batch did not (and ended 10 steps 5e-3 away from
-fp32's parameters where GradScaler stayed at 1e-4; tests/test_fp16_scaling.py). PyTorch's DDP divides each rank's gradient by
+fp32's parameters where GradScaler stayed at 1e-4; tests/test_fp16_scaling.py). PyTorch's DDP
+divides each rank's gradient by
 the world size before it sums; here the division is folded into the scale: `loss_scale` is the
 scale the schedule above moves (GradScaler's, kept in checkpoints), and each rank's gradients
 are multiplied by `scale = loss_scale / D`, D the smallest power of two >= the number of ranks

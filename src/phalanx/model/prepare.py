@@ -338,7 +338,8 @@ def no_sync(model: torch.nn.Module):
     return _prepared(model).no_sync()
 
 
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm over all ranks and shards; returns that norm."""
     return _prepared(model)._engine.clip_grad_norm_(max_norm, norm_type)
 

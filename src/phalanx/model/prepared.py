@@ -127,7 +127,8 @@ class PreparedModule(torch.nn.Module):
         trainable parameter has no hook, so its gradient is never averaged), and a parameter
         given new storage (`p.data = ...`) is no longer the one phalanx averages: refuse both."""
         now = [p for p in self.module.parameters() if p.requires_grad]
-        if len(now) != len(self._trainable) or any(a is not b for a, b in zip(now, self._trainable)):
+        if len(now) != len(self._trainable) or \
+                any(a is not b for a, b in zip(now, self._trainable)):
             raise RuntimeError(
                 "the set of trainable parameters changed after px.prepare (requires_grad was "
                 "switched, or a parameter was added or replaced); freeze or unfreeze before "

@@ -314,9 +314,9 @@ class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
             path, _ = _args(args, kwargs, "checkpoint_path", "weights_only")
             path = self.broadcast(os.fspath(path))
             module = self.lightning_module
-            return checkpoints.load_trainer(
-                path, self._trained_model(), self.optimizers, module.trainer.state.fn == TrainerFn.FITTING,
-                module.strict_loading, self.checkpoint_io)
+            fitting = module.trainer.state.fn == TrainerFn.FITTING
+            return checkpoints.load_trainer(path, self._trained_model(), self.optimizers, fitting,
+                                            module.strict_loading, self.checkpoint_io)
         path, state, strict, _ = _args(args, kwargs, "path", "state", "strict", "weights_only",
                                        defaults={"strict": True})
         return checkpoints.load_fabric(self.broadcast(os.fspath(path)), state, strict)
