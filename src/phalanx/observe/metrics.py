@@ -80,7 +80,7 @@ def _writers():
         try:
             from torch.utils.tensorboard import SummaryWriter
             _state["tb"] = SummaryWriter(os.path.join(run_dir(), "tensorboard"))
-        except Exception:  # tensorboard is not installed: the CSV is enough
+        except Exception:  # noqa: BLE001 - tensorboard is not installed: the CSV is enough
             _state["tb"] = None
         if not _state.get("closing"):  # TensorBoard queues events in a thread: flush them
             _state["closing"] = True
