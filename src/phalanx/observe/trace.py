@@ -5,8 +5,7 @@ directory (observe/metrics.py) when `px.shutdown()` runs, or at exit: Chrome's t
 which https://ui.perfetto.dev and chrome://tracing open. One process per rank; its lanes are
 "compute" (forward, backward and optimizer of every step, from the step clock of
 observe/step_report.py) and "collectives 0, 1, ..." (each collective from issue to completion, from
-its
-record in collectives.py, named by its tag and kind, with its bytes and the time the training
+its record in collectives.py, named by its tag and kind, with its bytes and the time the training
 thread waited for it; collectives in flight together go to separate lanes). Ranks of one
 machine share the clock (CLOCK_MONOTONIC), so their timelines line up when opened together.
 
