@@ -37,8 +37,8 @@ Reproduce (the checkouts are plain clones; any directory outside the repository 
 
 All of it took 11 minutes on a 2-core AMD EPYC. `--only NAME` (repeatable) runs one case:
 tutorial, mingpt, mingpt-amp, fsdp2, accelerate. The original and the converted copies stay in
---runs (`diff -r RUNS/tutorial/original
-RUNS/tutorial/zero3` shows the conversion); `--show-diff` prints it.
+--runs (`diff -r RUNS/tutorial/original RUNS/tutorial/zero3` shows the conversion); `--show-diff`
+prints it.
 """
 
 from __future__ import annotations

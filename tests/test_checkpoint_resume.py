@@ -49,10 +49,9 @@ def test_a_resume_with_dropout_is_exact_wherever_the_save_fell(tmp_path):
     """Saved mid-epoch (steps 5 and 13 of 10 per epoch) or at an epoch's end (10), resumed in
     a fresh job: equal to the uninterrupted run, dropout masks included, under every strategy,
     with a loader worker, and with a plain torch DataLoader over px.DistributedSampler. Before, the
-    loader's
-    iterator made after px.load drew once from the generator the load had restored, and the
-    mid-epoch resumes ended 0.88 and 0.47 from the uninterrupted run (sampler.py's [Note: a
-    pass continued])."""
+    loader's iterator made after px.load drew once from the generator the load had restored, and the
+    mid-epoch resumes ended 0.88 and 0.47 from the uninterrupted run (sampler.py's [Note: a pass
+    continued])."""
     directory, save_at = str(tmp_path), [5, 10, 13]
     whole = run_ranks(epoch_loop, 2, args=(directory, DROPOUT_LAYOUTS, save_at, False),
                       timeout=240)

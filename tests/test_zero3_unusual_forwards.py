@@ -218,8 +218,7 @@ def _two_models(interleaved):
 
 def test_two_zero3_models_in_one_process_share_the_gathers_group_and_train_alike():
     """One group for every model's gathers (Comm.apart makes it once per process and purpose); two
-    models
-    trained turn by turn end where each trained alone ends."""
+    models trained turn by turn end where each trained alone ends."""
     together = run_ranks(_two_models, 2, args=(True,))
     apart = run_ranks(_two_models, 2, args=(False,))
     for (groups, states), (_, want) in zip(together, apart):

@@ -8,11 +8,10 @@ continue`), written as a user would.
 float64, four repeated blocks (zero3's units), SGD with momentum; a px.data_loader (whose
 sampler keeps continue mode's ledger) with a global batch of 12 rows (4 per rank at 3 ranks),
 two epochs of `--steps` batches each. `--loop caught`: `try: forward, backward; except
-torch.OutOfMemoryError:
-optimizer.zero_grad(); continue`. `--loop outer`: the error escapes the step function (forward,
-backward, step, zero_grad) and the loop around it goes on. `--skip S` leaves out the batch of
-step S (the reference, in a world of one). Rank 0 writes the final weights (one flat tensor)
-to OUT. Every worker prints `START rank=R pid=P` and `END rank=R pid=P world=W steps=N`.
+torch.OutOfMemoryError: optimizer.zero_grad(); continue`. `--loop outer`: the error escapes the step
+function (forward, backward, step, zero_grad) and the loop around it goes on. `--skip S` leaves out
+the batch of step S (the reference, in a world of one). Rank 0 writes the final weights (one flat
+tensor) to OUT. Every worker prints `START rank=R pid=P` and `END rank=R pid=P world=W steps=N`.
 """
 
 import argparse

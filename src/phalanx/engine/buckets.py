@@ -3,11 +3,10 @@
 A bucket owns one flat tensor; each of its parameters' `.grad` is a view into it, so a whole
 bucket is communicated with one collective and nothing is copied out afterwards (except under
 `comm_dtype`, where the bucket travels as a copy in that dtype and the mean is copied back). A
-gradient
-that autograd makes fresh (after `zero_grad()` set `.grad` to None) is copied in once; later
-micro-steps of accumulation add into the view in place. Buckets are filled in the order
-gradients become ready in backward, so the first bucket can be on the wire while autograd
-still computes the rest.
+gradient that autograd makes fresh (after `zero_grad()` set `.grad` to None) is copied in once;
+later micro-steps of accumulation add into the view in place. Buckets are filled in the order
+gradients become ready in backward, so the first bucket can be on the wire while autograd still
+computes the rest.
 
 The layout of a bucket's buffer:
 

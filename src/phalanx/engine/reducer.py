@@ -50,8 +50,8 @@ in launch order is launched at the end of backward only, never by a hook: a back
 raised has always left it unlaunched. After the first step the launch order is the order in
 which rank 0's buckets filled, so that bucket is the last to fill there, and its launch waits
 only for what autograd still does after its last gradient. The callback is queued for a backward
-under `no_sync`
-too (where it only notes the end), so that a failed accumulation micro-step is seen as well.
+under `no_sync` too (where it only notes the end), so that a failed accumulation micro-step is seen
+as well.
 
 [Note: waiting for a reduction in backward]
 Waiting for a bucket's reduction blocks this rank until every rank has issued it, and a rank

@@ -27,12 +27,10 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
 - when a unit's gradients are all there, the reducer sends them out (reduced to the owned
   shard, as zero2 does, from the tensor autograd made where the unit is one parameter) and
   the unit is freed at once (see [Note: prefetch] in zero3_prefetch.py for what is waited for when;
-  a unit holding
-  frozen parameters also waits for its root's backward to be over: [Note: freeing a unit in
-  backward] in zero3_release.py); at the end
-  of the outermost backward (queued from the prepared model's output gate, so a reentrant
-  checkpoint's nested backward does not end it) every unit still gathered is freed (one that
-  got no gradient on this rank, or under `no_sync`).
+  a unit holding frozen parameters also waits for its root's backward to be over: [Note: freeing a
+  unit in backward] in zero3_release.py); at the end of the outermost backward (queued from the
+  prepared model's output gate, so a reentrant checkpoint's nested backward does not end it) every
+  unit still gathered is freed (one that got no gradient on this rank, or under `no_sync`).
 
 A module inside a root, called while that root's forward is not running, is refused with an
 error naming both (it would compute on freed storage, or on whatever happens to be gathered),

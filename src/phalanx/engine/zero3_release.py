@@ -15,12 +15,11 @@ another root's output (a block's hidden state, made by the block before it), tha
 the hook that gathers the other root for its backward, first thing, so a root is freed before
 the next one is gathered; elsewhere by `torch.autograd.graph.register_multi_grad_hook` (mode
 "all") on the inputs, which runs after the hooks registered on them before it. A root none of whose
-inputs needs a gradient
-(the model itself, or the first block after a frozen embedding) keeps such units until the end
-of the backward, where everything still gathered is freed; so does a root whose forward was
-recomputed (activation checkpointing: its units are freed as the next recomputation starts, as
-any recomputed root's are) or whose hook is not reached in this backward. Freeing later than
-possible costs memory for a while, never a value: a root whose units were freed is gathered
+inputs needs a gradient (the model itself, or the first block after a frozen embedding) keeps such
+units until the end of the backward, where everything still gathered is freed; so does a root whose
+forward was recomputed (activation checkpointing: its units are freed as the next recomputation
+starts, as any recomputed root's are) or whose hook is not reached in this backward. Freeing later
+than possible costs memory for a while, never a value: a root whose units were freed is gathered
 again when backward reaches its outputs.
 """
 

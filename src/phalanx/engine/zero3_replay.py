@@ -7,14 +7,13 @@ join for the step to be voted down ([Note: the step vote] in vote.py). Which gat
 makes, in which order, follows from the model's path and from the orders the gatherer learnt
 in the last pass (what it prefetches, which root it keeps for the backward: [Note: prefetch]
 in zero3_prefetch.py); a static model makes the same ones pass after pass once the orders stop
-changing
-(from its third pass: the first has no orders, the second has them for the first time). So
-each rank keeps the sequence of collectives of its gathers' group in the pass under way (a
-unit's all-gather by its index, or the roots' signature exchange of zero3_roots.py) with the
-orders it began from, and the last whole pass's. A rank that failed makes what the last pass
-made after the point it reached, each gather waited for and freed at once, when this pass
-began from the same orders and has made the same collectives so far; otherwise it cannot know
-what the others make, and says so (vote.py) rather than guess.
+changing (from its third pass: the first has no orders, the second has them for the first time). So
+each rank keeps the sequence of collectives of its gathers' group in the pass under way (a unit's
+all-gather by its index, or the roots' signature exchange of zero3_roots.py) with the orders it
+began from, and the last whole pass's. A rank that failed makes what the last pass made after the
+point it reached, each gather waited for and freed at once, when this pass began from the same
+orders and has made the same collectives so far; otherwise it cannot know what the others make, and
+says so (vote.py) rather than guess.
 
 Were the others' pass to differ after all, the ranks would not go on with different values:
 a gather of another unit of the same size gives parameters of a step that is dropped anyway,

@@ -86,8 +86,7 @@ def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: 
     (under `--on-failure continue`: what `on_failure(rank, failure)` returned for each failure
     survived), and what the agent did to end each worker of the last attempt (global rank ->
     `cleanup.Ending`). Raises torch's `SignalException` when the launcher is signalled (the workers
-    are
-    stopped first) and `DistError` when the rendezvous fails.
+    are stopped first) and `DistError` when the rendezvous fails.
     """
     continuing = args.on_failure == "continue"
     config = LaunchConfig(

@@ -35,14 +35,13 @@ fp16's 65504 still overflowed: on a causal LM whose loss comes from fp32 soft-ca
 42496 on the other: their mean fit, their sum was inf, so 2 ranks skipped a step that
 torch.amp's GradScaler on the same global batch did not (and ended 10 steps 5e-3 away from
 fp32's parameters where GradScaler stayed at 1e-4; tests/test_fp16_scaling.py). PyTorch's DDP
-divides each rank's gradient by
-the world size before it sums; here the division is folded into the scale: `loss_scale` is the
-scale the schedule above moves (GradScaler's, kept in checkpoints), and each rank's gradients
-are multiplied by `scale = loss_scale / D`, D the smallest power of two >= the number of ranks
-whose fp16 gradients are summed (a power of two so that the scaling and the unscaling stay
-exact). The sum of the ranks' gradients is then at most loss_scale times the largest of them,
-and the reduced mean is the mean gradient times `scale`, which the step divides by, as before.
-One process, and gradients that travel in fp32 or bf16 (`comm_dtype`), have D = 1.
+divides each rank's gradient by the world size before it sums; here the division is folded into the
+scale: `loss_scale` is the scale the schedule above moves (GradScaler's, kept in checkpoints), and
+each rank's gradients are multiplied by `scale = loss_scale / D`, D the smallest power of two >= the
+number of ranks whose fp16 gradients are summed (a power of two so that the scaling and the
+unscaling stay exact). The sum of the ranks' gradients is then at most loss_scale times the largest
+of them, and the reduced mean is the mean gradient times `scale`, which the step divides by, as
+before. One process, and gradients that travel in fp32 or bf16 (`comm_dtype`), have D = 1.
 """
 
 from __future__ import annotations

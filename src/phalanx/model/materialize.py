@@ -31,10 +31,10 @@ keeps] in model/pretrained.py): `materialize(..., values=False)` gives every flo
 parameter, trainable or frozen, a one-element storage seen through a zero stride (its shape, no
 room for values; the engine reads nothing from such a parameter and keeps the owned slices
 only: [Note: frozen parameters in a unit] in engine/flat.py), buffers real storage. Then
-`fill_shards` runs each module's `reset_parameters()` in order, on
-temporary CPU tensors in the parameters' own dtypes (what a CPU build draws into, whatever the
-precision or device), copies the owned pieces into the masters and frozen shards, and drops the
-rest. What exists at once is the shards plus one module's parameters.
+`fill_shards` runs each module's `reset_parameters()` in order, on temporary CPU tensors in the
+parameters' own dtypes (what a CPU build draws into, whatever the precision or device), copies the
+owned pieces into the masters and frozen shards, and drops the rest. What exists at once is the
+shards plus one module's parameters.
 
 A `reset_parameters` may initialise its children too (a block resetting its layers): the
 children's parameters are meta tensors during the first try, and if it wrote them (their version
