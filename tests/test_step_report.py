@@ -30,11 +30,17 @@ def deep_model(width=256, depth=6):
 
 
 def timed_loop(steps, bucket_mb=25.0, slow_rank=None, slow_s=0.0, log_dir=None, depth=6,
-               batch=64):
-    """Train with the test's own clock around each phase; return both views per step."""
+               batch=64, floor=0.0):
+    """Train with the test's own clock around each phase; return both views per step.
+    `floor`: seconds slept inside each phase (a forward hook, a backward hook, an optimizer
+    step hook), a least time for each that no load on the machine can shorten."""
     px.init()
     model = deep_model(depth=depth)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if floor:
+        model[0].register_forward_hook(lambda *_: time.sleep(floor))
+        model[0].register_full_backward_hook(lambda *_: time.sleep(floor))
+        opt.register_step_pre_hook(lambda *_: time.sleep(floor))
     model, opt = px.prepare(model, opt, bucket_mb=bucket_mb)
     if log_dir is not None:
         os.environ["PHALANX_RUN_DIR"] = log_dir
@@ -62,17 +68,24 @@ def timed_loop(steps, bucket_mb=25.0, slow_rank=None, slow_s=0.0, log_dir=None, 
     return rows
 
 
-def test_the_parts_match_the_loops_own_clock_and_add_up():
-    for rank_rows in run_ranks(timed_loop, 2, args=(6,), timeout=120):
+def test_the_parts_lie_within_the_loops_own_clock_and_add_up():
+    """Each part is timed inside the loop's own window around that call (so never longer,
+    however loaded the machine), holds the time slept inside it on purpose (so it is that
+    part's time and not another's), and the parts add up to the step's wall."""
+    floor, tick = 0.02, 1e-4  # tick: two clock readings' rounding
+    for rank_rows in run_ranks(timed_loop, 2, args=(6,), kwargs={"floor": floor}, timeout=120):
         for mine, stats, _ in rank_rows[2:]:
             wall = stats["wall_s"]
-            tolerance = 0.05 * wall + 0.003
             parts = sum(stats[k] for k in ("forward_s", "backward_s", "optimizer_s", "data_s",
                                            "other_s"))
-            assert parts == pytest.approx(wall, abs=tolerance), stats
+            assert parts == pytest.approx(wall, abs=tick), stats
             for name in ("forward", "backward", "optimizer"):
-                assert stats[f"{name}_s"] == pytest.approx(mine[name], abs=tolerance), \
-                    (name, mine, stats)
+                assert stats[f"{name}_s"] >= floor, (name, stats)
+            assert stats["forward_s"] <= mine["forward"] + tick, (mine, stats)
+            assert stats["backward_s"] <= mine["backward"] + tick, (mine, stats)
+            # the optimizer's part runs from the backward's end, inside the loop's backward call
+            assert stats["backward_s"] + stats["optimizer_s"] <= \
+                mine["backward"] + mine["optimizer"] + tick, (mine, stats)
             # the data wait is the other part; the wall is the loop's own, from one step's end
             assert stats["other_s"] >= DATA_WAIT * 0.95, stats
             assert stats["exposed_comm_s"] <= stats["backward_s"] + stats["optimizer_s"] \
@@ -112,14 +125,18 @@ def test_bytes_per_step_are_the_planners_figure():
 
 
 def test_the_slowed_rank_is_named_the_straggler():
-    rows = run_ranks(timed_loop, 2, kwargs={"steps": 6, "slow_rank": 1, "slow_s": 0.05},
+    """Rank 1 sleeps 0.25 s more than rank 0 before each step: far more than the few
+    milliseconds either computes, and than what other work on the machine takes from one of
+    them, so it is the slowest in every step, by about the sleep."""
+    slow_s = 0.25
+    rows = run_ranks(timed_loop, 2, kwargs={"steps": 5, "slow_rank": 1, "slow_s": slow_s},
                      timeout=120)
     for rank_rows in rows:
         for _, _, everyone in rank_rows[2:]:
             assert everyone["slowest_rank"] == 1, everyone
-            # the 50 ms sleep, plus what a loaded machine adds to one rank's compute (this
-            # failed once at +0.02 s with the suite sharing 2 cores with other work)
-            assert 0.035 <= everyone["skew_s"] <= 0.12, everyone
+            assert everyone["skew_s"] >= 0.6 * slow_s, everyone
+            # at most the sleep and rank 1's whole step besides it
+            assert everyone["skew_s"] <= everyone["rank1/busy_s"], everyone
 
 
 def test_rank0_logs_and_the_report_renders(tmp_path):
