@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import threading
 
 import pytest
 import torch
@@ -92,16 +92,16 @@ def _save_in_background_then_train(path, sync_path):
     px.save(sync_path, model=model, optimizer=opt, step=K)
     import phalanx.checkpoint.saving as saving
 
-    write, started = saving.write_tensors, time.monotonic()
+    write, trained = saving.write_tensors, threading.Event()
 
     def late_write(*args):  # the write starts after the training below has changed everything
-        time.sleep(max(0.0, started + 2.0 - time.monotonic()))
+        assert trained.wait(timeout=120), "the training did not end while the save waited"
         return write(*args)
 
     saving.write_tensors = late_write
     px.save(path, model=model, optimizer=opt, background=True, step=K)
     train_steps(model, opt, K, K, px.world_size(), px.rank())  # changes what was being saved
-    assert time.monotonic() - started < 2.0, "the training did not run before the write"
+    trained.set()
     px.shutdown()  # waits for the save
     return True
 
