@@ -1,6 +1,8 @@
 """DiLoCo's outer step: every H inner steps, average the pseudo-gradient and step the weights
 that all ranks share (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training
-of Language Models", arXiv:2311.08105).
+of Language Models", arXiv:2311.08105); and its streaming form, which syncs the model in
+fragments, one at a time, while the inner steps go on (Douillard et al. 2025, "Streaming
+DiLoCo with overlapping communication", arXiv:2501.18512).
 
 [Note: inner and outer steps]
 Under DiLoCo every rank trains its own replica with the user's optimizer (the inner one) and
@@ -13,6 +15,7 @@ as ever, and `px.clip_grad_norm_` clips by this rank's own norm. After every `sy
                                             direction written as a gradient: synced minus now,
                                             not now minus synced)
     delta     = mean over ranks of delta_r  one all-reduce, in `comm_dtype` if set
+                                            (engine/diloco_wire.py: quantized, error feedback)
     synced    = outer_sgd(synced, grad=delta)   lr, momentum, Nesterov
     weights_r = synced                      on every rank alike
 
@@ -21,28 +24,71 @@ the outer optimizer is a `torch.optim.SGD` over those tensors, so its momentum i
 `momentum_buffer` per parameter. With `sync_every=1`, outer lr 1, no outer momentum and an inner
 SGD without momentum, `synced - mean(delta_r)` is the ddp step on the mean gradient.
 
-Buffers (BatchNorm's running statistics) are each rank's own between syncs; at a sync the
-floating ones are averaged over the ranks and the others (a step count) take rank 0's values,
-so right after a sync every rank holds the same parameters and buffers.
+[Note: streaming DiLoCo's schedule]
+With `fragments=P` the trainable parameters are cut, in the model's order, into P runs of about
+equal size (fragment_of), and the fragments are synced in turn, one every E = H / P steps, so
+each fragment is synced once every H steps and the link carries 1/P of the model at a time.
+`inner_steps` is the position in the cycle of H: after the step that makes it c,
+  - a fragment sent D = `delay` steps before (c = its send + D, mod H) is applied: the outer
+    step of its parameters with the average that arrived, and weights_r of those parameters
+    become lerp(synced, weights_r, keep_local) (keep_local 0: the synced weights; the inner
+    steps made on them while the average travelled are then dropped);
+  - when c is a multiple of E, fragment (c / E - 1) mod P is sent: its delta_r is taken now
+    and its average started on a process group of its own, waited for D steps later (at once
+    when D is 0); at c = 0 the buffers are averaged too (below).
+One fragment is in flight at a time (D < E). With P = 1 and D = 0 this is plain DiLoCo.
+
+Buffers (BatchNorm's running statistics) are each rank's own between syncs; at the end of each
+cycle (c = 0) the floating ones are averaged over the ranks and the others (a step count) take
+rank 0's values, so right after a plain DiLoCo sync every rank holds the same parameters and
+buffers.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["OuterSync"]
+from .diloco_wire import Exchange, Wire
 
-# The pseudo-gradient crosses the wire in runs of at most this many bytes (comm dtype), so
-# the copy it travels in is bounded whatever the model's size.
-RUN_BYTES = 64 * 2**20
+__all__ = ["OuterSync", "fragment_of"]
+
+
+def fragment_of(sizes: list[int], parts: int) -> list[list[int]]:
+    """The indices of `sizes` cut into `parts` consecutive runs of about equal total (each one
+    at least one index): a run ends once it reaches its share of the total."""
+    total = sum(sizes)
+    out: list[list[int]] = [[]]
+    acc = 0
+    for i, n in enumerate(sizes):
+        left, opening = len(sizes) - i, parts - len(out)
+        if out[-1] and opening > 0 and (acc >= len(out) * total / parts or left == opening):
+            out.append([])
+        out[-1].append(i)
+        acc += n
+    return out
+
+
+class _InFlight:
+    """A fragment whose average was started (or read from a checkpoint)."""
+
+    def __init__(self, fragment: int, due: int, exchange: Exchange | None, deltas: list):
+        self.fragment = fragment
+        self.due = due             # the value of inner_steps after which it is applied
+        self.exchange = exchange   # None: the average is in `deltas` already
+        self.deltas = deltas       # the fragment's pseudo-gradients, then their average
+
+    def averaged(self) -> list[torch.Tensor]:
+        if self.exchange is not None:
+            self.exchange.wait()
+        return self.deltas
 
 
 class OuterSync:
-    """The outer state of a DiLoCo model and its step (see [Note: inner and outer steps])."""
+    """The outer state of a DiLoCo model and its steps (see the Notes above)."""
 
     def __init__(self, config, engine, module: torch.nn.Module, comm):
         self.config = config
-        self.comm = comm  # the job's Comm: the outer step is the only communication
+        self.comm = comm  # the job's Comm: the outer steps are the only communication
         self.engine = engine
         self.params = list(engine.params)
         pieces = engine.master_pieces()
@@ -57,72 +103,91 @@ class OuterSync:
         self.outer = torch.optim.SGD(self.synced, lr=config.outer_lr, momentum=momentum,
                                      nesterov=bool(config.nesterov) and momentum > 0)
         self.buffers = [b for b in module.buffers()]
-        self.inner_steps = 0  # optimizer steps since the last sync (the same on every rank)
-        self.syncs = 0
+        self.fragments = fragment_of([p.numel() for p in self.params], config.fragments)
+        self.every = config.sync_every // config.fragments  # steps between two sends
+        # An average that arrives steps later travels on a group of its own, so that nothing
+        # issued on the job's group meanwhile queues behind it.
+        self.wire_comm = comm.apart("diloco:outer") if config.delay and comm.world > 1 \
+            else comm
+        self.wire = Wire(self.wire_comm, config.comm_dtype, config.error_feedback)
+        self.in_flight: _InFlight | None = None
+        self.inner_steps = 0  # the position in the cycle of sync_every steps (the same on
+        self.syncs = 0        # every rank); fragments sent so far
 
     def groups(self) -> list:
-        """The process groups the outer step issues on (for the step report)."""
-        return [self.comm.group] if self.comm.group is not None else []
+        """The process groups the outer steps issue on (for the step report)."""
+        return [c.group for c in {id(c): c for c in (self.comm, self.wire_comm)}.values()
+                if c.group is not None]
+
+    def send_step(self, fragment: int) -> int:
+        """The value of inner_steps after which `fragment` is sent."""
+        return (fragment + 1) * self.every % self.config.sync_every
 
     def after_step(self) -> None:
-        """After every `optimizer.step()`: count it, and sync after the H-th."""
-        self.inner_steps += 1
-        if self.inner_steps >= self.config.sync_every:
-            self.sync()
+        """After every `optimizer.step()`: count it, apply what is due, send what is next."""
+        self.inner_steps = (self.inner_steps + 1) % self.config.sync_every
+        if self.in_flight is not None and self.in_flight.due == self.inner_steps:
+            self.apply()
+        if self.inner_steps % self.every == 0:
+            self.send((self.inner_steps // self.every - 1) % self.config.fragments)
+            if self.config.delay == 0:
+                self.apply()
+            if self.inner_steps == 0:
+                self._sync_buffers()
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """Average the pseudo-gradients, step the synced weights, make them every rank's."""
+    def send(self, fragment: int) -> None:
+        """Take the fragment's pseudo-gradients and start their average."""
         self.engine.master_pieces()  # takes edits made behind phalanx's back into the masters
-        deltas = [s - m for s, m in zip(self.synced, self.masters)]
-        self._average(deltas, "diloco:pseudo-gradient")
-        for s, d in zip(self.synced, deltas):
-            s.grad = d
-        self.outer.step()
-        for s, m in zip(self.synced, self.masters):
-            s.grad = None
-            m.copy_(s)
-        self.engine.publish_masters()  # bf16: the parameters from the masters (no collective)
-        self._sync_buffers()
-        self.inner_steps = 0
+        members = self.fragments[fragment]
+        deltas = [self.synced[i] - self.masters[i] for i in members]
+        exchange = self.wire.start(members, deltas, f"diloco:fragment[{fragment}]")
+        due = (self.inner_steps + self.config.delay) % self.config.sync_every
+        self.in_flight = _InFlight(fragment, due, exchange, deltas)
         self.syncs += 1
 
     @torch.no_grad()
-    def restore(self, weights: list[torch.Tensor] | None, inner_steps: int) -> None:
-        """After a load: `synced` holds the loaded weights already; this rank's weights
-        become `weights` (None: the synced ones) and the count of inner steps `inner_steps`."""
+    def apply(self, keep_local: float | None = None) -> None:
+        """The outer step of the fragment in flight with its average, and its weights on this
+        rank from the new synced ones (see [Note: streaming DiLoCo's schedule])."""
+        flight, self.in_flight = self.in_flight, None
+        members = self.fragments[flight.fragment]
+        for i, d in zip(members, flight.averaged()):
+            self.synced[i].grad = d
+        self.outer.step()  # steps only the parameters given a gradient
+        keep = self.config.keep_local if keep_local is None else keep_local
+        for i in members:
+            s, m = self.synced[i], self.masters[i]
+            s.grad = None
+            m.copy_(s if keep == 0 else torch.lerp(s, m, keep))
+        self.engine.publish_masters()  # bf16: the parameters from the masters (no collective)
+
+    @torch.no_grad()
+    def restore(self, weights: list[torch.Tensor] | None, inner_steps: int,
+                in_flight: tuple[int, list[torch.Tensor]] | None = None) -> None:
+        """After a load: `synced` holds the loaded weights already; this rank's weights become
+        `weights` (None: the synced ones), the position in the cycle `inner_steps`, and
+        `in_flight` (fragment, its average) the fragment whose average arrived but is not
+        applied yet. Without `weights` that average is applied now (the run resumes from the
+        synced weights)."""
+        self.in_flight = None
         for i, m in enumerate(self.masters):
             m.copy_(self.synced[i] if weights is None else weights[i])
         self.engine.publish_masters()
         self.inner_steps = inner_steps
+        if in_flight is not None:
+            fragment, average = in_flight
+            due = (self.send_step(fragment) + self.config.delay) % self.config.sync_every
+            self.in_flight = _InFlight(fragment, due, None, average)
+            if weights is None:
+                self.apply(keep_local=0.0)
 
-    def _average(self, tensors: list[torch.Tensor], tag: str) -> None:
-        """Average `tensors` over the ranks in place, in runs of at most RUN_BYTES, sent in
-        `comm_dtype` where one is set."""
-        if self.comm.world == 1:
-            return
-        by_dtype: dict = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype, members in by_dtype.items():
-            wire = self.config.comm_dtype or dtype
-            size = torch.empty((), dtype=wire).element_size()
-            run, nbytes = [], 0
-            for t in members + [None]:
-                if run and (t is None or nbytes + t.numel() * size > RUN_BYTES):
-                    self._average_run(run, wire, tag)
-                    run, nbytes = [], 0
-                if t is not None:
-                    run.append(t)
-                    nbytes += t.numel() * size
-
-    def _average_run(self, run: list[torch.Tensor], wire: torch.dtype, tag: str) -> None:
-        flat = torch.cat([t.reshape(-1).to(wire) for t in run])
-        self.comm.all_reduce(flat, op="avg", tag=tag)
-        offset = 0
-        for t in run:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+    def pending_average(self) -> tuple[int, list[torch.Tensor]] | None:
+        """(fragment, its average) of the fragment in flight, waited for (a checkpoint keeps
+        it: checkpoint/diloco.py); None when none is."""
+        if self.in_flight is None:
+            return None
+        return self.in_flight.fragment, self.in_flight.averaged()
 
     def _sync_buffers(self) -> None:
         if self.comm.world == 1 or not self.buffers:
@@ -134,7 +199,12 @@ class OuterSync:
             for b in floating:
                 by_dtype.setdefault(b.dtype, []).append(b)
             for members in by_dtype.values():
-                self._average_run(members, members[0].dtype, "diloco:buffers")
+                flat = torch.cat([b.reshape(-1) for b in members])
+                self.comm.all_reduce(flat, op="avg", tag="diloco:buffers")
+                offset = 0
+                for b in members:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
         for b in others:
             self.comm.broadcast(b, src=0, tag="diloco:buffers")
 
@@ -149,3 +219,14 @@ class OuterSync:
             state.pop("momentum_buffer", None)
         else:
             state["momentum_buffer"] = value.to(self.synced[i].dtype).clone()
+
+    def error_of(self, i: int) -> torch.Tensor | None:
+        """This rank's error feedback of parameter i (None before any lossy send)."""
+        return self.wire.errors.get(i)
+
+    @torch.no_grad()
+    def set_error(self, i: int, value: torch.Tensor | None) -> None:
+        if value is None:
+            self.wire.errors.pop(i, None)
+        else:
+            self.wire.errors[i] = value.to(self.synced[i].dtype).view_as(self.synced[i]).clone()
