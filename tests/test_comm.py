@@ -16,15 +16,14 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "phalanx"
 
 
 def test_no_collective_bypasses_the_comm():
-    """Only collectives.py calls torch.distributed's collectives. Two exceptions, on purpose:
-    the naive twin (the oracle the engine is tested against shares none of its code), and the
+    """Only collectives.py calls torch.distributed's collectives. One exception, on purpose: the
     shard service's point-to-point sends (engine/remote.py): two ranks only, outside any
     sequence every rank issues, so not a Comm's collective; bounded by its group's timeout and
     the store's, and named in PeerError when a peer does not answer."""
     pattern = re.compile(r"\bdist\.(all_reduce|all_gather|reduce_scatter|broadcast|barrier|"
                          r"gather|scatter|send|recv|all_to_all)")
     offenders = [f"{path.relative_to(SRC)}:{n}" for path in SRC.rglob("*.py")
-                 if path.name not in ("collectives.py", "naive.py", "remote.py")
+                 if path.name not in ("collectives.py", "remote.py")
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if pattern.search(line)]
     assert offenders == []

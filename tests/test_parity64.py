@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.engine.naive import NaiveDataParallel
+from naive_twin import NaiveDataParallel
 from phalanx.testing import run_ranks
 from parity import one_thread
 

@@ -5,7 +5,7 @@ for everything queued before it, so the host stops running ahead of the device a
 kernels start late. phalanx reads a device value once per optimizer step, at the end of the
 backward that communicates: which parameters got a gradient on any rank, whether any rank's
 loss was non-finite, fp16's overflow flag, and zero3's check that the ranks gathered the same
-modules all come back in that one read (engine/flat_engine.py, `FlatEngine._settle`). Other
+modules all come back in that one read (engine/flat_engine.py, `FlatEngine._after_backward`). Other
 reads are outside the steady step: the first step's launch order, the replica check every K
 steps, errors being reported.
 

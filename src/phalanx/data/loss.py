@@ -38,18 +38,17 @@ For logging, the mean over ranks of the per-step sum of the returned values is L
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..collectives import Comm
 from ..runtime import default_comm
 
 __all__ = ["global_mean"]
 
-# id(count tensor) -> (weak reference to it, its _version, the Comm, the reduced total). An
+# count tensor (by identity, held weakly) -> (its _version, the Comm, the reduced total). An
 # entry goes when its tensor dies; a hit needs the same live object, unchanged, and the same Comm.
-_totals: dict[int, tuple] = {}
+_totals = WeakTensorKeyDictionary()
 
 
 def global_mean(loss_sum: torch.Tensor, count) -> torch.Tensor:
@@ -86,10 +85,9 @@ def _global_total(count, comm: Comm) -> torch.Tensor:
         if count.numel() != 1:
             raise ValueError(f"px.global_mean: count must hold one number, got shape "
                              f"{tuple(count.shape)}; pass count.sum()")
-        cached = _totals.get(id(count))
-        if (cached is not None and cached[0]() is count and cached[1] == count._version
-                and cached[2] is comm):
-            return cached[3]
+        cached = _totals.get(count)
+        if cached is not None and cached[0] == count._version and cached[1] is comm:
+            return cached[2]
         local = count.detach().reshape(()).to(torch.float64)
     elif isinstance(count, (int, float)) and not isinstance(count, bool):
         local = torch.tensor(float(count), dtype=torch.float64)
@@ -100,14 +98,5 @@ def _global_total(count, comm: Comm) -> torch.Tensor:
         local = local.to(comm.device).clone()
         comm.all_reduce(local, op="sum", tag="global_mean")
     if isinstance(count, torch.Tensor):
-        key = id(count)
-        ref = weakref.ref(count, lambda r, key=key: _forget(key, r))
-        _totals[key] = (ref, count._version, comm, local)
+        _totals[count] = (count._version, comm, local)
     return local
-
-
-def _forget(key: int, ref) -> None:
-    """Drop the entry of a count tensor that died (unless its id was already reused)."""
-    entry = _totals.get(key)
-    if entry is not None and entry[0] is ref:
-        del _totals[key]

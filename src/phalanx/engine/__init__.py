@@ -10,10 +10,13 @@ parameters is freed in backward, zero3_roots.py checks that the ranks gather ali
 modules used outside their root), optim.py (adopting the
 optimizer), amp.py (torch.amp's GradScaler routed to the engine's reduced gradients), vote.py
 (a step that raised on one rank dropped on every rank; zero3_replay.py its gathers),
-offload.py (masters and optimizer state in host memory, stepped there),
-powersgd.py (low-rank gradient compression in the reducer; its request in
-powersgd_config.py), naive.py (one all-reduce per parameter: the reference the tests compare
-with).
+offload.py (masters and optimizer state in host memory, stepped there), flat_grads.py (a
+unit's gradients reduced and handed to the step), stepping.py (the step, a run of units at a
+time), clipping.py (the global norm; torch's clip_grad_norm_ routed to it), generations.py
+(what an engine does across continue mode's generations), powersgd.py (low-rank gradient
+compression in the reducer; its request in powersgd_config.py), delayed.py (`staleness=1`),
+diloco.py (DiLoCo's outer step), hybrid.py (`shard_size`: sharded within groups, replicated
+across them).
 """
 
 from __future__ import annotations

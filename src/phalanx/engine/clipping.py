@@ -29,6 +29,7 @@ import weakref
 import torch
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_mod
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .. import runtime
 
@@ -69,17 +70,14 @@ def clip_units(engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     return total
 
 
-# id(param) -> (weakref to the param, weakref to its engine). Not a WeakKeyDictionary: tensors
-# compare element-wise, so a dictionary keyed by them cannot tell two apart safely.
-_ENGINES: dict[int, tuple] = {}
+# param (by identity, held weakly) -> a weak reference to its engine
+_ENGINES = WeakTensorKeyDictionary()
 _ORIGINAL: dict = {}  # "fn" -> torch's function while ours is installed
 
 
 def _engine_of(p):
-    entry = _ENGINES.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None
-    return entry[1]()
+    engine = _ENGINES.get(p)
+    return None if engine is None else engine()
 
 
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
@@ -109,18 +107,16 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
 _clip_grad_norm_.__doc__ = clip_mod.clip_grad_norm_.__doc__
 
 
-def _forget(key: int) -> None:
-    _ENGINES.pop(key, None)
-    if not any(entry[1]() is not None for entry in _ENGINES.values()):
+def _engine_ended() -> None:
+    if not any(engine() is not None for engine in _ENGINES.values()):
         restore_torch_clip()
 
 
 def route_torch_clip(engine) -> None:
     """Route torch's clip for `engine`'s parameters to it (see the module's docstring)."""
     for p in engine.params:
-        _ENGINES[id(p)] = (weakref.ref(p), weakref.ref(engine))
-    keys = [id(p) for p in engine.params]
-    weakref.finalize(engine, lambda: [_forget(k) for k in keys])
+        _ENGINES[p] = weakref.ref(engine)
+    weakref.finalize(engine, _engine_ended)
     if "fn" not in _ORIGINAL:
         _ORIGINAL["fn"] = clip_mod.clip_grad_norm_
         clip_mod.clip_grad_norm_ = _clip_grad_norm_

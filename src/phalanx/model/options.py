@@ -24,7 +24,7 @@ def _check_options(strategy, precision, bucket_mb, comm_dtype, check_replicas_ev
     precision = precision_spec(precision).name  # aliases resolved (phalanx/precisions.py)
     if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
             and math.isfinite(bucket_mb) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be a positive, finite number of megabytes (default "
+        raise ValueError(f"bucket_mb must be a positive, finite number of MiB (default "
                          f"25), not {bucket_mb!r}")
     try:
         ok = comm_dtype in COMM_DTYPES
