@@ -18,12 +18,12 @@ import math
 
 import torch
 
-from ..engine.units import borrowing, step_run_bytes
+from ..engine.units import step_run_bytes
 from .alternatives import alternatives
 from .comm import collectives, step_time
 from .finetune import finetuned
 from .hybrid import across_groups
-from .layout import unit_sizes, zero3_gathering
+from .layout import engine_units, lending, owned_elements, zero3_gathering
 from .link import link_report
 from .memory import (STRATEGIES, buffer_bytes, model_states, optimizer_state_elements,
                      peak_bytes, step_working_bytes)
@@ -134,23 +134,15 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     state_elements = optimizer_state_elements(s.optimizer, desc.trainable_params,
                                               desc.trainable_shapes, nominal)
     reduce_scatter = s.backend == "nccl"
-    units_ = unit_sizes(desc.trainable_shapes, desc.trainable_params, prec.weight_bytes,
-                        s.bucket_mb, desc.trainable_blocks)
-    largest_unit = max(units_)
+    # the engine's units: of the trainable parameters, and under zero3 on more than one rank of
+    # every parameter, frozen ones laid out with the trainable ones (layout.py)
+    layouts = {zero3: engine_units(desc, zero3, prec.compute_dtype, prec.weight_bytes,
+                                   s.bucket_mb) for zero3 in (False, True)}
+    units_ = [u.trainable for u in layouts[False]] or [0]
     gathering = zero3_gathering(desc, prec.weight_bytes, s.bucket_mb, **s.gather)
-    largest_param = (max((math.prod(x) for x in desc.trainable_shapes), default=0)
-                     if desc.trainable_shapes is not None else largest_unit)
     grad_comm = (s.comm_bytes or prec.grad_bytes) * desc.trainable_params
     replicated = not prec.mixed  # ddp without masters: the model's own parameters, as they are
     run_bytes = step_run_bytes(s.bucket_mb)
-
-    def _stepped(strategy, n):
-        """What the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
-        one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)."""
-        if strategy == "ddp" and replicated and desc.trainable_shapes is not None:
-            return [math.prod(x) for x in desc.trainable_shapes]
-        n = 1 if strategy == "ddp" else n
-        return [-(-u // n) for u in units_]
 
     def _offload(strategy):
         return s.offload if strategy in s.candidates else None
@@ -158,16 +150,25 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     def memory_at(strategy, n):
         """Model states and buffers on the device, its step temporaries and peak, and what
         offload puts on the host, of `strategy` on n ranks."""
+        units = layouts[strategy == "zero3" and n > 1]
+        trained = [u for u in units if u.trained]
+        sizes = [u.trainable for u in trained] or [0]
+        largest_param = max((max(u.trained) for u in trained if u.known), default=max(sizes))
+        shards = 1 if strategy == "ddp" else n
+        owned_t, owned_f = owned_elements(units, shards)
+        owned_state = -(-state_elements * owned_t // max(desc.trainable_params, 1))
         states = model_states(strategy, prec, desc.params, desc.trainable_params,
-                              state_elements, n)
-        lent = None if desc.trainable_shapes is None else borrowing(
-            [math.prod(x) for x in desc.trainable_shapes], desc.trainable_blocks,
-            prec.weight_bytes, s.bucket_mb, n)
+                              state_elements, n, owned=(owned_t, owned_f, owned_state))
         buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
-                               s.comm_bytes, largest_unit, largest_param,
-                               gathered_numel=gathering[0], borrowing=lent)
-        stepped, offload = _stepped(strategy, n), _offload(strategy)
-        host = None
+                               s.comm_bytes, max(sizes), largest_param,
+                               gathered_numel=gathering[0], borrowing=lending(units, n))
+        # what the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
+        # one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)
+        if strategy == "ddp" and replicated and desc.trainable_shapes is not None:
+            stepped = [math.prod(x) for x in desc.trainable_shapes]
+        else:
+            stepped = [-(-u // shards) for u in sizes]
+        offload, host = _offload(strategy), None
         if offload is None:
             step_bytes = step_working_bytes(s.optimizer, prec, stepped,
                                             foreach=s.backend == "nccl",
@@ -175,13 +176,12 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
                                             run_bytes=run_bytes)
         else:
             step_bytes = 0  # the step runs on the host
-            host = host_side(offload, prec, s.optimizer, stepped,
-                             -(-state_elements // (1 if strategy == "ddp" else n)),
-                             -(-desc.params // n),
-                             {"forward": -(-desc.params // n),
+            host = host_side(offload, prec, stepped, owned_state, owned_f,
+                             {"forward": owned_t + owned_f,
                               "backward": -(-(desc.params - gathering[1]) // n)},
                              run_bytes)
-            states = device_states(states, offload)
+            states = device_states(states, offload, strategy == "zero3" and n > 1,
+                                   prec.weight_bytes * (owned_t + owned_f))
         return (states, buffers, step_bytes, host) + peak_bytes(states.total, buffers,
                                                                 activations, step_bytes)
 
@@ -203,8 +203,7 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
                       host_phase_s=uploads)
         step_s, no_overlap_s, extra = t.step_s, t.step_no_overlap_s, {}
         if host is not None:
-            off = offload_seconds(host, s.gpus, s.host_link, s.host_memory_bw, compute_s,
-                                  s.grad_accum, s.checkpointing, len(units_))
+            off = offload_seconds(host, s.gpus, s.host_link, s.host_memory_bw, s.grad_accum)
             step_s, no_overlap_s = step_s + off.exposed_s, no_overlap_s + off.serial_s
             per_node = s.gpus * host.bytes_per_rank
             extra = dict(host_bytes=host.bytes_per_rank, host_bytes_per_node=per_node,

@@ -3,7 +3,8 @@
 Describe the model once, by count, config or factory, and the setting:
 
     phalanx plan --params 8e9 --gpus 8 --gpu-memory 80GB --precision fp32
-    phalanx plan --config config.json --gpus 8 --nodes 4 --batch 4 --seq 4096 --activation-checkpointing
+    phalanx plan --config config.json --gpus 8 --nodes 4 --batch 4 --seq 4096 \
+        --activation-checkpointing
     phalanx plan --model models.py:build --gpus 2 --gpu a100 --strategy zero2 --json
     phalanx plan --params 8e9 --gpus 2 --gpu rtx3090 --lora-rank 16
     phalanx plan --params 8e9 --gpus 2 --gpu rtx3090 --offload optimizer --host-memory 128GB
@@ -83,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
     run.add_argument("--seq", type=int, help="sequence length (default 2048, or the config's "
                                              "learned positions if fewer)")
-    run.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
+    run.add_argument("--grad-accum", type=int, default=1,
+                     help="micro-steps per optimizer step (default 1)")
     run.add_argument("--activation-checkpointing", action="store_true",
                      help="count the activations of a model that recomputes its blocks")
     run.add_argument("--attention", default="eager", choices=("eager", "flash"),

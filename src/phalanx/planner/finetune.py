@@ -113,7 +113,8 @@ def finetuned(desc: ModelDesc, lora_rank, targets, trainable) -> ModelDesc:
     if trainable is not None:
         learning = max(1, round(trainable * desc.params))
         return replace(desc, trainable_params=learning, trainable_shapes=None,
-                       trainable_blocks=None, frozen_share=1 - learning / desc.params,
+                       trainable_blocks=None, param_trainable=None,
+                       frozen_share=1 - learning / desc.params,
                        finetune={"trainable": trainable}, notes=list(desc.notes) + [
                            f"trainable {trainable:g}: {learning:,} parameters learn, laid out "
                            "as a count (which ones is not said); activations are full "
@@ -175,17 +176,19 @@ def _lora_shapes(desc: ModelDesc, rank: int, targets) -> ModelDesc:
     adapters = [s for _ in range(shape.layers) for s in per_layer]
     adapter_blocks = [layer for layer in range(shape.layers) for _ in per_layer]
     added = sum(math.prod(s) for s in adapters)
-    param_shapes = param_blocks = None
+    param_shapes = param_blocks = param_trainable = None
     if desc.param_shapes is not None:  # each layer's adapters after the layer's own weights
-        param_shapes, param_blocks = [], []
+        param_shapes, param_blocks, param_trainable = [], [], []
         pending = {layer: per_layer for layer in range(shape.layers)}
         blocks = list(desc.param_blocks) + [None]
         for i, s in enumerate(desc.param_shapes):
             param_shapes.append(s)
             param_blocks.append(blocks[i])
+            param_trainable.append(False)
             if blocks[i] is not None and blocks[i + 1] != blocks[i]:
                 param_shapes += pending.pop(blocks[i])
                 param_blocks += [blocks[i]] * len(per_layer)
+                param_trainable += [True] * len(per_layer)
     notes = list(desc.notes)
     if desc.transformer is None:
         notes.append(f"LoRA adapters from a bare count are sized for a stand-in shape of "
@@ -196,7 +199,8 @@ def _lora_shapes(desc: ModelDesc, rank: int, targets) -> ModelDesc:
                      "whose inputs autograd need not keep")
     return replace(desc, params=desc.params + added, trainable_params=added,
                    trainable_shapes=adapters, trainable_blocks=adapter_blocks,
-                   param_shapes=param_shapes, param_blocks=param_blocks, frozen_share=1.0,
+                   param_shapes=param_shapes, param_blocks=param_blocks,
+                   param_trainable=param_trainable, frozen_share=1.0,
                    notes=notes, finetune={
                        "lora_rank": rank, "lora_targets": list(targets),
                        "adapted_layers": shape.layers * len(targets), "adapter_params": added})

@@ -1,4 +1,4 @@
-"""How phalanx lays out trainable parameters, for the planner: the engine's own function.
+"""How phalanx lays out parameters in units, for the planner: the engine's own function.
 
 The units (gradient buckets, which are also the flat units the sharded strategies cut into
 shards) are decided by `phalanx.engine.units`, by the module tree under a size cap; the planner
@@ -7,18 +7,105 @@ repeated block it sits in where the model or config says), so its layout cannot 
 engine's. The planner needs the sizes for what scales with a unit rather than with the model:
 ZeRO-2's pool of bucket buffers, the fp32 gradient that a mixed-precision step makes for one
 unit at a time, the optimizer's per-call temporaries and, for zero3, the parameters gathered at
-once. Under zero3 frozen parameters (a LoRA model's base) are sharded in the same units as the
-trainable ones and gathered with them, so what zero3 gathers is laid out over every parameter;
-what is reduced and stepped, over the trainable ones.
+once. Under zero3 (on more than one rank) frozen parameters (a LoRA model's base) are laid
+out with the trainable ones, in the units of the modules that hold them (see [Note: frozen
+parameters in a unit] in engine/flat.py): a unit is [trainable | frozen], each segment padded
+to the world size and sharded; what is reduced and stepped is the trainable segment, and units
+of frozen parameters only are neither. `engine_units` gives each unit's two segments, as the
+engine cuts them, for every description that says enough: a module (the engine's own
+`module_units` on it), shapes with the trainable ones marked (a config, LoRA on a config), and
+otherwise the trainable parameters and the frozen ones as two counts.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from ..engine.units import FIRST_UNIT_MIB, unit_caps, unit_numels
+from ..engine.units import FIRST_UNIT_MIB, borrows, plan_units, unit_caps, unit_numels
 
-__all__ = ["unit_sizes", "zero3_gathering", "zero3_roots", "engine_roots", "FIRST_UNIT_MIB"]
+__all__ = ["Unit", "engine_units", "owned_elements", "lending", "unit_sizes", "zero3_gathering",
+           "zero3_roots", "engine_roots", "FIRST_UNIT_MIB"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of the engine: the elements of each of its trainable parameters (in a count,
+    `known` False, one number for all of them), and of its frozen ones (zero3)."""
+
+    trained: tuple[int, ...]
+    frozen: int = 0
+    known: bool = True
+
+    @property
+    def trainable(self) -> int:
+        return sum(self.trained)
+
+
+def engine_units(desc, zero3: bool, compute_dtype, compute_bytes: int,
+                 bucket_mb: float = 25.0) -> list[Unit]:
+    """The engine's units of the model `desc` describes, those with trainable parameters first
+    in the order they step (backward's), then units of frozen parameters only. `zero3`: the
+    strategy shards parameters (zero3 on more than one rank), so frozen ones are laid out too;
+    `compute_dtype`: the precision's (None: each parameter's own)."""
+    if desc.module is not None and desc.trainable_shapes is not None:  # its own flags
+        from ..engine.units import module_units
+
+        members = [p for p in desc.module.parameters()
+                   if p.requires_grad or (zero3 and p.is_floating_point())]
+        runs = module_units(desc.module, members, compute_bytes, bucket_mb, desc.block_classes,
+                            compute_dtype) if members else []
+        units = [Unit(tuple(p.numel() for p in run if p.requires_grad),
+                      sum(p.numel() for p in run if not p.requires_grad)) for run in runs]
+    elif zero3 and desc.param_trainable is not None:
+        units = _cut(desc.param_shapes, desc.param_blocks, desc.param_trainable, compute_bytes,
+                     bucket_mb)
+    else:
+        if desc.trainable_shapes is not None:
+            units = _cut(desc.trainable_shapes, desc.trainable_blocks, None, compute_bytes,
+                         bucket_mb)
+        else:
+            units = [Unit((n,), known=False) for n in
+                     unit_sizes(None, desc.trainable_params, compute_bytes, bucket_mb) if n]
+        if zero3 and desc.frozen_params:  # where they sit is not known: laid out as a count
+            units += [Unit((), n, known=False)
+                      for n in unit_sizes(None, desc.frozen_params, compute_bytes, bucket_mb)]
+    return [u for u in units if u.trained] + [u for u in units if not u.trained]
+
+
+def _cut(shapes, blocks, trainable, compute_bytes: int, bucket_mb: float) -> list[Unit]:
+    """Units of parameters of `shapes` (registration order), in the repeated block `blocks`
+    says, `trainable` marking those that learn (None: all do), cut as engine/units.py cuts
+    them."""
+    numels = [math.prod(s) for s in shapes]
+    blocks = blocks if blocks is not None else [None] * len(numels)
+    trainable = trainable if trainable is not None else [True] * len(numels)
+    entries = list(reversed(list(zip(numels, blocks, trainable))))
+    first, cap = unit_caps(bucket_mb, compute_bytes)
+    out = []
+    for unit in plan_units([(n, b, None) for n, b, _ in entries], first, cap):
+        out.append(Unit(tuple(entries[i][0] for i in unit if entries[i][2]),
+                        sum(entries[i][0] for i in unit if not entries[i][2])))
+    return out
+
+
+def owned_elements(units: list[Unit], world: int) -> tuple[int, int]:
+    """(trainable, frozen) elements of the shards the first rank owns, the most any rank
+    does: each unit's segment padded to a multiple of `world` and cut in `world` slices
+    (engine/flat.py). `world` 1: everything."""
+    return (sum(-(-u.trainable // world) for u in units),
+            sum(-(-u.frozen // world) for u in units))
+
+
+def lending(units: list[Unit], world: int) -> tuple[int, int]:
+    """(trainable elements of the largest unit that borrows its full-gradient buffer from the
+    pool, of the largest that does not), as engine/units.py's `borrows` decides on `world`
+    ranks; a unit laid out as a count is taken to borrow."""
+    trained = [u for u in units if u.trained]
+    return (max((u.trainable for u in trained
+                 if not u.known or borrows(list(u.trained), world)), default=0),
+            max((u.trainable for u in trained
+                 if u.known and not borrows(list(u.trained), world)), default=0))
 
 
 def unit_sizes(shapes, count: int, compute_bytes: int, bucket_mb: float = 25.0,
@@ -95,12 +182,14 @@ def engine_roots(engine) -> dict | None:
     """What a zero3 engine gathers together, for RUN_DIR/run.json: px.prepare records it, and
     `phalanx report` plans the run with it (`ModelDesc.zero3_roots` and px.prepare's
     gathering options), since a parameter count alone does not say which units stay gathered
-    from forward into backward. The roots are [name, trainable elements] in the engine's
-    order (backward's; "" is the model itself). None for a strategy that gathers nothing."""
+    from forward into backward. The roots are [name, elements] in the engine's order
+    (backward's; "" is the model itself), the elements being those it gathers: every member
+    of its units, the trainable parameters and the frozen ones gathered with them ([Note:
+    frozen parameters in a unit] in engine/flat.py: `FlatUnit.members`). None for a strategy that gathers nothing."""
     gatherer = getattr(engine, "gatherer", None)
     if gatherer is None:
         return None
-    return {"roots": [[root.name, sum(p.numel() for unit in root.units for p in unit.params)]
+    return {"roots": [[root.name, sum(p.numel() for unit in root.units for p in unit.members)]
                       for root in gatherer.roots],
             "prefetch": gatherer.prefetch,
             "max_gathered_mb": None if gatherer.limit is None else gatherer.limit / 2**20,

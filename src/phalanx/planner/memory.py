@@ -15,6 +15,15 @@ weights are the master). "bf16-true" keeps everything, moments included, in bf16
 Frozen parameters (a LoRA model's base, `requires_grad=False`) have weights only: w bytes each,
 whole on every rank under ddp, zero1 and zero2, sharded 1/N under zero3; no gradient, master or
 optimizer state. With Psi_t trainable of Psi parameters, g and K multiply Psi_t.
+zero3 under mixed precision keeps no compute-dtype copy of a trainable parameter's shard: the
+fp32 master (in K) is the shard, cast into the gathered buffer at each gather (engine/flat.py),
+so its row is (g + K) Psi_t / N + w Psi_f / N, 14/N per parameter with Adam where the ZeRO
+paper counts 16/N. (On one rank zero3 shards nothing and keeps its parameters whole, as zero2
+does; offloaded, a compute-dtype shard stays on the device: offload.py.)
+Shards are cut per unit: each unit's trainable and frozen segments are padded to a multiple of
+N (engine/flat.py), so a rank owns the sum over units of ceil(unit / N) elements; given the
+engine's units (layout.py), the plan counts that, and the first rank's (the largest) share of
+the optimizer state.
 
 [Note: Engine buffers]
 `buffers_bytes` is what phalanx's engine (engine/flat_engine.py, flat.py, reducer.py, buckets.py)
@@ -129,21 +138,31 @@ def _shard(nbytes: int, n: int) -> int:
 
 
 def model_states(strategy: str, precision: PrecisionSpec, params: int, trainable: int,
-                 state_elements: int, world: int) -> ModelStates:
+                 state_elements: int, world: int, owned: tuple | None = None) -> ModelStates:
     """Bytes per device of weights, gradients and optimizer state (see [Note: Model states]).
-    `params` counts every parameter, frozen ones included; `trainable` those that learn."""
-    w = precision.weight_bytes * params
-    g = precision.grad_bytes * trainable
+    `params` counts every parameter, frozen ones included; `trainable` those that learn.
+    `owned`: (trainable, frozen, optimizer-state) elements of the shards a rank owns, as the
+    engine pads them per unit (layout.py's `owned_elements`); None: 1/N of the bytes."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    w, g = precision.weight_bytes, precision.grad_bytes
     k = precision.master_bytes * trainable + precision.state_bytes * state_elements
     if strategy == "ddp":
-        return ModelStates(w, g, k)
+        return ModelStates(w * params, g * trainable, k)
+    held = params - trainable if precision.mixed else params  # zero3's weights between uses
+    if owned is None:
+        shard_g, shard_k = _shard(g * trainable, world), _shard(k, world)
+        shard_w = _shard(w * held, world)
+    else:
+        t, f, s = owned
+        shard_g = g * t
+        shard_k = precision.master_bytes * t + precision.state_bytes * s
+        shard_w = w * (f + (0 if precision.mixed else t))
     if strategy == "zero1":
-        return ModelStates(w, g, _shard(k, world))
-    if strategy == "zero2":
-        return ModelStates(w, _shard(g, world), _shard(k, world))
-    if strategy == "zero3":
-        return ModelStates(_shard(w, world), _shard(g, world), _shard(k, world))
-    raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        return ModelStates(w * params, g * trainable, shard_k)
+    if strategy == "zero2" or world == 1:  # zero3 on one rank keeps its parameters whole
+        return ModelStates(w * params, shard_g, shard_k)
+    return ModelStates(shard_w, shard_g, shard_k)
 
 
 def buffer_bytes(strategy: str, precision: PrecisionSpec, trainable: int, world: int,

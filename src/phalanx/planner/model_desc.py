@@ -42,6 +42,7 @@ class ModelDesc:
     # ones, in the same units): module order, and the block of each; None for a bare count
     param_shapes: list[tuple[int, ...]] | None = None
     param_blocks: list | None = None
+    param_trainable: list[bool] | None = None  # which of param_shapes learn, where known
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     block_classes: tuple | None = None  # px.plan's `blocks=`, resolved (engine/units.py)
@@ -99,7 +100,8 @@ def from_config(config) -> ModelDesc:
     return ModelDesc(name=name, source="config", params=shape.params(),
                      trainable_params=shape.params(), trainable_shapes=shapes,
                      trainable_blocks=shape.param_blocks(), param_shapes=shapes,
-                     param_blocks=shape.param_blocks(), transformer=shape)
+                     param_blocks=shape.param_blocks(), param_trainable=[True] * len(shapes),
+                     transformer=shape)
 
 
 def _default_input(module: nn.Module) -> Callable[[int, int], tuple]:
@@ -107,8 +109,8 @@ def _default_input(module: nn.Module) -> Callable[[int, int], tuple]:
     features for a Linear. Anything else needs `input_shape`."""
     if callable(getattr(module, "example_input", None)):
         return lambda b, s: _as_tuple(module.example_input(b, s))
-    first = next((m for m in module.modules() if next(m.parameters(recurse=False), None) is not None),
-                 None)
+    first = next((m for m in module.modules()
+                  if next(m.parameters(recurse=False), None) is not None), None)
     if isinstance(first, nn.Embedding):
         return lambda b, s: (torch.zeros(b, s, dtype=torch.long, device="meta"),)
     if isinstance(first, nn.Linear):
@@ -168,7 +170,8 @@ def from_module(module: nn.Module, name: str | None = None,
                      trainable_shapes=[tuple(p.shape) for p in trainable],
                      trainable_blocks=_blocks_of(module, trainable, classes),
                      param_shapes=[tuple(p.shape) for p in params],
-                     param_blocks=_blocks_of(module, params, classes), module=module,
+                     param_blocks=_blocks_of(module, params, classes),
+                     param_trainable=[p.requires_grad for p in params], module=module,
                      block_classes=classes)
     try:
         desc.make_input = make_input or _default_input(module)

@@ -13,32 +13,40 @@ host memory between uses: the device holds only the units being gathered, every 
 copies the rank's shard up (w x Psi / N per gather, forward and backward, in every micro-step)
 and the updated shard stays on the host.
 
-Host memory per rank: the masters (4 bytes per element, or the parameters' own size where they
-are their own masters) and the optimizer state of the shard it steps; the fp32 gradients of the
-run of units being stepped (the step's working memory moves from the device to the host, and
-the fused CPU kernel makes no temporaries of its own) and the compute-dtype gradients of two
-units in flight; under offload="params" the parameter shard. Per node: that times the GPUs per
-node. It is pinned (page-locked, so copies run at the link's rate) and so must fit in physical
-memory: checked against `host_memory` with the device's headroom.
+Host memory per rank, what engine/offload.py holds: the masters (4 bytes per element, or the
+parameters' own size where they are their own masters) and the optimizer state of the shard it
+steps; the landing buffers of the gradients copied down, two (the run stepping, the next one
+landing), each as large as the largest run of units it takes (the runs of units.py's
+`step_runs`, alternating); under mixed precision one run's gradients in the master dtype (the
+fused CPU kernel makes no temporaries of its own) and two units' staging buffers, where each
+stepped master is cast to the compute dtype before it is copied up; under offload="params"
+the compute-dtype shard (the master itself in fp32) and the frozen shards. Per node: that
+times the GPUs per node. It is pinned (page-locked, so copies run at the link's rate) and so
+must fit in physical memory: checked against `host_memory` with the device's headroom.
 
 Time, a model, to be checked against the engine's offload on a GPU: the host step streams each
 element's master and optimizer state through host memory (read and written), reads its gradient
 and writes the fp32 gradient and, under mixed precision, the compute-dtype copy; the ranks of a
 node share the host's memory bandwidth (`host_memory_bw`, default 51.2 GB/s: two channels of
 DDR4-3200, 2 x 3200 MT/s x 8 bytes, a desktop's; a server's has 4 to 12 channels). Copies
-cross each GPU's host link, both directions at once (PCIe is full duplex). The engine steps
-each unit as its gradient arrives, so the copies down, the host step and the copies up form a
-pipeline beside the last micro-step's backward: the slowest of the three is hidden behind the
-backward up to its length, and one unit's share of all three (the last unit's) is exposed.
-Under offload="params" a gather's upload is time on the host link in its phase (forward or
-backward), overlapped with compute as the gathers are.
+cross each GPU's host link, both directions at once (PCIe is full duplex). The engine steps at
+`optimizer.step()`, after backward (a unit stepped during backward would be stepped before the
+clipping, the overflow check and the step vote decide over the whole step), a run of units at a
+time: the next run's gradients are copied down while a run steps, and each stepped run's
+parameters are copied up while the next steps. So the three stages form a pipeline after the
+backward, not beside it: the slowest stage's whole time is exposed, plus one run's share of the
+other two (the first run's copy down before the first step, the last run's copy up after the
+last). With the host step the slowest, that is the host step + the first copy down + the last
+copy up. Under offload="params" a gather's upload is time on the host link in its phase
+(forward or backward), overlapped with compute as the gathers are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import ModelStates, step_working_bytes
+from ..engine.units import step_runs
+from .memory import ModelStates
 
 __all__ = ["OFFLOADS", "offloaded_strategies", "HostSide", "host_side", "device_states",
            "offload_seconds", "DEFAULT_HOST_MEMORY_BW"]
@@ -71,30 +79,47 @@ class HostSide:
     up_bytes: int             # updated parameters copied to the device, per optimizer step
     gather_up_bytes: dict     # offload="params": shard uploads per micro-step, by phase
     step_traffic_bytes: int   # host memory the host step reads and writes, per rank
+    runs: int = 1             # runs of units the host step takes, one after the other
 
 
-def device_states(states: ModelStates, offload: str | None) -> ModelStates:
-    """The model states left on the device: no optimizer state under offload, and no
-    parameters between uses under offload="params"."""
+def device_states(states: ModelStates, offload: str | None, sharded: bool,
+                  shard_bytes: int) -> ModelStates:
+    """The model states left on the device: no optimizer state under offload; under zero3
+    (`sharded`) the compute-dtype shards, `shard_bytes` (what the gathers start from, the master
+    being on the host), and none between uses under offload="params"."""
     if offload is None:
         return states
-    return ModelStates(0 if offload == "params" else states.params, states.grads, 0)
+    if offload == "params":
+        return ModelStates(0, states.grads, 0)
+    return ModelStates(shard_bytes if sharded else states.params, states.grads, 0)
 
 
-def host_side(offload: str, prec, optimizer: str, stepped: list[int], state_elements: int,
-              param_shard: int, gathered: dict, run_bytes: int) -> HostSide:
-    """`stepped`: the elements of each unit's shard this rank steps; `state_elements`: its
-    optimizer-state elements; `param_shard`: the elements of its zero3 parameter shard (all
-    parameters); `gathered`: elements gathered per micro-step by phase (forward, backward)."""
+def _alternating(sizes: list[int]) -> int:
+    """Two buffers taken in turn by `sizes`: the largest of the even ones plus the largest of
+    the odd ones (each buffer grows to the most it held: engine/offload.py's HostLink)."""
+    return max(sizes[0::2], default=0) + max(sizes[1::2], default=0)
+
+
+def host_side(offload: str, prec, stepped: list[int], state_elements: int, frozen_shard: int,
+              gathered: dict, run_bytes: int) -> HostSide:
+    """`stepped`: the elements of each unit's shard this rank steps, in the engine's order;
+    `state_elements`: its optimizer-state elements; `frozen_shard`: the elements of its zero3
+    frozen shards; `gathered`: elements gathered per micro-step by phase (forward,
+    backward)."""
     own = sum(stepped)
     master = prec.master_bytes or prec.weight_bytes
-    working = step_working_bytes(optimizer, prec, stepped, foreach=False, fused=True,
-                                 run_bytes=run_bytes)
-    in_flight = 2 * prec.grad_bytes * max(stepped, default=0)
-    held = master * own + prec.state_bytes * state_elements + working + in_flight
+    runs = [[stepped[i] for i in run] for run in step_runs([master * u for u in stepped],
+                                                            run_bytes)] or [[0]]
+    landing = prec.grad_bytes * _alternating([sum(run) for run in runs])
+    held = master * own + prec.state_bytes * state_elements + landing
     params = offload == "params"
-    if params:
-        held += prec.weight_bytes * param_shard
+    if prec.mixed:  # the gradients widened to the master dtype, a run at a time
+        held += master * max(sum(run) for run in runs)
+        if not params:  # each master cast into staging before its copy up
+            held += prec.weight_bytes * (max(max(run[0::2], default=0) for run in runs)
+                                         + max(max(run[1::2], default=0) for run in runs))
+    if params:  # the shards between uses: the compute-dtype shard apart from a mixed master
+        held += prec.weight_bytes * ((own if prec.mixed else 0) + frozen_shard)
     converted = (4 + 4 + prec.weight_bytes) if prec.mixed else 0  # fp32 gradient, new copy
     traffic = 2 * (master * own + prec.state_bytes * state_elements) \
         + (prec.grad_bytes + converted) * own
@@ -102,7 +127,7 @@ def host_side(offload: str, prec, optimizer: str, stepped: list[int], state_elem
         bytes_per_rank=held, down_bytes=prec.grad_bytes * own,
         up_bytes=0 if params else prec.weight_bytes * own,
         gather_up_bytes={phase: prec.weight_bytes * n for phase, n in gathered.items()}
-        if params else {}, step_traffic_bytes=traffic)
+        if params else {}, step_traffic_bytes=traffic, runs=len(runs))
 
 
 @dataclass(frozen=True)
@@ -115,18 +140,15 @@ class OffloadTime:
 
 
 def offload_seconds(host: HostSide, gpus_per_node: int, host_link_gbps: float,
-                    host_memory_gbps: float, compute_s: float, grad_accum: int,
-                    checkpointing: bool, units: int) -> OffloadTime:
-    """The pipeline of copies down, host step and copies up beside the last micro-step's
-    backward (see [Note: offload in the plan]); the gathers' uploads are timed by comm.py."""
+                    host_memory_gbps: float, grad_accum: int = 1) -> OffloadTime:
+    """The pipeline of copies down, host step and copies up after the backward, a run of units
+    at a time (see [Note: offload in the plan]); the gathers' uploads are timed by comm.py."""
     link = host_link_gbps * 1e9
     down = host.down_bytes / link
     up = host.up_bytes / link
     step = gpus_per_node * host.step_traffic_bytes / (host_memory_gbps * 1e9)
-    micro = compute_s / grad_accum
-    backward = micro * (0.75 if checkpointing else 2 / 3)
     stages = (down, step, up)
-    exposed = max(0.0, max(stages) - backward) + sum(stages) / max(units, 1)
+    exposed = max(stages) + (sum(stages) - max(stages)) / max(host.runs, 1)
     gathers = grad_accum * sum(host.gather_up_bytes.values())
     return OffloadTime(transfer_bytes=host.down_bytes + host.up_bytes + gathers,
                        transfer_s=max(down, up) + gathers / link, host_step_s=step,

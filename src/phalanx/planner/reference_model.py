@@ -90,7 +90,8 @@ class ReferenceTransformer(nn.Module):
         attn_p = dropout if s.attn_dropout else 0.0
         hidden_p = dropout if s.hidden_dropout else 0.0
         self.embed = nn.Embedding(s.vocab, s.hidden)
-        self.positions = nn.Embedding(s.learned_positions, s.hidden) if s.learned_positions else None
+        self.positions = (nn.Embedding(s.learned_positions, s.hidden)
+                          if s.learned_positions else None)
         self.blocks = nn.ModuleList(Block(s, attn_p, hidden_p, attention) for _ in range(s.layers))
         self.norm = nn.LayerNorm(s.hidden, bias=s.bias)
         self.head = nn.Linear(s.hidden, s.vocab, bias=False)
@@ -116,4 +117,5 @@ class ReferenceTransformer(nn.Module):
 
     def example_input(self, batch_size: int, seq_len: int):
         """What the planner's traced forward feeds the model (see trace.py)."""
-        return (torch.zeros(batch_size, seq_len, dtype=torch.long, device=self.embed.weight.device),)
+        return (torch.zeros(batch_size, seq_len, dtype=torch.long,
+                            device=self.embed.weight.device),)

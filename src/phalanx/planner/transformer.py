@@ -14,12 +14,13 @@ width h_kv, MLP width I and sequence length s, the tensors saved are:
     and with dropout: one 1-byte mask per dropout and a second a*s copy after attention dropout.
 
 (Eager attention repeats grouped k/v heads to every head before the matmul, so q/k/v is 3h.)
-With I = 4h, dropout on, 1-byte masks and e = 2 this is exactly s*b*h*(34 + 5*a*s/h) bytes per layer,
-the formula of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models" (arXiv:2205.05198), Sec. 4.1. With `attention="flash"` the a*s terms become one fp32
-log-sum-exp per head (FlashAttention, Dao 2023, keeps no s x s matrix), and q/k/v are h + 2h_kv
-(the kernel takes grouped k/v as they are). The kernel's output is the output projection's
-input: kernels return it in (batch, seq, heads, dim) layout, so merging heads is a view.
+With I = 4h, dropout on, 1-byte masks and e = 2 this is exactly s*b*h*(34 + 5*a*s/h) bytes per
+layer, the formula of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv:2205.05198), Sec. 4.1. With `attention="flash"` the a*s terms become
+one fp32 log-sum-exp per head (FlashAttention, Dao 2023, keeps no s x s matrix), and q/k/v are
+h + 2h_kv (the kernel takes grouped k/v as they are). The kernel's output is the output
+projection's input: kernels return it in (batch, seq, heads, dim) layout, so merging heads is a
+view.
 Outside the layers: token ids, final norm input h, LM-head input h and the fp32 log-softmax of
 the loss, 4*V bytes per token. With full activation checkpointing each layer keeps only its
 input (e*h per token) and one layer at a time is recomputed in full during backward.
@@ -115,7 +116,8 @@ class TransformerShape:
 
     def param_shapes(self) -> list[tuple[int, ...]]:
         """Every parameter's shape, in module order."""
-        return self._before_layers() + self.layer_param_shapes() * self.layers + self._after_layers()
+        return (self._before_layers() + self.layer_param_shapes() * self.layers
+                + self._after_layers())
 
     def param_blocks(self) -> list:
         """The layer each parameter of `param_shapes()` sits in (None outside the layers)."""
@@ -128,13 +130,15 @@ class TransformerShape:
         return sum(math.prod(s) for s in self.layer_param_shapes())
 
     def params(self) -> int:
-        return sum(math.prod(s) for s in self.outer_param_shapes()) + self.layers * self.layer_params()
+        return (sum(math.prod(s) for s in self.outer_param_shapes())
+                + self.layers * self.layer_params())
 
     # ---- activations (see [Note: Activation formula]) ---------------------------------------
     def layer_activation_bytes(self, batch: int, seq: int, elem: int, attention: str = "eager",
                                mask_bytes: int = 1) -> int:
         h, a, i = self.hidden, self.heads, self.intermediate
-        per_token = elem * (2 * h + h + h + h)            # norm inputs, attention input, output, MLP input
+        # norm inputs, attention input, output, MLP input
+        per_token = elem * (2 * h + h + h + h)
         per_token += elem * (4 * i if self.gated_mlp else 2 * i)
         per_token += 2 * 8                                 # fp32 norm statistics
         if attention == "flash":
