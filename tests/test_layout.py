@@ -1,4 +1,5 @@
-"""The package's shape: no import circle between phalanx's modules, and no file too long to read.
+"""The package's shape: no import circle between phalanx's modules, no file too long to read, and
+every module named on the architecture page.
 
 The import graph counts every `import` and `from ... import` in a module, at its top and inside
 functions alike (a lazy import is still a dependency; it only hides a circle from the
@@ -109,3 +110,19 @@ def test_no_file_over_400_lines(where):
                 if n > MAX_LINES:
                     long.append(f"{os.path.relpath(path, where)} ({n})")
     assert not long, f"files over {MAX_LINES} lines: {', '.join(long)}"
+
+
+def test_every_module_is_on_the_architecture_page():
+    """docs/concepts/architecture.md names every module of the package (by its file name, in
+    backquotes), so a new module comes with the line that says what it is for."""
+    page = os.path.join(SRC, "..", "..", "docs", "concepts", "architecture.md")
+    with open(page) as f:
+        text = f.read()
+    missing = []
+    for dirpath, _, files in os.walk(SRC):
+        for name in files:
+            rel = os.path.relpath(os.path.join(dirpath, name), SRC).replace(os.sep, "/")
+            if name.endswith(".py") and name not in ("__init__.py", "__main__.py") and \
+                    f"`{name}`" not in text and f"`{rel}`" not in text:
+                missing.append(rel)
+    assert not missing, f"modules the architecture page does not name: {', '.join(missing)}"
