@@ -5,6 +5,7 @@ training steps.
     .venv/bin/python benchmarks/plan_vs_measured.py --quick    # fewer cases
     .venv/bin/python benchmarks/plan_vs_measured.py --gpu      # one GPU: max_memory_allocated
     .venv/bin/python benchmarks/plan_vs_measured.py --only llama-47M-lora   # one model
+    .venv/bin/python benchmarks/plan_vs_measured.py --only llama-47M-lora llama-47M-offload
 
 CPU: for each model, strategy, precision and world size, real ranks (forked, gloo, one thread
 each) build the model, `px.prepare` it, take one warm-up step, then take two measured steps. The
@@ -33,10 +34,12 @@ zero1/zero2 here) the first shows as measured above planned.
 Fine-tuning: llama-47M-lora is llama-47M frozen, with LoRA adapters of rank 8 beside its
 attention's q and v projections (planner/finetune.py's `add_lora`, PEFT's layout), the optimizer
 built over the adapters; it runs under ddp and zero2, where every rank holds the frozen
-parameters whole in the compute dtype, and is planned as `px.plan(meta model, lora_rank=8,
+parameters whole in the compute dtype, and under zero3, which shards them with the adapters in
+the units of the modules that hold them; it is planned as `px.plan(meta model, lora_rank=8,
 lora_targets=("q", "v"))` plans it (the adapters added to a meta copy, activations traced).
-zero3's sharding of frozen parameters and offload are not measured here yet: the engine does
-not do them yet.
+llama-47M-offload is llama-47M trained with `offload="optimizer"` under zero2 and zero3: on a
+CPU the engine's host and "device" buffers are both in this process's memory, so the measured
+rise is compared with the plan's device peak plus its host memory per rank.
 
 GPU: one process, the same comparison against `torch.cuda.max_memory_allocated()`, activations
 included, for a GPT-2-small-size and a ~1B-parameter transformer in bf16 mixed precision.
@@ -62,15 +65,15 @@ if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # must be set before the process
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-import phalanx as px  # noqa: E402
-from phalanx.planner.finetune import add_lora  # noqa: E402
-from phalanx.planner.reference_model import ReferenceTransformer  # noqa: E402
-from phalanx.planner.transformer import shape_from_config  # noqa: E402
-from phalanx.testing import run_ranks  # noqa: E402
+import phalanx as px
+from phalanx.planner.finetune import add_lora
+from phalanx.planner.reference_model import ReferenceTransformer
+from phalanx.planner.transformer import shape_from_config
+from phalanx.testing import run_ranks
 
 # Dropout off: on CPU a dropout mask costs the activation's dtype, on GPU one byte, and the
 # planner plans for GPUs.
@@ -108,8 +111,12 @@ class MLP(nn.Module):
 
 
 def _base(name):
-    """The model a fine-tuning case adapts (llama-47M-lora: llama-47M)."""
-    return name.removesuffix("-lora")
+    """The model a fine-tuning or offload case trains (llama-47M-lora: llama-47M)."""
+    return name.removesuffix("-lora").removesuffix("-offload")
+
+
+def _offload(name):
+    return "optimizer" if name.endswith("-offload") else None
 
 
 def build(name, tiny=False):
@@ -168,7 +175,8 @@ def _unwritten_bytes(tensors) -> int:
 def _train(name, strategy, precision, data, tiny=False):
     model = build(name, tiny)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
+    model, opt = px.prepare(model, opt, strategy=strategy, precision=precision,
+                            offload=_offload(name))
 
     def step(x, y):
         loss_of(model, x, y).backward()
@@ -204,7 +212,8 @@ def _measure_rank(name, strategy, precision, batch, seq, steps):
 def _plan_for(name, world, strategy, precision, batch, seq, gpu=False):
     # px.prepare's precision names are the planner's (phalanx.precisions)
     common = dict(gpus=world, strategy=strategy, precision=precision, optimizer="adamw",
-                  backend="nccl" if gpu else "gloo", gpu_memory="1000GB")
+                  backend="nccl" if gpu else "gloo", gpu_memory="1000GB",
+                  offload=None if gpu else _offload(name))
     if name == "mlp-34M":
         with torch.device("meta"):
             module = MLP()
@@ -214,7 +223,7 @@ def _plan_for(name, world, strategy, precision, batch, seq, gpu=False):
             module = ReferenceTransformer(shape_from_config(CONFIGS[_base(name)]))
         return px.plan(module, batch=batch, seq=seq, lora_rank=LORA_RANK,
                        lora_targets=LORA_TARGETS, **common)
-    config = GPU_CONFIGS[name][0] if gpu else CONFIGS[name]
+    config = GPU_CONFIGS[name][0] if gpu else CONFIGS[_base(name)]
     return px.plan(config=config, batch=batch, seq=seq, **common)
 
 
@@ -222,15 +231,19 @@ def _ratio(a, b):
     return a / b if b else float("nan")
 
 
-def run_cpu(quick: bool, only: str | None = None):
-    models = ["gpt-23M", "mlp-34M"] if quick else ["gpt-23M", "llama-47M", "mlp-34M",
-                                                   "llama-47M-lora"]
-    models = [only] if only else models
-    worlds = [2] if quick or only == "llama-47M-lora" else [2, 4]
+STRATEGIES = {"llama-47M-lora": ("ddp", "zero2", "zero3"),
+              "llama-47M-offload": ("zero2", "zero3")}
+TWO_RANKS = ("llama-47M-lora", "llama-47M-offload")  # measured at 2 ranks only
+
+
+def run_cpu(quick: bool, only: list[str] | None = None):
+    models = ["gpt-23M", "mlp-34M"] if quick else ["gpt-23M", "llama-47M", "mlp-34M", *TWO_RANKS]
+    models = only or models
     rows = []
     for name in models:
         batch, seq = (4, 8) if name == "mlp-34M" else (2, 64)
-        strategies = ("ddp", "zero2") if name.endswith("-lora") else ("ddp", "zero1", "zero2")
+        strategies = STRATEGIES.get(name, ("ddp", "zero1", "zero2"))
+        worlds = [2] if quick or name in TWO_RANKS else [2, 4]
         for world in worlds:
             for precision in ("fp32", "bf16"):
                 for strategy in strategies:
@@ -239,15 +252,17 @@ def run_cpu(quick: bool, only: str | None = None):
                                         args=(name, strategy, precision, batch, seq, 2),
                                         timeout=600)
                     plan = _plan_for(name, world, strategy, precision, batch, seq)[strategy]
+                    # offload on a CPU: the host side is in the same memory
+                    planned = plan.total_bytes + plan.host_bytes
                     top = max(results, key=lambda r: r["peak"] + r["unwritten"])
                     measured_peak, unwritten = top["peak"] + top["unwritten"], top["unwritten"]
                     counted = sum(results[0]["comm"].values())
                     planned_comm = sum(plan.comm_payload_bytes.values())
-                    rows.append((name, strategy, precision, world, plan.total_bytes,
+                    rows.append((name, strategy, precision, world, planned,
                                  measured_peak, planned_comm, counted, unwritten))
                     print(f"{name:10} {strategy:5} {precision:4} N={world}: memory planned "
-                          f"{plan.total_bytes / 1e6:8.1f} MB measured {measured_peak / 1e6:8.1f} "
-                          f"MB ({_ratio(plan.total_bytes, measured_peak):.3f}); comm planned "
+                          f"{planned / 1e6:8.1f} MB measured {measured_peak / 1e6:8.1f} "
+                          f"MB ({_ratio(planned, measured_peak):.3f}); comm planned "
                           f"{planned_comm / 1e6:7.1f} MB counted {counted / 1e6:7.1f} MB "
                           f"({_ratio(planned_comm, counted):.3f})  [pool never written: "
                           f"{unwritten / 1e6:.1f} MB; {time.time() - start:.0f} s]",
@@ -306,8 +321,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="measure on one CUDA GPU")
     ap.add_argument("--quick", action="store_true", help="fewer models and world sizes")
-    ap.add_argument("--only", choices=[*CONFIGS, "mlp-34M", "llama-47M-lora"],
-                    help="one model's cases (llama-47M-lora: at 2 ranks)")
+    ap.add_argument("--only", nargs="+", choices=[*CONFIGS, "mlp-34M", *TWO_RANKS],
+                    help="these models' cases (llama-47M-lora, llama-47M-offload: at 2 ranks)")
     args = ap.parse_args()
     if args.gpu:
         if not torch.cuda.is_available():

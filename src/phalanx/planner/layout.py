@@ -123,17 +123,18 @@ def unit_sizes(shapes, count: int, compute_bytes: int, bucket_mb: float = 25.0,
 def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch: int = 1,
                     max_gathered_bytes: int | None = None,
                     reshard_after_forward: bool = True) -> tuple[int, int]:
-    """zero3: (elements gathered at once at most, elements kept gathered from forward to
-    backward), for px.prepare's gathering options. Units are gathered together by root
-    (engine/zero3.py): the units rooted at the model itself, and the root the forward ends
-    with, stay gathered into backward; of the other roots, the one computing and up to
-    `prefetch` ahead are gathered at once, as many as fit in `max_gathered_bytes` (one at least:
-    a root needed now is gathered whatever its size); `reshard_after_forward=False` keeps every
-    root from its forward to its backward, so all are gathered at the end of the forward. The
-    roots are those `zero3_roots` gives; where none are known (a bare count) each unit stands
-    for a root and none is kept."""
+    """zero3: (elements gathered at once at most, elements backward does not gather again), for
+    px.prepare's gathering options. Units are gathered together by root (engine/zero3.py): the units
+    rooted at the model itself, and the root the forward ends with, stay gathered into backward, and
+    a root that backward never reaches (frozen, before every trainable parameter: a LoRA model's
+    embedding) is not gathered there; of the other roots, the one computing and up to `prefetch`
+    ahead are gathered at once, as many as fit in `max_gathered_bytes` (one at least: a root needed
+    now is gathered whatever its size); `reshard_after_forward=False` keeps every root from its
+    forward to its backward, so all are gathered at the end of the forward. The roots are those
+    `zero3_roots` gives; where none are known (a bare count) each unit stands for a root and none is
+    kept."""
     known = desc.zero3_roots is not None or desc.module is not None
-    model_rooted, sizes = zero3_roots(desc, compute_bytes, bucket_mb)
+    model_rooted, sizes, unreached = zero3_roots(desc, compute_bytes, bucket_mb)
     last = next(iter(sizes.values()), 0)  # the root the forward ends with, kept
     if not sizes and not known:
         units = unit_sizes(desc.param_shapes, desc.params, compute_bytes, bucket_mb,
@@ -147,17 +148,21 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     if max_gathered_bytes is not None and largest:
         room = max_gathered_bytes // compute_bytes - model_rooted
         at_once = max(1, min(at_once, room // largest))
-    return model_rooted + at_once * largest, model_rooted + last
+    return model_rooted + at_once * largest, model_rooted + last + unreached
 
 
-def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int, dict]:
-    """(elements of the units rooted at the model itself, {root: elements} of the other
-    roots in backward order, the root the forward ends with first), frozen parameters included
-    (zero3 shards and gathers them in the units of the trainable ones). From what a run's engine
-    recorded (`desc.zero3_roots`, see `engine_roots`); from a module, the engine's own roots,
-    the last registered taken as the last to run; from a config, each repeated block is a root
-    and the rest is left out (a model-level embedding tied to the head would add its size);
-    from a bare count, none."""
+def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int, dict, int]:
+    """(elements of the units rooted at the model itself, {root: elements} of the other roots in
+    backward order, the root the forward ends with first, elements of the roots backward never
+    reaches), frozen parameters included (zero3 shards and gathers them in the units of the
+    trainable ones). A root's backward gather is started by a hook on its output, which a root whose
+    output needs no gradient never gets: one holding no trainable parameter that runs before every
+    one that does (known from a module: the others give 0). From what a run's engine recorded
+    (`desc.zero3_roots`, see `engine_roots`); from a module, the engine's own roots, the last
+    registered taken as the last to run; from a config, each repeated block is a root and the rest
+    is left out (a model-level embedding tied to the head would add its size); from a bare count,
+    none."""
+    learning: dict = {}  # root -> holds a trainable parameter (from a module)
     if desc.zero3_roots is not None:
         pairs = [(root, numel) for root, numel in desc.zero3_roots]
     elif desc.module is not None:
@@ -165,8 +170,10 @@ def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int,
 
         params = list(desc.module.parameters())  # frozen ones too: zero3 gathers them
         runs = module_units(desc.module, params, compute_bytes, bucket_mb, desc.block_classes)
-        pairs = [(root, sum(p.numel() for p in run))
-                 for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes))]
+        pairs = []
+        for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes)):
+            pairs.append((root, sum(p.numel() for p in run)))
+            learning[root] = learning.get(root, False) or any(p.requires_grad for p in run)
     else:
         shapes, blocks = desc.param_shapes, desc.param_blocks
         pairs = [(block, math.prod(shape))
@@ -175,7 +182,13 @@ def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int,
     sizes: dict = {}
     for root, numel in pairs:
         sizes[root] = sizes.get(root, 0) + numel
-    return sizes.pop("", 0), sizes
+    model_rooted = sizes.pop("", 0)
+    unreached = 0
+    for root in list(sizes)[:0:-1]:  # forward order, up to the first root that learns (the
+        if learning.get(root, True):  # one the forward ends with is kept, not counted here)
+            break
+        unreached += sizes[root]
+    return model_rooted, sizes, unreached
 
 
 def engine_roots(engine) -> dict | None:
@@ -185,7 +198,8 @@ def engine_roots(engine) -> dict | None:
     from forward into backward. The roots are [name, elements] in the engine's order
     (backward's; "" is the model itself), the elements being those it gathers: every member
     of its units, the trainable parameters and the frozen ones gathered with them ([Note:
-    frozen parameters in a unit] in engine/flat.py: `FlatUnit.members`). None for a strategy that gathers nothing."""
+    frozen parameters in a unit] in engine/flat.py: `FlatUnit.members`). None for a strategy
+    that gathers nothing."""
     gatherer = getattr(engine, "gatherer", None)
     if gatherer is None:
         return None
