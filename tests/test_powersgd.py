@@ -84,7 +84,7 @@ def at_2_ranks(tmp_path_factory):
     return run_ranks(_at_2_ranks, 2, args=(path,), timeout=180), path
 
 
-# -- bad requests ---------------------------------------------------------------------------------
+# -- bad requests --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     ({"rank": 0}, "rank of the factors"), ({"rank": 2.0}, "rank of the factors"),
     ({"start_step": -1}, "start_step"), ({"start_step": True}, "start_step"),
@@ -129,7 +129,7 @@ def test_zero3_and_what_does_not_combine_are_refused_on_every_rank():
         assert "px.PowerSGD(" in messages[7]
 
 
-# -- full rank, before start_step -------------------------------------------------------------------
+# -- full rank, before start_step ------------------------------------------------------------------
 def _full_rank_and_start():
     out = {}
     for strategy in ("ddp", "zero2"):
@@ -160,7 +160,7 @@ def test_full_rank_is_uncompressed_averaging_and_before_start_step_nothing_chang
             assert late_reports[3]["powersgd/compression"] > 2.0
 
 
-# -- strategies and world sizes -----------------------------------------------------------------
+# -- strategies and world sizes ----------------------------------------------------------------
 CONFIGS = {"warm": px.PowerSGD(rank=2, start_step=1),
            "cold": px.PowerSGD(rank=1, start_step=0, warm_start=False),
            "no feedback": px.PowerSGD(rank=2, start_step=1, error_feedback=False)}
@@ -198,7 +198,7 @@ def test_ddp_zero1_zero2_at_3_ranks_equal_one_process_on_the_global_batch():
             assert _rel(params, alone["ddp", config]) < 1e-12, (strategy, config, rank)
 
 
-# -- error feedback ---------------------------------------------------------------------------------
+# -- error feedback --------------------------------------------------------------------------------
 class _Fixed(nn.Module):
     """loss = sum(W * C_rank): the gradient is C_rank whatever W is, so every step's true mean
     gradient is the same G = mean(C), of rank 6, which PowerSGD at rank 1 cannot send at once."""
@@ -291,7 +291,7 @@ def test_a_skipped_nan_step_does_not_carry_into_the_error_feedback(at_2_ranks):
         assert _rel(params[3], params[1]) > 1e-3  # the steps after it trained
 
 
-# -- checkpoints ------------------------------------------------------------------------------------
+# -- checkpoints -----------------------------------------------------------------------------------
 RESUME = px.PowerSGD(rank=2, start_step=1, min_compression=1.5)  # the tied embedding is compressed
 
 
@@ -324,8 +324,7 @@ def _second_half(path, strategy, bucket_mb):
         if bucket_mb < 1:  # the layout differs from the saving run's (one unit there)
             assert len(engine_of(model).units) == 5  # (measured: one per parameter)
         if forget:
-            compressor.errors.clear()
-            compressor.qs.clear()
+            compressor.forget()
         train_steps(model, opt, K, K, px.world_size(), px.rank())
         out.append(state_of(model, opt))
     return out
@@ -363,7 +362,7 @@ def test_a_checkpoint_at_2_ranks_resumes_at_another_world_size_as_the_run_goes_o
         assert _max_rel(forgot, want) > 1e-4  # the saved state is what made it equal
 
 
-# -- the step report --------------------------------------------------------------------------------
+# -- the step report -------------------------------------------------------------------------------
 def _two_reports():
     return _train("ddp", px.PowerSGD(rank=2, start_step=1), 2, bucket_mb=25)[1]
 
@@ -381,3 +380,6 @@ def test_the_step_report_gives_the_bytes_sent_and_the_compression(at_2_ranks):
         assert after["powersgd/compression"] == pytest.approx(1739 / 427)
         # what the Comm recorded on the wire: the same bytes, in two all-reduces
         assert (after["all_reduce/count"], after["all_reduce/bytes"]) == (2, 427 * 8)
+        # what it cost and saved (none computed before start_step)
+        assert after["powersgd/saved_bytes"] == (1739 - 427) * 8 and after["powersgd/compute_s"] > 0
+        assert before["powersgd/compute_s"] == 0
