@@ -85,10 +85,37 @@ def test_prepare_names_an_optimizer_given_first():
 def test_the_precision_names_are_the_planners():
     """One vocabulary (phalanx/precisions.py): the planner's aliases mean the same here, and its
     pure-bf16 name is refused with the way to train so."""
-    from phalanx.model.prepare import _check_options
     for alias, name in (("bf16-mixed", "bf16"), ("FP16-mixed", "fp16"), ("BF16", "bf16")):
-        assert _check_options("ddp", alias, 25, None, None) == ("ddp", name)
+        assert _options("ddp", alias).precision == name
     with pytest.raises(ValueError, match=r"precision 'bf16-true' .*model.to\(torch.bfloat16\)"):
-        _check_options("ddp", "bf16-true", 25, None, None)
+        _options("ddp", "bf16-true")
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
-        _check_options("ddp", "fp8", 25, None, None)
+        _options("ddp", "fp8")
+
+
+def test_the_strategy_names_and_their_alias_are_one_list():
+    """phalanx/strategies.py: px.prepare, PhalanxStrategy, the demo and the planner take the
+    same names, in any case, and "fsdp" is zero3 everywhere."""
+    from phalanx.demo import STRATEGIES as DEMO
+    from phalanx.planner.memory import STRATEGIES as PLANNED
+    from phalanx.strategies import STRATEGIES
+
+    assert DEMO == STRATEGIES and tuple(PLANNED) == STRATEGIES
+    assert [_options(name).strategy for name in ("DDP", "zero1", "Zero2", "fsdp", "FSDP")] == \
+        ["ddp", "zero1", "zero2", "zero3", "zero3"]
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero4'; choose one of 'ddp', "
+                                         r"'zero1', 'zero2', 'zero3' \(alias 'fsdp' for "
+                                         r"'zero3'\)"):
+        _options("zero4")
+
+
+def _options(strategy, precision="fp32"):
+    """px.prepare's options checked, with every other option at its default."""
+    from phalanx.model.options import PrepareOptions
+
+    return PrepareOptions.check(
+        None, strategy, precision, bucket_mb=25.0, comm_dtype=None, sync_batchnorm=False,
+        broadcast_buffers=True, check_replicas_every=None, on_nonfinite="raise",
+        step_stats=True, prefetch=None, max_gathered_mb=None, reshard_after_forward=True,
+        output_dtype=torch.float32, staleness=0, shard_size=None, compression=None,
+        offload=None)

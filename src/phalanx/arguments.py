@@ -14,10 +14,11 @@ import os
 
 import torch
 
+from .strategies import is_strategy_name
+
 __all__ = ["check_prepare", "check_checkpoint_call", "check_path", "check_model",
            "check_data_loader", "is_optimizer"]
 
-_STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def _shown(value) -> str:
@@ -40,7 +41,7 @@ def is_optimizer(value) -> bool:
 def _optimizer_mistake(call: str, optimizer) -> str:
     """What is wrong with `optimizer` given where an optimizer goes, and the call that works."""
     example = "torch.optim.SGD(model.parameters(), lr=0.1)"
-    if isinstance(optimizer, str) and optimizer.lower() in _STRATEGY_NAMES:
+    if is_strategy_name(optimizer):
         return (f"{call}: the second argument is the optimizer, and {optimizer!r} is a "
                 f"strategy: pass it as a keyword, px.prepare(model, optimizer, "
                 f"strategy={optimizer!r}) (or px.prepare(model, strategy={optimizer!r}) "

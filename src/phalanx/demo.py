@@ -23,9 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import precisions as _precisions
+from .strategies import STRATEGIES
 
 GLOBAL_BATCH = 64
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 PRECISIONS = tuple(_precisions.PRECISIONS)  # the one vocabulary (precisions.py)
 
 

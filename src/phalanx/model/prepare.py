@@ -3,14 +3,15 @@
     model, optimizer = px.prepare(model, optimizer, strategy="ddp", precision="fp32")
 
 The order of what prepare does matters, and is the same on every rank:
-  1. check the names (strategy, precision, options) before any collective, so a typo fails
-     on every rank alike without anyone waiting for anyone;
-  2. move the model to this rank's device and, if asked, convert BatchNorm to its
-     synchronized form (parameters keep their identity, so the optimizer still holds them);
-  3. compare the model's structure and the options across ranks (model/consistency.py), then
-     broadcast rank 0's parameters and buffers;
-  4. build the engine (engine/: one flat engine, the strategy a row of its policy table);
-  5. wrap the module so forward keeps buffers in sync and applies the precision policy.
+  1. validate: every option alone and together (`PrepareOptions.check`, model/options.py)
+     before any collective, so a typo fails on every rank alike without anyone waiting;
+  2. build: give the model its values (a meta build drawn, pretrained weights read), move it
+     to this rank's device and, if asked, convert BatchNorm to its synchronized form
+     (parameters keep their identity, so the optimizer still holds them);
+  3. check: compare the model's structure and the options across ranks
+     (model/consistency.py), then broadcast rank 0's parameters and buffers;
+  4. wrap: build the engine (engine/: one flat engine, the strategy a row of its policy
+     table) and the module whose forward keeps buffers in sync and applies the precision.
 """
 
 from __future__ import annotations
@@ -27,29 +28,25 @@ from ..collectives import Comm
 from ..records import StepCounter
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
-from .materialize import fill_shards, materialize, on_meta
+from .materialize import fill_shards, materialize, on_meta as on_meta_device
 from .pretrained import PretrainedWeights
 from ..observe.metrics import note_run
 from ..planner.layout import engine_roots
-from ..faults.nonfinite import MODES as NONFINITE_MODES, NonFiniteWatch
+from ..faults.nonfinite import NonFiniteWatch
 from ..faults.replica_check import ReplicaCheck
 from ..observe.step_report import StepClock, step_stats as _step_stats
 from ..engine import optimizer_state_dict as _optimizer_state_dict
 from ..engine.optim import optimizer_groups
-from ..engine.powersgd_config import check_compression
-from ..engine.units import check_gather_options
-from ..engine.delayed import check_staleness
-from ..engine.offload import check_offload
-from ..engine.hybrid import check_shard_size, layout
+from ..engine.hybrid import layout
 from ..engine.units import resolve_block_classes
 from ..precisions import PRECISIONS
 from .precision import COMM_DTYPES, cast_model, make_precision
-from .diloco import attach as attach_diloco, check_diloco_options, inner_comm, split_strategy
-from .options import STRATEGIES, _check_combination, _check_options
+from .diloco import attach as attach_diloco, inner_comm
+from .options import PrepareOptions
 from .prepared import PreparedModule
 
 __all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "optimizer_state_dict",
-           "STRATEGIES", "PRECISIONS"]
+           "PRECISIONS"]
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
@@ -111,25 +108,13 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
     check_prepare(model, optimizer)  # the model and optimizer where they go (arguments.py)
-    diloco, strategy = split_strategy(strategy)
-    strategy, precision = _check_options(strategy, precision, bucket_mb, comm_dtype,
-                                         check_replicas_every)
-    check_diloco_options(diloco, optimizer, comm_dtype=comm_dtype, sync_batchnorm=sync_batchnorm,
-                         check_replicas_every=check_replicas_every)
-    gather_options = check_gather_options(strategy, prefetch, max_gathered_mb,
-                                           reshard_after_forward)
-    staleness = check_staleness(staleness, strategy, precision)
-    check_compression(compression, strategy, precision, comm_dtype)
-    _check_combination(diloco, staleness, compression, shard_size)
-    offload = check_offload(offload, strategy, diloco)
-    elastic.check_options(strategy, precision, staleness, compression, diloco, shard_size)
-    if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
-                                         and output_dtype.is_floating_point):
-        raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "
-                         "torch.float32 (the default), or None to keep the compute dtype")
-    if on_nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"on_nonfinite={on_nonfinite!r}: one of 'raise' (the default), 'skip', "
-                         "'warn' or None (no check)")
+    options = PrepareOptions.check(
+        optimizer, strategy, precision, bucket_mb=bucket_mb, comm_dtype=comm_dtype,
+        sync_batchnorm=sync_batchnorm, broadcast_buffers=broadcast_buffers,
+        check_replicas_every=check_replicas_every, on_nonfinite=on_nonfinite,
+        step_stats=step_stats, prefetch=prefetch, max_gathered_mb=max_gathered_mb,
+        reshard_after_forward=reshard_after_forward, output_dtype=output_dtype,
+        staleness=staleness, shard_size=shard_size, compression=compression, offload=offload)
     if prepared_or_none(model) is not None:
         raise ValueError("this model was already prepared; call px.prepare once per model")
     block_classes = resolve_block_classes(model, blocks)
@@ -139,7 +124,27 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         comm = runtime.job_comm(steps=steps)
     elif comm.steps is None:
         comm.steps = steps
-    if strategy == "zero3" and comm.world > 1 and uncompiled(model) is not model:
+    _refuse_compiled_zero3(model, options, comm)
+    shard_size = options.shard_size_for(comm.world)
+    model, built = _build(model, optimizer, options, comm, init)
+    check_same_structure(model, comm, options.compared(shard_size, block_classes))
+    if not built.on_meta and built.reading is None:
+        broadcast_from_rank0(model, comm)
+    return _wrap(model, optimizer, options, comm, steps, built,
+                 Recipe.of(options, block_classes, shard_size, steps, comm))
+
+
+@dataclass
+class _Built:
+    """How `_build` found and left the model, for what follows it."""
+    on_meta: bool         # built on the meta device: every rank drew (or read) the same values
+    reading: object       # px.from_safetensors' plan of reads (pretrained.py), or None
+    shards_only: bool     # zero3 keeps each rank's shards only: drawn after the engine is built
+    dtypes: dict | None   # what a full build draws into, before the cast (for fill_shards)
+
+
+def _refuse_compiled_zero3(model, options: PrepareOptions, comm) -> None:
+    if options.strategy == "zero3" and comm.world > 1 and uncompiled(model) is not model:
         # tried: nanoGPT's order under zero3 fails inside dynamo's guards (IndexError in
         # produce_guards), tracing the hooks that gather and free each block
         raise ValueError(
@@ -148,61 +153,56 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             "traces them (torch 2.13). Pass the model "
             "before torch.compile (px.prepare(model, ...)), or use strategy='zero2', which "
             "takes a compiled model")
-    shard_size = check_shard_size(shard_size, strategy, comm.world, staleness)
-    built_on_meta = on_meta(model)
+
+
+def _build(model, optimizer, options: PrepareOptions, comm, init):
+    """Give the model its values and its place: drawn on a meta build (or read from
+    pretrained weights) on every rank alike, moved to this rank's device, BatchNorm made
+    synchronized if asked, the optimizer's groups taken. Returns the model and a `_Built`."""
+    on_meta = on_meta_device(model)
     # init=px.from_safetensors(path): checked against the model on every rank (pretrained.py)
     reading = init.plan(uncompiled(model), comm) if isinstance(init, PretrainedWeights) else None
     # zero3 draws (or reads) the values after the engine is built, keeping each rank's shards
-    shards_only = built_on_meta and strategy == "zero3" and comm.world > 1 and (
+    shards_only = on_meta and options.strategy == "zero3" and comm.world > 1 and (
         init is None or reading is not None)
-    if built_on_meta:  # every rank draws (or reads) the same values: no broadcast below
+    if on_meta:  # every rank draws (or reads) the same values: no broadcast after
         materialize(uncompiled(model), optimizer, runtime.device(), comm, init,
                     values=not shards_only, reading=reading)
-    elif reading is not None:  # every rank reads the whole model: no broadcast below either
+    elif reading is not None:  # every rank reads the whole model: no broadcast either
         reading.load()
     model.to(runtime.device())
-    if sync_batchnorm:
+    if options.sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
         # under continue mode the job's group, whatever it is at each forward (elastic/)
         model = convert_sync_batchnorm(model, group=None if elastic.active() else comm.group)
     if optimizer is not None:
         optimizer_groups(optimizer, model)
-    options = {"strategy": strategy, "precision": precision, "bucket_mb": float(bucket_mb),
-               "comm_dtype": COMM_DTYPES[comm_dtype], "sync_batchnorm": bool(sync_batchnorm),
-               "broadcast_buffers": bool(broadcast_buffers), "output_dtype": output_dtype,
-               "check_replicas_every": check_replicas_every, "on_nonfinite": on_nonfinite,
-               **gather_options, "staleness": staleness, "shard_size": shard_size,
-               "compression": compression, "offload": offload,
-               "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
-               "diloco": diloco}
-    check_same_structure(model, comm, options)
-    if not built_on_meta and reading is None:
-        broadcast_from_rank0(model, comm)
+    dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
+    return model, _Built(on_meta, reading, shards_only, dtypes)
 
-    policy = make_precision(precision, comm_dtype, output_dtype, ranks=comm.world)
+
+def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built, recipe):
+    """Cast the model to the precision, build its engine (and DiLoCo's outer step), hang the
+    step report on it, and wrap it in the module px.prepare returns."""
+    policy = recipe.policy
     original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
-    # what a full build draws into, before the cast (for fill_shards below)
-    dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
     cast_model(model, policy)
-    recipe = Recipe(strategy, policy, bucket_mb, gather_options if strategy == "zero3" else None,
-                    block_classes, staleness, compression, shard_size, on_nonfinite,
-                    check_replicas_every, steps, inner=diloco is not None, offload=offload)
     engine = attach_engine(model, optimizer, comm, recipe)
-    _warn_oversized(engine, max_gathered_mb)
-    if shards_only:  # see [Note: only the shards are kept] in model/materialize.py
-        fill_shards(model, engine.held_pieces(), comm, dtypes, reading)
+    _warn_oversized(engine, options.max_gathered_mb)
+    if built.shards_only:  # see [Note: only the shards are kept] in model/materialize.py
+        fill_shards(model, engine.held_pieces(), comm, built.dtypes, built.reading)
         engine.publish_masters()  # offload: what the gathers start from (engine/offload.py)
-    outer = attach_diloco(diloco, model, engine, optimizer, comm)  # None unless DiLoCo
+    outer = attach_diloco(options.diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
-    note_run({"strategy": strategy, "precision": precision, "world": comm.world,
+    note_run({"strategy": options.strategy, "precision": options.precision, "world": comm.world,
               "backend": comm.backend, "device": str(runtime.device()),
-              "bucket_mb": float(bucket_mb), "comm_dtype": COMM_DTYPES[comm_dtype],
+              "bucket_mb": options.bucket_mb, "comm_dtype": COMM_DTYPES[options.comm_dtype],
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "optimizer": _optimizer_name(optimizer), "zero3": engine_roots(engine)})
     clock = StepClock(comm, runtime.device(), steps,
                       engine.groups() if outer is None else outer.groups(),
-                      across=engine.names_across()) if step_stats else None
+                      across=engine.names_across()) if options.step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
     if clock is not None and steps_gate is not None:
@@ -212,7 +212,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if clock is not None and getattr(engine, "host_link", None) is not None:
         clock.extras.append(engine.host_link.report)  # offload: the host step's share
     wrapped = PreparedModule(model, engine, comm, policy,
-                             broadcast_buffers=broadcast_buffers and outer is None,
+                             broadcast_buffers=options.broadcast_buffers and outer is None,
                              original_dtypes=original_dtypes, clock=clock,
                              device=runtime.device())
     wrapped._diloco = outer  # the outer state a checkpoint holds (checkpoint/diloco.py)
@@ -240,6 +240,17 @@ class Recipe:
     steps: StepCounter
     inner: bool = False  # DiLoCo: the engine runs over a world of one (model/diloco.py)
     offload: str | None = None  # engine/offload.py
+
+    @classmethod
+    def of(cls, options: PrepareOptions, block_classes, shard_size, steps, comm) -> Recipe:
+        """The recipe of px.prepare's `options` over `comm`."""
+        policy = make_precision(options.precision, options.comm_dtype, options.output_dtype,
+                                ranks=comm.world)
+        return cls(options.strategy, policy, options.bucket_mb,
+                   options.gather if options.strategy == "zero3" else None, block_classes,
+                   options.staleness, options.compression, shard_size, options.on_nonfinite,
+                   options.check_replicas_every, steps, inner=options.diloco is not None,
+                   offload=options.offload)
 
 
 def attach_engine(model, optimizer, comm, recipe: Recipe):

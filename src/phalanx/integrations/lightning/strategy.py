@@ -57,6 +57,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 import phalanx as px
 
+from ...strategies import strategy_name
 from . import checkpoints
 from .collectives import Collectives, broadcast_module
 from .optimizer import FabricOptimizer
@@ -91,10 +92,8 @@ class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
         if "precision" in prepare_options:
             raise ValueError("PhalanxStrategy takes the precision from Lightning: "
                              "Trainer(precision=...) or Fabric(precision=...)")
-        if isinstance(strategy, str) and strategy.lower() not in (
-                "ddp", "zero1", "zero2", "zero3", "fsdp"):
-            raise ValueError(f"PhalanxStrategy({strategy!r}): choose 'ddp', 'zero1', 'zero2' "
-                             "or 'zero3' (alias 'fsdp')")
+        if isinstance(strategy, str):
+            strategy_name(strategy, where="PhalanxStrategy strategy")  # raises on a typo
         self._face = None  # _TRAINER or _FABRIC: see the module docstring
         TrainerParallel.__init__(self, cluster_environment=cluster_environment)
         FabricParallel.__init__(self, cluster_environment=cluster_environment)
