@@ -28,7 +28,7 @@ from .cleanup import Ending, note_signals
 from .continuing import ContinueMixin
 from .rendezvous import RENDEZVOUS, RUN_ID, StaticRendezvous
 
-__all__ = ["run_workers"]
+__all__ = ["run_agent"]
 
 # Called as on_restart(attempt, failures, endings) just before attempt number `attempt` (2, 3,
 # ...) starts; `failures` maps global rank -> ProcessFailure of the attempt that failed, and
@@ -78,8 +78,8 @@ class _ContinueAgent(ContinueMixin, _Agent):
     """`--on-failure continue`: one failed worker is replaced, the others go on."""
 
 
-def run_workers(args: argparse.Namespace, port: int, log_dir: str, worker_args: list[str],
-                on_restart: OnRestart, on_failure=None) -> tuple[RunResult, list, dict]:
+def run_agent(args: argparse.Namespace, port: int, log_dir: str, worker_args: list[str],
+              on_restart: OnRestart, on_failure=None) -> tuple[RunResult, list, dict]:
     """Run `python worker_args...` as this node's workers until they succeed or fail for good.
 
     Returns the last attempt's result, what `on_restart` returned for each earlier attempt

@@ -173,8 +173,8 @@ def main(args: argparse.Namespace) -> int:
     worker_args = ["-u", "-m", "phalanx.launch.worker"]  # see worker.py
     worker_args += (["-m"] if args.module else []) + [args.script] + list(args.script_args)
     try:
-        result, earlier, endings = agent.run_workers(args, port, log_dir, worker_args,
-                                                     announce_restart, note_survived)
+        result, earlier, endings = agent.run_agent(args, port, log_dir, worker_args,
+                                                   announce_restart, note_survived)
         if result.is_failed():
             print(failures.failure_report(result.failures, log_dir, earlier, endings,
                                           survived=args.on_failure == "continue"),
