@@ -4,10 +4,11 @@ offload's host side (masters, optimizer state and the step's host buffers)."""
 
 import pytest
 import torch
-from test_plan_finetune import _Lora
+from test_plan_finetune import _Attention, _Lora
 from test_plan_memory import _storage_bytes, _tensors_reachable
 
 import phalanx as px
+from phalanx.planner.finetune import add_lora
 from phalanx.planner.layout import engine_roots
 from phalanx.testing import engine_of, run_ranks
 
@@ -62,3 +63,49 @@ def test_zero3_frozen_shards_and_offload_host_memory_are_the_engines(precision):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     held = frozen if precision == "bf16" else frozen + trainable
     assert bytes_ * held / 2 <= plans[None]["zero3"].params_bytes < bytes_ * held * 0.51
+
+
+class _Stemmed(torch.nn.Module):
+    """A LoRA-shaped model with a frozen layer first (as a LoRA model's embedding is): its
+    output needs no gradient, so zero3's backward never gathers it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(32, 32)
+        self.layers = torch.nn.ModuleList(_Attention() for _ in range(3))
+        self.head = torch.nn.Linear(32, 4)
+        add_lora(self, 4, ("q_proj",))  # everything frozen but the adapters
+
+    def forward(self, x):
+        x = torch.tanh(self.stem(x))
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def _zero3_payload(precision, steps=2):
+    from phalanx import records
+
+    torch.manual_seed(0)
+    model = _Stemmed()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = px.prepare(model, opt, strategy="zero3", precision=precision)
+    for step in range(steps + 1):
+        if step == 1:  # the first step re-lays the buckets: not a steady-state step
+            records.reset_counts()
+        model(torch.randn(4, 32)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {op: b / steps for op, b in records.bytes_by_kind().items()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_gathers_of_a_frozen_stem_are_planned_as_the_engine_makes_them(precision):
+    counted = run_ranks(_zero3_payload, 2, args=(precision,), timeout=120)[0]
+    with torch.device("meta"):
+        model = _Stemmed()
+    planned = px.plan(model, gpus=2, precision=precision, strategy="zero3", backend="gloo",
+                      input_shape="32")["zero3"].comm_payload_bytes
+    assert set(counted) == set(planned)
+    for op in planned:  # padding to the world size and the units' flags: a few elements each
+        assert counted[op] == pytest.approx(planned[op], rel=2e-3, abs=64), op
