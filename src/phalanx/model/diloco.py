@@ -37,9 +37,9 @@ class DiLoCo:
     comm_dtype: the dtype the pseudo-gradient is averaged in: None (the masters'), torch.bfloat16
         or torch.float16 ('bf16', 'fp16': half the bytes of fp32; the paper's successors
         average it in fp16 or less, OpenDiLoCo arXiv:2407.07852), or 'int8' / 'int4'
-        (torch.int8, torch.int4): whole numbers with one scale per 128 elements, a quarter or
-        an eighth of fp32's bytes and the scales' (engine/diloco_wire.py), all-gathered and
-        summed on every rank.
+        (torch.int8, torch.int4): whole numbers with one scale per 128 elements of each
+        parameter, a quarter or an eighth of fp32's bytes plus the scales', all-gathered and
+        summed in rank order on every rank (all get the same average).
     error_feedback: with a comm_dtype that rounds (all but the masters' own), keep on each
         rank what the rounding left out and add it to the next pseudo-gradient it sends (one
         buffer of the trainable parameters' size, in the masters' dtype, on every rank).
