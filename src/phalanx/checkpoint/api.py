@@ -13,7 +13,7 @@ from ..arguments import check_checkpoint_call, check_model, check_path
 from ..data.sampler import DistributedSampler
 from ..runtime import default_comm
 from .delayed import load_delayed
-from .common import LOSS_SCALER, STATE_FILE, agree, set_rng_state
+from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, set_rng_state, under
 from .diloco import load_outer
 from .ownership import adopt, checkpoints_of, job_ids
 from .compression import load_compression
@@ -182,8 +182,7 @@ def load_checkpoint(path, model, optimizer, strict: bool, stateful: dict,
 
 def _match(model_state: ModelState, manifest: dict) -> tuple[set[str], list[str]]:
     """The names to load, and what does not match (missing, unexpected, reshaped)."""
-    saved = {k[len("model/"):]: v for k, v in manifest["tensors"].items()
-             if k.startswith("model/")}
+    saved = under(MODEL, manifest["tensors"])
     saved_aliases = manifest.get("aliases", {})
     wanted = model_state.shapes()
     missing, reshaped, names = [], [], set()
@@ -232,7 +231,7 @@ def export(path, model) -> str:
                 full[name] = torch.empty(shape, dtype=dtype)
             for part in gathered:
                 for name, start, end, values in part:
-                    full[name[len("model/"):]].view(-1)[start:end] = values
+                    full[name[len(MODEL):]].view(-1)[start:end] = values
             for alias, name in state.aliases.items():
                 full[alias] = full[name].clone()
             _write_atomically(target, full)
@@ -255,8 +254,7 @@ def export_checkpoint(checkpoint, out) -> str:
         raise CheckpointError("; ".join(problems))
     reader = Reader(checkpoint, manifest)
     try:
-        full = {k[len("model/"):]: reader.full(k) for k in manifest["tensors"]
-                if k.startswith("model/")}
+        full = {name: reader.full(MODEL + name) for name in under(MODEL, manifest["tensors"])}
     finally:
         reader.close()
     for alias, name in manifest.get("aliases", {}).items():

@@ -11,10 +11,36 @@ from ..collectives import Comm
 from ..elastic.gate import gate
 from .reader import CheckpointError
 
-__all__ = ["STATE_FILE", "LOSS_SCALER", "is_stateful", "agree", "rng_state", "set_rng_state"]
+__all__ = ["STATE_FILE", "LOSS_SCALER", "MODEL", "OPTIM", "POWERSGD", "model_key", "optim_key",
+           "optim_parts", "under", "is_stateful", "agree", "rng_state", "set_rng_state"]
 
 STATE_FILE = "state.pt"  # rank 0's small state: stateful objects, values, RNG, optimizer groups
 LOSS_SCALER = "model.loss_scaler"  # where a prepared fp16 model's loss scaler is kept
+
+# The tensors of a checkpoint are named by what they hold, under these prefixes:
+MODEL = "model/"        # model/<parameter or buffer name>: its value
+OPTIM = "optim/"        # optim/<parameter name>/<state key>: its optimizer state (its shape)
+POWERSGD = "powersgd/"  # powersgd/<bucket>/error and /q: PowerSGD's state (compression.py)
+# (also grad/ of staleness=1, delayed.py, and diloco/ of DiLoCo's outer state, diloco.py)
+
+
+def model_key(name: str) -> str:
+    return MODEL + name
+
+
+def optim_key(param: str, key: str) -> str:
+    return f"{OPTIM}{param}/{key}"
+
+
+def optim_parts(name: str) -> tuple[str, str]:
+    """(parameter name, state key) of an optimizer state tensor's name."""
+    param, key = name[len(OPTIM):].rsplit("/", 1)
+    return param, key
+
+
+def under(prefix: str, named: dict) -> dict:
+    """The entries of `named` whose names start with `prefix`, by the rest of their names."""
+    return {k[len(prefix):]: v for k, v in named.items() if k.startswith(prefix)}
 
 
 def is_stateful(value) -> bool:

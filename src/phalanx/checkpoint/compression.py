@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from .common import POWERSGD
 from .state import ModelState, Range
 
 __all__ = ["compression_ranges", "load_compression"]
 
-COUNT = "powersgd/reductions"
+COUNT = f"{POWERSGD}reductions"
 
 
 def _compressor(model_state: ModelState):
@@ -45,9 +46,9 @@ def compression_ranges(model_state: ModelState) -> list[Range]:
         if name is None:
             continue
         if number in errors:
-            tensors[f"powersgd/{name}/error"] = errors[number]
+            tensors[f"{POWERSGD}{name}/error"] = errors[number]
         if number in compressor.qs:
-            tensors[f"powersgd/{name}/q"] = compressor.qs[number]
+            tensors[f"{POWERSGD}{name}/q"] = compressor.qs[number]
     out = []
     for i, (key, value) in enumerate(tensors.items()):  # the same order on every rank
         if i % comm.world == comm.rank:
@@ -69,7 +70,7 @@ def load_compression(model_state: ModelState, reader, names: set[str]) -> None:
         mat = compressor.matrices.get(number)
         if name not in names or mat is None:
             continue
-        error, q = f"powersgd/{name}/error", f"powersgd/{name}/q"
+        error, q = f"{POWERSGD}{name}/error", f"{POWERSGD}{name}/q"
         compressor.load(
             number,
             reader.read(error, 0, p.numel()) if error in reader.tensors else None,

@@ -31,6 +31,7 @@ def _size(n: int) -> str:
 def main(args: argparse.Namespace) -> int:
     from phalanx.command_error import CommandError
 
+    from .common import MODEL, OPTIM, optim_parts, under
     from .reader import CheckpointError, read_manifest, verify_files
 
     path = os.path.abspath(args.checkpoint)
@@ -48,8 +49,8 @@ def main(args: argparse.Namespace) -> int:
     for name in sorted(files):
         print(f"    {name:28s} {_size(files[name]['bytes']):>12s}  "
               f"crc32 {files[name]['crc32']:08x}")
-    model = {k[len("model/"):]: v for k, v in manifest["tensors"].items() if k.startswith("model/")}
-    optim = sorted({k.rsplit("/", 1)[1] for k in manifest["tensors"] if k.startswith("optim/")})
+    model = under(MODEL, manifest["tensors"])
+    optim = sorted({optim_parts(k)[1] for k in manifest["tensors"] if k.startswith(OPTIM)})
     numel = 0
     print(f"  model tensors ({len(model)}):")
     for name, info in model.items():

@@ -34,7 +34,8 @@ from ..collectives import Comm
 from ..elastic.gate import gate
 from ..model.prepare import prepared_or_none
 from ..runtime import default_comm
-from .common import LOSS_SCALER, STATE_FILE, agree, is_stateful, rng_state
+from .common import (LOSS_SCALER, OPTIM, STATE_FILE, agree, is_stateful, model_key,
+                     optim_parts, rng_state)
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
 from .diloco import DILOCO, outer_ranges, param_of
 from .compression import compression_ranges
@@ -173,7 +174,7 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             optim_ranges, snap.whole = optim_state.ranges(owner)
             ranges += optim_ranges
             for r in optim_ranges:
-                param, key = r.name[len("optim/"):].rsplit("/", 1)
+                param, key = optim_parts(r.name)
                 snap.keys.setdefault(param, set()).add(key)
         if model_state.outer is not None:  # see [Note: a DiLoCo checkpoint] in diloco.py
             ranges += outer_ranges(model_state, optim_state, owner, comm.rank)
@@ -301,20 +302,19 @@ def _complete(snap: _Snapshot, reports: list) -> None:
         os.fsync(f.fileno())
     files[STATE_FILE] = {"bytes": os.path.getsize(state_path), "crc32": file_digest(state_path)}
 
-    tensors = {f"model/{name}": {"shape": shape, "dtype": dtype, "pieces": []}
+    tensors = {model_key(name): {"shape": shape, "dtype": dtype, "pieces": []}
                for name, (shape, dtype) in meta["shapes"].items()}
     for r in reports:
         for name, file, key, start, end, dtype in r["index"]:
             entry = tensors.setdefault(name, {"shape": None, "dtype": dtype, "pieces": []})
             entry["pieces"].append([file, key, start, end])
     for name, entry in tensors.items():
-        if name.startswith("optim/"):  # optimizer state has its parameter's shape
-            param = name[len("optim/"):].rsplit("/", 1)[0]
-            entry["shape"] = tensors[f"model/{param}"]["shape"]
+        if name.startswith(OPTIM):  # optimizer state has its parameter's shape
+            entry["shape"] = tensors[model_key(optim_parts(name)[0])]["shape"]
         elif name.startswith(DELAYED_PREFIX):  # a gradient still to apply has its parameter's
-            entry["shape"] = tensors[f"model/{name[len(DELAYED_PREFIX):]}"]["shape"]
+            entry["shape"] = tensors[model_key(name[len(DELAYED_PREFIX):])]["shape"]
         elif name.startswith("diloco/"):  # so has DiLoCo's (diloco.py)
-            entry["shape"] = tensors[f"model/{param_of(name)}"]["shape"]
+            entry["shape"] = tensors[model_key(param_of(name))]["shape"]
         elif entry["shape"] is None:  # flat, whole, one rank's (checkpoint/compression.py)
             entry["shape"] = [max(p[3] for p in entry["pieces"])]
         entry["pieces"].sort(key=lambda p: p[2])

@@ -28,6 +28,7 @@ from ..runtime import default_comm
 from ..engine.flat import Piece
 from ..engine.optim import adapter_of, held_groups, native_load_state_dict, per_element
 from ..model.prepare import prepared_or_none, uncompiled
+from .common import model_key, optim_key
 
 __all__ = ["ModelState", "OptimizerState", "Range"]
 
@@ -123,16 +124,16 @@ class ModelState:
                 continue
             if name in self.trainable and self.outer is not None:  # the last sync's weights
                 synced = self.outer.synced[self.outer.index[id(self.trainable[name])]]
-                out.append(Range(f"model/{name}", 0, t.numel(), synced.detach().reshape(-1)))
+                out.append(Range(model_key(name), 0, t.numel(), synced.detach().reshape(-1)))
             elif name in self.pieces:  # a frozen shard is in the compute dtype: widened
                 for piece in self.pieces[name]:
-                    out.append(Range(f"model/{name}", piece.start, piece.end,
+                    out.append(Range(model_key(name), piece.start, piece.end,
                                      piece.master.detach().reshape(-1).to(self.dtype_of(name))))
             else:
                 values = t.detach().reshape(-1)
                 if values.dtype != self.dtype_of(name):
                     values = values.to(self.dtype_of(name))
-                out.append(Range(f"model/{name}", 0, t.numel(), values))
+                out.append(Range(model_key(name), 0, t.numel(), values))
         return out
 
     # -- loading --------------------------------------------------------------------------------
@@ -142,12 +143,12 @@ class ModelState:
         the parameters from the masters (a collective when sharded), then the rest whole."""
         for name in names & set(self.pieces):
             for piece in self.pieces[name]:
-                reader.read_into(f"model/{name}", piece.start, piece.end, piece.master)
+                reader.read_into(model_key(name), piece.start, piece.end, piece.master)
         if self.engine is not None:
             self.engine.publish_masters()
         for name in names - set(self.pieces):
             t = self.tensors[name]
-            reader.read_into(f"model/{name}", 0, t.numel(), t)
+            reader.read_into(model_key(name), 0, t.numel(), t)
 
 
 class OptimizerState:
@@ -184,7 +185,7 @@ class OptimizerState:
             for piece in pieces:
                 for key, value in self.optimizer.state.get(piece.master, {}).items():
                     if per_element(key, value, piece.master.shape):
-                        out.append(Range(f"optim/{name}/{key}", piece.start, piece.end,
+                        out.append(Range(optim_key(name, key), piece.start, piece.end,
                                          value.detach().reshape(-1)))
                     elif piece.start == 0:
                         whole.setdefault(name, {})[key] = (
@@ -208,7 +209,7 @@ class OptimizerState:
                 if name is not None and name in names:
                     entry = dict(saved["whole"].get(name, {}))
                     for key in saved["keys"].get(name, []):
-                        values = reader.read(f"optim/{name}/{key}", piece.start, piece.end)
+                        values = reader.read(optim_key(name, key), piece.start, piece.end)
                         entry[key] = values.view(piece.master.shape)
                     if entry:
                         state[position] = entry
