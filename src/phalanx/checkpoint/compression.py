@@ -27,8 +27,8 @@ COUNT = f"{POWERSGD}reductions"
 
 
 def _compressor(model_state: ModelState):
-    return getattr(model_state.engine, "compression", None) if model_state is not None \
-        else None
+    engine = model_state.engine if model_state is not None else None
+    return engine.compression if engine is not None else None
 
 
 @torch.no_grad()

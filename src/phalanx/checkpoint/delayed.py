@@ -29,7 +29,7 @@ PREFIX = "grad/"
 
 def _delayed(model_state: ModelState):
     engine = model_state.engine
-    return getattr(engine, "delayed", None) if engine is not None else None
+    return engine.delayed if engine is not None else None
 
 
 @torch.no_grad()

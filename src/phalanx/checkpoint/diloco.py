@@ -51,7 +51,7 @@ DILOCO = "model.diloco"  # where the small state keeps the count of inner steps
 
 def outer_of(prepared):
     """The `OuterSync` (engine/diloco.py) of a prepared DiLoCo model, else None."""
-    return getattr(prepared, "_diloco", None) if prepared is not None else None
+    return prepared._diloco if prepared is not None else None
 
 
 def param_of(name: str) -> str:

@@ -61,10 +61,10 @@ class ModelState:
         # the prepared model's Comm: the job's, also where the engine's is a world of one (DiLoCo)
         self.comm: Comm = self.prepared._comm if self.prepared is not None else default_comm()
         # DiLoCo's outer state (engine/diloco.py); see [Note: a DiLoCo checkpoint] in diloco.py
-        self.outer = getattr(self.prepared, "_diloco", None)
+        self.outer = self.prepared._diloco if self.prepared is not None else None
         # With shard_size the engine shards over a group; the checkpoint spans the job, and the
         # first replica group alone writes the shards, which every replica reads (hybrid.py).
-        replicas = getattr(self.engine, "replicas", None)
+        replicas = self.engine.replicas if self.engine is not None else None
         self.writes_shards = replicas is None or replicas.comm.rank == 0
         self.sharded = bool(self.engine is not None and self.engine.sharded)
         named = self.module.state_dict(keep_vars=True)

@@ -35,15 +35,29 @@ __all__ = ["Engine", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
 
 
 class Engine(Protocol):
-    """What the prepared module and `px.*` call; nothing else of an engine is used outside."""
+    """What the rest of phalanx uses of an engine, and nothing else: the prepared module
+    (model/prepared.py), px.prepare and px.from_safetensors (model/), checkpoints
+    (checkpoint/), continue mode (model/relayout.py, elastic/joining.py) and the planner's
+    report of a run (planner/layout.py). Every attribute is always there (None where it does
+    not apply); tests/test_engine_protocol.py checks that each strategy's engine has them all."""
 
     params: list[torch.nn.Parameter]
+    comm: object         # the Comm it reduces and shards over (a group under shard_size)
+    policy: ShardPolicy  # what is sharded and where it lives (policy.py)
+    sharded: bool        # the optimizer state is sharded over more than one rank
+    units: list          # the units that learn, in stepping order (flat.py's FlatUnit)
     require_backward_grad_sync: bool
     reshards: bool   # zero3: parameters exist only while their unit computes (zero3.py)
     nonfinite: object  # the NonFiniteWatch of faults/nonfinite.py, or None
     gatherer: object   # zero3's UnitGatherer (zero3.py), or None
     steps: object      # the model's StepCounter (records.py)
     vote: object       # the StepVote of vote.py (the prepared model marks what it cannot vote)
+    replicas: object     # shard_size's average across shard groups (hybrid.py), or None
+    delayed: object      # staleness=1's DelayedGrads (delayed.py), or None
+    compression: object  # PowerSGD's reducer (powersgd.py), or None
+    host_link: object    # offload's HostLink (offload.py), or None
+    remote: object       # the shard service other ranks read from (remote.py), or None
+    remote_id: object    # this engine's name in that service, or None
 
     def no_sync(self) -> ContextManager: ...
     def backward_started(self, grad=None) -> None: ...
@@ -60,7 +74,14 @@ class Engine(Protocol):
     def held_pieces(self) -> dict: ...
     def publish_masters(self) -> None: ...
     def watch_steps(self, optimizer, fn) -> None: ...
+    def gate_steps(self, optimizer, before) -> None: ...
     def groups(self) -> list: ...
+    def names_across(self) -> set: ...
+    # continue mode (generations.py)
+    def laid_out_for(self, comm) -> bool: ...
+    def release(self) -> None: ...
+    def elastic_state(self) -> dict: ...
+    def set_elastic_state(self, state: dict | None) -> None: ...
 
 
 def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,

@@ -64,7 +64,7 @@ def clip_units(engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     for unit in units:
         # Under full gradients the whole bucket is scaled, so every `.grad` stays the
         # clipped mean; under sharded gradients only the owned slice exists.
-        delayed = getattr(engine, "delayed", None) is not None  # the average applied: delayed.py
+        delayed = engine.delayed is not None  # the average applied: delayed.py
         target = unit.reduced if engine.shard_grads or delayed else unit.bucket.grads()
         target.mul_(coef.to(target.dtype))
     return total

@@ -17,7 +17,6 @@ The order of what prepare does matters, and is the same on every rank:
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -207,17 +206,15 @@ def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built,
         engine.watch_steps(optimizer, clock.step_done)
     if clock is not None and steps_gate is not None:
         steps_gate.events.watch(clock, engine)
-    if clock is not None and getattr(engine, "compression", None) is not None:
+    if clock is not None and engine.compression is not None:
         clock.extras.append(engine.compression.step_report)
-    if clock is not None and getattr(engine, "host_link", None) is not None:
+    if clock is not None and engine.host_link is not None:
         clock.extras.append(engine.host_link.report)  # offload: the host step's share
     wrapped = PreparedModule(model, engine, comm, policy,
                              broadcast_buffers=options.broadcast_buffers and outer is None,
                              original_dtypes=original_dtypes, clock=clock,
-                             device=runtime.device())
-    wrapped._diloco = outer  # the outer state a checkpoint holds (checkpoint/diloco.py)
-    wrapped._recipe = recipe  # to build the engine again for another layout (relayout.py)
-    wrapped._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+                             device=runtime.device(), outer=outer, recipe=recipe,
+                             optimizer=optimizer)
     elastic.watch_model(wrapped)  # phalanx run --on-failure continue only
     return wrapped, optimizer
 

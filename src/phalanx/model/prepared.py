@@ -69,9 +69,14 @@ def to_device(inputs, device: torch.device):
 class PreparedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, engine, comm, precision, *,
                  broadcast_buffers: bool = True, original_dtypes: dict | None = None,
-                 clock=None, device: torch.device | None = None):
+                 clock=None, device: torch.device | None = None, outer=None, recipe=None,
+                 optimizer=None):
         super().__init__()
         self._clock = clock  # the step report's StepClock (observe/step_report.py), or None
+        self._diloco = outer  # DiLoCo's outer state, which a checkpoint holds (model/diloco.py)
+        self._recipe = recipe  # builds the engine again for another layout (relayout.py)
+        # the optimizer prepared with it (relayout.py), weakly: the model must not keep it
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self.module = module
         self._engine = engine
         self._comm = comm
@@ -112,7 +117,7 @@ class PreparedModule(torch.nn.Module):
         if any(isinstance(m, (SyncBatchNorm, torch.nn.SyncBatchNorm)) for m in module.modules()):
             engine.vote.unavailable = ("the model's SyncBatchNorm layers make collectives of "
                                        "their own in the forward and backward")
-        remote = getattr(engine, "remote", None)
+        remote = engine.remote
         if remote is not None:  # see [Note: a model dropped while a peer reads it] in remote.py
             weakref.finalize(self, remote.retire, engine.remote_id)
             remote.open(engine.remote_id)  # [Note: served once prepared] in remote.py
