@@ -29,7 +29,7 @@ it stays whole while both use it; see `_callable_root`). Hooks on each root:
   the unit is freed at once (see [Note: prefetch] in zero3_prefetch.py for what is waited for when;
   a unit holding frozen parameters also waits for its root's backward to be over: [Note: freeing a
   unit in backward] in zero3_release.py); at the end of the outermost backward (queued from the
-  prepared model's output gate, so a reentrant checkpoint's nested backward does not end it) every
+  prepared model's output node, so a reentrant checkpoint's nested backward does not end it) every
   unit still gathered is freed (one that got no gradient on this rank, or under `no_sync`).
 
 A module inside a root, called while that root's forward is not running, is refused with an
@@ -217,7 +217,7 @@ class UnitGatherer(Prefetching):
         self.free_all()
 
     def backward_started(self) -> None:
-        """From the prepared model's output gate: the end of this (outermost) backward frees
+        """From the prepared model's output node: the end of this (outermost) backward frees
         what is left (see the Note)."""
         if not self._callback_queued:
             self._callback_queued = True
@@ -338,7 +338,7 @@ class UnitGatherer(Prefetching):
             self.freeing.gradient_of(key)  # the roots whose input it is are done with it
             self._prefetched.discard(root.index)
             self.gather(root.units)
-            self.backward_started()  # in case backward began elsewhere than at the gate
+            self.backward_started()  # in case backward began elsewhere than at the output node
             seen = self._backward_seen
             if not seen or seen[-1] != root.index:  # a root's several outputs: once
                 if self.settle is not None:  # the reductions before it, where safe

@@ -1,19 +1,19 @@
-"""Dynamic loss scaling for fp16, and the gate every output of a prepared model passes.
+"""Dynamic loss scaling for fp16, and the node every output of a prepared model passes.
 
 fp16 gradients underflow unless the loss is multiplied by a large factor before backward. The
 user's loop stays `loss.backward()`: instead of scaling the loss, each floating output of the
-prepared model is returned through `OutputGate`, an autograd function that is the identity in
+prepared model is returned through `OutputNode`, an autograd function that is the identity in
 forward and multiplies the incoming gradient by the scale in backward.
 
 [Note: scaled exactly once]
-The gate is a node of its own on each returned output, not a hook on the output tensor. A hook
-on a tensor the model also used inside forward (logits returned together with a loss computed
+The output node is a node of its own on each returned output, not a hook on the output tensor. A
+hook on a tensor the model also used inside forward (logits returned together with a loss computed
 from them) would see the loss's gradient after it was already scaled at the loss, and scale it
-again. Every path from the user's loss back into the model crosses exactly one gate, the one of
-the output the user took, so every gradient inside the model is scaled exactly once, as if the
-loss had been. The reduced gradients are unscaled once, when the step makes their fp32 copies.
-The same gate tells the engine that backward started (see [Note: the end of the outermost
-backward] in engine/reducer.py), under every precision.
+again. Every path from the user's loss back into the model crosses exactly one output node, the one
+of the output the user took, so every gradient inside the model is scaled exactly once, as if the
+loss had been. The reduced gradients are unscaled once, when the step makes their fp32 copies. The
+same node tells the engine that backward started (see [Note: the end of the outermost backward] in
+engine/reducer.py), under every precision.
 
 A consequence to know: a loss term that does not flow through the model's returned outputs
 (a penalty on the parameters computed outside forward, an auxiliary loss kept on a module
@@ -50,10 +50,10 @@ import torch
 
 from .. import host
 
-__all__ = ["DynamicLossScaler", "OutputGate"]
+__all__ = ["DynamicLossScaler", "OutputNode"]
 
 
-class OutputGate(torch.autograd.Function):
+class OutputNode(torch.autograd.Function):
     """Identity forward; backward calls `on_grad(grad)` with the gradient that arrives (before
     any scaling) and multiplies it by `scaler.scale` if any."""
 

@@ -6,9 +6,9 @@ without blocking the host; `px.data_loader` pins its batches on a GPU machine so
 asynchronous), keeps buffers equal across ranks (rank 0's, broadcast before each forward that
 records a graph, unless `broadcast_buffers=False`), applies the precision policy
 (model/precision.py: inputs to the compute dtype, the forward under autocast to it, outputs to
-fp32), and returns every floating output through the gate of model/loss_scaling.py, which tells the
-engine that backward started and, under fp16, scales the gradient exactly once. Everything else
-(hooks, buckets, the optimizer) belongs to the engine it holds, called through the `Engine`
+fp32), and returns every floating output through the output node of model/loss_scaling.py, which
+tells the engine that backward started and, under fp16, scales the gradient exactly once. Everything
+else (hooks, buckets, the optimizer) belongs to the engine it holds, called through the `Engine`
 protocol (engine/__init__.py).
 
 Buffers are broadcast on a forward with gradients enabled, whatever the module's train/eval
@@ -53,7 +53,7 @@ import torch
 from .. import elastic
 from .._tree import map_tensors
 from .consistency import broadcast_tensors
-from .loss_scaling import OutputGate
+from .loss_scaling import OutputNode
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["PreparedModule", "to_device"]
@@ -181,12 +181,12 @@ class PreparedModule(torch.nn.Module):
                     engine.backward_started(g)
                     clock.backward_started()
 
-            def gate(t):
+            def through_node(t):
                 t = precision.cast_output(t)
                 if t.requires_grad and t.is_floating_point():
-                    return OutputGate.apply(t, on_grad, scaler)
+                    return OutputNode.apply(t, on_grad, scaler)
                 return t
-            return map_tensors(gate, out)
+            return map_tensors(through_node, out)
         if precision.low:
             out = map_tensors(precision.cast_output, out)
         return out

@@ -144,7 +144,7 @@ class StepClock:
         self.tokens += tokens
 
     def backward_started(self) -> None:
-        """From the first output gate of a backward: queue the end-of-backward callback after
+        """From the first output node of a backward: queue the end-of-backward callback after
         the engine's (which waits for the collectives), so the wait counts as backward."""
         if self._backward_from is None:
             self._backward_from = time.perf_counter()
