@@ -13,7 +13,7 @@ from phalanx.planner.comm import collectives, step_time, wire_bytes
 from phalanx.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import Chain  # noqa: E402
+from parity import Chain
 
 
 @pytest.mark.parametrize("world", [2, 3, 8, 64])
@@ -76,7 +76,7 @@ def _counted_payload(steps=2, accum=2):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         model, opt = px.prepare(model, opt, strategy=strategy, precision=precision)
 
-        def step():
+        def step(model=model, opt=opt):
             for micro in range(accum):
                 x = torch.randn(4, 32)
                 ctx = px.no_sync(model) if micro < accum - 1 else torch.enable_grad()

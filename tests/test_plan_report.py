@@ -26,7 +26,7 @@ from phalanx.observe.report_cli import against_plan, plan_for_run, read_metrics
 from phalanx.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import Chain  # noqa: E402
+from parity import Chain
 
 STEPS = 4
 
