@@ -14,8 +14,9 @@ Addresses (10.213.0.x) exist only inside the namespaces made here, and everythin
 removed when the cluster ends: on leaving the `with` block, whatever ended it (an error, Ctrl-C,
 a timeout), at the interpreter's exit, and, when a cluster is started, what a process that died
 before it could clean up left behind (the namespaces' names carry the pid that made them).
-Making namespaces needs root and the `ip` and `tc` commands: `unavailable()` says why they
-cannot be made here (tests skip with that reason).
+Making namespaces needs root and the `ip` and `tc` commands, and a delay needs the kernel's
+netem: `unavailable()` (`unavailable(latency=True)`) says why they cannot be made here (tests
+skip with that reason), and `start` refuses with it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
-def unavailable() -> str | None:
-    """Why network namespaces cannot be made here, or None when they can."""
+def unavailable(latency: bool = False) -> str | None:
+    """Why network namespaces cannot be made here, or None when they can; with `latency`, also
+    why their links cannot be given a delay (netem, which some kernels are built without)."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -51,7 +53,17 @@ def unavailable() -> str | None:
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"'ip netns add' failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
+    try:
+        if latency:
+            tried = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev",
+                                    "lo", "root", "netem", "delay", "1ms"],
+                                   capture_output=True, text=True)
+            if tried.returncode != 0:
+                return (f"this kernel cannot delay a link: tc's netem qdisc failed "
+                        f"({tried.stderr.strip()}); load it with 'modprobe sch_netem' (a kernel "
+                        "built with CONFIG_NET_SCH_NETEM), or give no delay_ms")
+    finally:
+        _ip("netns", "del", probe, check=False)
     return None
 
 
@@ -87,7 +99,7 @@ class Cluster:
 
     # -- making and removing ----------------------------------------------------------------
     def start(self) -> "Cluster":
-        reason = unavailable()
+        reason = unavailable(latency=bool(self.delay_ms))
         if reason is not None:
             raise RuntimeError(f"cannot make a cluster of namespaces here: {reason}")
         _remove_abandoned()
