@@ -8,14 +8,21 @@ long matrix) are deselected unless PHALANX_SLOW=1 or the `-m` expression names `
 `pytest -q` runs the quick suite (what CI runs), `PHALANX_SLOW=1 pytest -q` runs everything, and
 `pytest -m slow` only the slow cases.
 
+The one-process tier (`pytest.mark.one_process`): tests that start no process, no rank and no
+subprocess (option checks, the planner, the layout, messages), for the edit-test loop:
+`pytest -q -m one_process` runs them in well under a minute. A test so marked that starts a
+process fails, saying so, so the mark cannot drift from what the test does.
+
 PHALANX_REPEAT=N runs every selected test N times, its ids ending in `repeat1` .. `repeatN`, to
 hunt a flaky test: `PHALANX_REPEAT=20 pytest -q -x tests/test_hangs.py`.
 """
 
 import os
 import re
+import subprocess
 import sys
 
+import _posixsubprocess
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -58,3 +65,24 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+class _StartedAProcess(AssertionError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _one_process_guard(request, monkeypatch):
+    """Under `one_process`, starting any process (subprocess, multiprocessing, fork) fails."""
+    if request.node.get_closest_marker("one_process") is None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise _StartedAProcess(f"{request.node.nodeid} is marked one_process but starts a "
+                               "process: remove the mark (it belongs to the multi-process suite)")
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse, raising=False)
+    monkeypatch.setattr(os, "fork", refuse)
+    if hasattr(os, "posix_spawn"):
+        monkeypatch.setattr(os, "posix_spawn", refuse)

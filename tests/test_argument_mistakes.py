@@ -10,6 +10,8 @@ from small_mlp import mlp
 
 import phalanx as px
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 
 @pytest.fixture
 def trained(tmp_path):

@@ -109,6 +109,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path):
         assert "does not match its checksum" in results["explicit"]  # still an error
 
 
+@pytest.mark.one_process
 def test_a_directory_where_no_checkpoint_verifies_is_an_error_not_a_fresh_start(tmp_path):
     model = torch.nn.Linear(3, 2)
     for step in range(2):
@@ -120,6 +121,7 @@ def test_a_directory_where_no_checkpoint_verifies_is_an_error_not_a_fresh_start(
     assert px.latest_checkpoint(tmp_path / "notes") is None  # no checkpoint at all: None
 
 
+@pytest.mark.one_process
 def test_an_unreadable_newer_manifest_is_named_and_an_intact_directory_warns_nothing(tmp_path):
     model = torch.nn.Linear(3, 2)
     for step in range(2):

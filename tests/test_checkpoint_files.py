@@ -145,6 +145,7 @@ def test_a_checkpoint_of_another_model_names_what_differs(tmp_path):
     assert torch.equal(model.out.weight, reference.out.weight)
 
 
+@pytest.mark.one_process
 def test_checkpoint_info_describes_and_verifies(tmp_path, capsys):
     from phalanx import cli
 

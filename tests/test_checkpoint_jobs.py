@@ -92,6 +92,7 @@ def test_a_job_removes_only_what_it_wrote(tmp_path):
         px.load(os.path.join(root, name), model=model)
 
 
+@pytest.mark.one_process
 def test_a_save_whose_directory_another_process_removed_says_so(tmp_path, monkeypatch):
     import phalanx.checkpoint.saving as saving
 
@@ -110,6 +111,7 @@ def test_a_save_whose_directory_another_process_removed_says_so(tmp_path, monkey
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.one_process
 def test_a_reload_falls_back_only_on_this_jobs_older_checkpoints(tmp_path):
     """`fallbacks(newest)`: where continue mode's reload goes back to while a checkpoint does
     not verify: this job's, newest first, never another job's in the same directory."""

@@ -73,6 +73,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
     assert sorted(os.listdir(tmp_path)) == ["step1", "step3"]
 
 
+@pytest.mark.one_process
 def test_keep_last_keeps_the_newest(tmp_path):
     model = make_model(0)
     for step in range(4):

@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from phalanx.testing import run_ranks
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "phalanx"
 
 
+@pytest.mark.one_process
 def test_no_collective_bypasses_the_comm():
     """Only collectives.py calls torch.distributed's collectives. One exception, on purpose: the
     shard service's point-to-point sends (engine/remote.py): two ranks only, outside any

@@ -5,6 +5,7 @@ Every rank returns the batches it saw; the parent rebuilds the global stream (st
 ranks in order) and compares it with the stream of a world of one and with the dataset.
 """
 
+import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -208,6 +209,7 @@ def test_workers_streams_and_the_plain_sampler():
     assert results[0]["plain_sampler_state"]["epoch"] == 1  # a full pass advanced the epoch
 
 
+@pytest.mark.one_process
 def test_len_is_the_whole_epoch_and_what_is_left_has_its_own_name():
     """`len(sampler)` and `len(loader)` count a whole epoch per rank, as PyTorch's do, before
     and after a state is loaded mid-epoch; `samples_left()` and `batches_left()` count what

@@ -66,6 +66,7 @@ def test_without_sync_batchnorm_the_cnn_differs():
         assert_params_close(got, want, rtol=tolerance("cnn", "sgd", 2, B))
 
 
+@pytest.mark.one_process
 def test_a_naive_per_rank_mean_would_fail_the_parity_check():
     """Guard against a vacuous reference: training without averaging is detectably different."""
     want = train("mlp", "sgd", world=2, b=B)
@@ -164,6 +165,7 @@ def test_bad_options_fail_on_every_rank(kwargs, match):
     assert match in str(info.value)
 
 
+@pytest.mark.one_process
 def test_world_of_one_needs_no_process_group():
     model = make_model("mlp")
     prepared, _ = px.prepare(model, None)

@@ -33,6 +33,7 @@ def test_demo_trains_on_two_processes_like_one():
         assert abs(acc2 - acc1) <= 0.5
 
 
+@pytest.mark.one_process
 def test_help_names_every_strategy_with_the_defaults(capsys):
     with pytest.raises(SystemExit) as exit_:
         phalanx_main(["demo", "--help"])
@@ -42,6 +43,7 @@ def test_help_names_every_strategy_with_the_defaults(capsys):
     assert "fp32, bf16 or fp16 (default fp32)" in text
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("flag,value", [("--strategy", "zero4"), ("--precision", "fp8")])
 def test_a_bad_name_is_one_argparse_error_and_starts_no_worker(capsys, monkeypatch, flag, value):
     import phalanx.launch.cli

@@ -296,6 +296,7 @@ def _bad(case):
     return None
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("kwargs,match", [
     ({"sync_every": 0}, "sync_every=0"), ({"sync_every": 2.5}, "whole number"),
     ({"sync_every": 2, "outer_lr": -1}, "outer_lr"), ({"sync_every": 2, "outer_momentum": 1.0},

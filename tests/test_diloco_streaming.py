@@ -24,6 +24,7 @@ def _assert_close(got, want, context):
         assert err <= 1e-12 * max(b.abs().max().item(), 1.0), f"{context}: param {i} off by {err}"
 
 
+@pytest.mark.one_process
 def test_fragments_are_runs_of_about_equal_size():
     assert fragment_of([96, 16, 48, 3], 2) == FRAGMENTS[2]
     assert fragment_of([96, 16, 48, 3], 3) == FRAGMENTS[3]
@@ -116,6 +117,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
         _assert_close(params, list(map(torch.Tensor.detach, sim.weights(rank))), f"rank {rank}")
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("kwargs,match", [
     ({"fragments": 0}, "fragments=0"), ({"sync_every": 10, "fragments": 3}, "e.g. sync_every=12"),
     ({"sync_every": 4, "fragments": 2, "delay": 2}, "below sync_every / fragments = 2"),

@@ -171,6 +171,7 @@ RUN = list({(e.lang, e.code, e.mark): e for e in reversed(ALL) if "why" not in e
            .values())[::-1]
 
 
+@pytest.mark.one_process
 def test_every_example_is_run_or_says_why_not():
     assert len(ALL) > 20, "the example finder found too few examples"
     for e in ALL:

@@ -21,6 +21,8 @@ import pytest
 import phalanx
 from phalanx.cli import COMMANDS, build_parser
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -13,6 +13,7 @@ sum must fit in fp16] in model/loss_scaling.py.
 
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -152,6 +153,7 @@ def _norm_gap(norms, want):
     return max((abs(a - b) / b for a, b in zip(norms, want) if math.isfinite(a)), default=0.0)
 
 
+@pytest.mark.one_process
 def test_the_case_needs_the_ranks_sum_to_fit():
     """The model is one where it matters: at the first step each rank's gradient times 2**16
     fits in fp16, and its sum over the two ranks does not (the mean does)."""
@@ -195,6 +197,7 @@ def test_fp16_on_two_ranks_skips_no_more_and_stays_as_close_to_fp32_as_gradscale
                 f"GradScaler's {amp_param_gap:.3g}")
 
 
+@pytest.mark.one_process
 def test_the_scale_per_rank_is_the_loss_scale_over_a_power_of_two():
     """What each rank's gradients carry (`scale`) is the loss scale divided by the smallest
     power of two >= the ranks (exact to multiply and undo); the schedule and checkpoints move

@@ -303,6 +303,7 @@ def test_missing_extra_and_misshaped_keys_are_refused_by_name_on_every_rank(tmp_
         assert torch.equal(embed, tensors["embed.weight"])
 
 
+@pytest.mark.one_process
 def test_in_one_process_it_is_an_init_fn_that_loads_a_full_model(tmp_path):
     tensors = _trained_weights(torch.float32)
     weights = px.from_safetensors(write(tmp_path / "split", tensors, shards=2))

@@ -38,6 +38,7 @@ def gpus(monkeypatch):
     return make
 
 
+@pytest.mark.one_process
 def test_a_rank_takes_its_gpu_under_nccl_and_the_cpu_under_gloo(gpus):
     chosen = gpus(2)
     assert runtime._pick_device(1, "nccl") == torch.device("cuda", 1) and chosen == [1]
@@ -47,6 +48,7 @@ def test_a_rank_takes_its_gpu_under_nccl_and_the_cpu_under_gloo(gpus):
     assert runtime._pick_device(0, "gloo", "cuda:1") == torch.device("cuda", 1)
 
 
+@pytest.mark.one_process
 def test_more_nccl_ranks_than_gpus_is_an_error_that_names_the_fix(gpus):
     gpus(2)
     with pytest.raises(ValueError) as caught:
@@ -58,6 +60,7 @@ def test_more_nccl_ranks_than_gpus_is_an_error_that_names_the_fix(gpus):
         runtime._pick_device(0, "nccl", "cpu")
 
 
+@pytest.mark.one_process
 def test_asking_for_a_gpu_on_a_machine_without_one_is_an_error(gpus):
     gpus(0)
     with pytest.raises(ValueError, match="sees no GPU"):
@@ -75,6 +78,7 @@ class Batch:
     note: str
 
 
+@pytest.mark.one_process
 def test_inputs_anywhere_in_the_arguments_reach_the_device():
     inputs = ((torch.ones(2), [torch.zeros(3), 7]),
               {"pair": Pair(torch.ones(1), "x"), "batch": Batch(torch.arange(4), "keep")})
@@ -103,6 +107,7 @@ def _tensors_in(batch):
             batch["batch"].tokens]
 
 
+@pytest.mark.one_process
 def test_px_data_loader_gives_batches_on_the_ranks_device(monkeypatch):
     """On a GPU the targets a loop uses outside the model (`F.cross_entropy(model(x), y)`) must
     be on the model's device too: the loader moves every tensor of a batch to px.device().
@@ -124,6 +129,7 @@ def test_px_data_loader_gives_batches_on_the_ranks_device(monkeypatch):
     assert [b["x"].tolist() for b in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
+@pytest.mark.one_process
 def test_px_data_loader_on_a_cpu_rank_yields_what_collate_made():
     """On the CPU nothing is moved or rebuilt: each batch is collate's own object."""
     assert runtime.device().type == "cpu"
@@ -133,6 +139,7 @@ def test_px_data_loader_on_a_cpu_rank_yields_what_collate_made():
     assert len(got) == len(made) == 3 and all(a is b for a, b in zip(got, made))
 
 
+@pytest.mark.one_process
 def test_px_spawn_never_forks_where_there_is_a_gpu(monkeypatch):
     """torch.cuda.is_available() initialises the CUDA driver, and a forked worker of such a
     process cannot use the GPU: with a GPU on the machine, workers start fresh."""
@@ -203,6 +210,7 @@ def test_a_meta_build_gives_every_rank_rank_zeros_values_whatever_its_seed(strat
             assert torch.equal(state[key], value), f"{strategy} rank {rank}: {key}"
 
 
+@pytest.mark.one_process
 def test_the_step_report_leaves_the_users_peak_statistics_alone(monkeypatch):
     """It reset them every step, so a peak a user measured over several steps became the last
     step's."""

@@ -6,11 +6,14 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from phalanx import records
 from phalanx.collectives import Comm
 from phalanx.faults.hangs import HangWatch
+
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
 
 
 class Store:

@@ -102,6 +102,7 @@ def test_a_healthy_run_with_a_short_threshold_is_not_reported():
     assert "hang" not in result.stderr
 
 
+@pytest.mark.one_process
 def test_threshold_comes_from_the_timeout_or_the_environment(monkeypatch):
     monkeypatch.delenv("PHALANX_HANG_AFTER", raising=False)
     assert hang_threshold(600.0) == 200.0

@@ -91,6 +91,7 @@ def test_every_combination_matches_one_process(strategy, world, shard_size):
     check_against_reference(results, world, strategy, shard_size, p64.COMBOS)
 
 
+@pytest.mark.one_process
 def test_the_groups_take_different_branches():
     """The permutation does what the module docstring says (else the flags test is vacuous)."""
     assert perm(4) == [0, 2, 1, 3]
@@ -186,6 +187,7 @@ def test_checkpoints_move_between_shard_sizes_strategies_and_world_sizes(tmp_pat
 
 
 # -- bad input -----------------------------------------------------------------------------------
+@pytest.mark.one_process
 @pytest.mark.parametrize("shard_size,strategy,match", [
     (3, "zero2", "does not divide the world size 4"),
     (2, "ddp", "ddp shards nothing"),
@@ -198,6 +200,7 @@ def test_bad_shard_sizes_are_refused_by_name(shard_size, strategy, match):
         check_shard_size(shard_size, strategy, 4)
 
 
+@pytest.mark.one_process
 def test_shard_size_node_reads_the_launcher(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert check_shard_size("node", "zero3", 4) == 2

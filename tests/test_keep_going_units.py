@@ -11,6 +11,8 @@ import phalanx as px
 from phalanx.elastic.membership import MembershipError
 from phalanx.elastic.steps import decide
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 
 # -- the decision, on reports made up here --------------------------------------------------
 def _report(calls, last_voted, phase1=False):

@@ -139,6 +139,7 @@ def test_two_nodes_on_one_machine_form_one_world():
     assert sorted(world_lines(out0)) == [0, 1] and sorted(world_lines(out1)) == [2, 3]
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("args,message", [
     (["-n", 0, SCRIPTS / "world.py"], "-n must be at least 1"),
     (["-n", 2, SCRIPTS / "no_such_script.py"], "no such script"),
@@ -172,6 +173,7 @@ def test_an_absent_master_gives_one_line_after_the_join_timeout():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.one_process
 def test_help_describes_every_flag(capsys):
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)
@@ -251,6 +253,7 @@ def test_every_restart_is_announced_and_the_final_message_lists_the_attempts():
     assert announced == ["2", "3"], result.stderr
 
 
+@pytest.mark.one_process
 def test_no_script_is_one_line_with_an_example(capsys):
     # Item 14: `phalanx run -n 2` said "the following arguments are required: ARGS".
     assert cli.main(["run", "-n", "2"]) == 2

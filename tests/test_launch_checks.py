@@ -84,6 +84,7 @@ def test_each_mistake_is_one_line_exit_status_2_and_no_worker(tmp_path, which):
     assert not (tmp_path / "runs").exists()  # nor was a run directory made
 
 
+@pytest.mark.one_process
 def test_each_mistake_in_process(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "train.py"
@@ -105,6 +106,7 @@ def _parsed(*argv) -> argparse.Namespace:
     return parser.parse_args([*argv, __file__])
 
 
+@pytest.mark.one_process
 def test_oversubscribe_lets_more_workers_start(monkeypatch):
     monkeypatch.setattr(processes, "_cores", lambda: 2)
     monkeypatch.setattr(processes, "_available_memory", lambda: 64 * 2**30)
@@ -117,6 +119,7 @@ def test_oversubscribe_lets_more_workers_start(monkeypatch):
     launch.check_arguments(_parsed("-n", too_many, "--oversubscribe"))  # no error
 
 
+@pytest.mark.one_process
 def test_memory_bounds_the_workers_where_it_holds_fewer(monkeypatch):
     monkeypatch.setattr(processes, "_cores", lambda: 64)
     monkeypatch.setattr(processes, "_available_memory", lambda: 3 * processes.WORKER_MEMORY)
@@ -125,6 +128,7 @@ def test_memory_bounds_the_workers_where_it_holds_fewer(monkeypatch):
                                          "memory available, about 240 MiB a worker")
 
 
+@pytest.mark.one_process
 def test_spawn_and_init_refuse_more_workers_than_the_machine_holds():
     limit, _ = worker_limit()
     with pytest.raises(ValueError, match=f"px.spawn\\(processes={limit + 1}\\) asks for "

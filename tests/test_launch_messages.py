@@ -172,6 +172,7 @@ def _attempt(tmp_path, outcomes: dict, ended: dict = ()) -> dict:
     return out
 
 
+@pytest.mark.one_process
 def test_a_kill_by_someone_else_is_still_a_kill(tmp_path):
     got = _attempt(tmp_path, {0: (-signal.SIGKILL, ""), 1: (-signal.SIGTERM, "")})
     endings = {0: Ending(), 1: Ending(signals=["SIGTERM"])}
@@ -180,6 +181,7 @@ def test_a_kill_by_someone_else_is_still_a_kill(tmp_path):
                                    "  stopped: rank 1"]
 
 
+@pytest.mark.one_process
 def test_the_launchers_own_sigkill_leads_as_a_hang_and_then_the_failure_it_caused(tmp_path):
     got = _attempt(tmp_path, {0: (1, "RuntimeError: Timed out waiting 5000ms for recv"),
                               1: (-signal.SIGKILL, "")})
@@ -193,6 +195,7 @@ def test_the_launchers_own_sigkill_leads_as_a_hang_and_then_the_failure_it_cause
         line.endswith("; restarting workers (attempt 2 of 3)")
 
 
+@pytest.mark.one_process
 def test_an_early_end_is_the_cause_only_of_a_failure_that_waited_for_it(tmp_path):
     ended = {0: {"how": "the script ended", "step": 1, "time": 0.0}}
     # rank 1 lost its peer: rank 0, which had ended, left early

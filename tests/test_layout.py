@@ -13,6 +13,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 SRC = os.path.join(os.path.dirname(__file__), "..", "src", "phalanx")
 TESTS = os.path.dirname(__file__)
 MAX_LINES = 400
@@ -126,3 +128,18 @@ def test_every_module_is_on_the_architecture_page():
                     f"`{name}`" not in text and f"`{rel}`" not in text:
                 missing.append(rel)
     assert not missing, f"modules the architecture page does not name: {', '.join(missing)}"
+
+
+def test_a_one_process_test_cannot_start_a_process():
+    """The one_process tier's guard (tests/conftest.py): this module is marked one_process, so
+    every way a test starts a process fails here instead of running."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    with pytest.raises(AssertionError, match="marked one_process but starts a process"):
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    with pytest.raises(AssertionError, match="marked one_process but starts a process"):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    with pytest.raises(AssertionError, match="marked one_process but starts a process"):
+        os.fork()

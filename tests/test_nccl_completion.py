@@ -104,6 +104,7 @@ BLOCKING = {
 }
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("kind", list(BLOCKING))
 def test_a_blocking_collective_on_nccl_is_in_flight_until_its_work_completes(nccl, kind):
     out = BLOCKING[kind](nccl.comm)
@@ -129,6 +130,7 @@ def test_a_blocking_collective_on_nccl_is_in_flight_until_its_work_completes(ncc
     assert hangs._oldest_in_flight(records.records_on(FAKE)) is None
 
 
+@pytest.mark.one_process
 def test_a_record_in_flight_behind_more_than_64_newer_ones_is_still_polled(nccl):
     """The watcher hands `poll_completions` only each group's newest 64 records; the oldest one
     in flight must still be polled at its tick, and stamped once its work completes."""

@@ -104,6 +104,7 @@ def test_a_world_of_one_raises_too():
     assert all(torch.isfinite(p).all() for p in params)
 
 
+@pytest.mark.one_process
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="on_nonfinite='stop': one of 'raise'"):
         px.prepare(make_model(), on_nonfinite="stop")

@@ -126,6 +126,7 @@ def test_offloaded_training_equals_one_process_and_the_same_run_on_the_device():
             assert_state_dicts_equal(optim, want_optim_, str(key))
 
 
+@pytest.mark.one_process
 def test_the_host_step_uses_the_fused_cpu_kernels_and_leaves_the_groups_as_built():
     from phalanx.engine.offload import host_kernels
 
@@ -143,6 +144,7 @@ def test_the_host_step_uses_the_fused_cpu_kernels_and_leaves_the_groups_as_built
     assert rmsprop.param_groups[0]["foreach"] is None
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("strategy,offload,why", [
     ("ddp", "optimizer", "ddp keeps the whole optimizer state on every rank"),
     ("zero2", "params", "only zero3 keeps shards of the parameters"),

@@ -3,6 +3,7 @@
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import phalanx as px
@@ -33,6 +34,7 @@ class WithOutputObject(torch.nn.Module):
         return Output(logits=h, hidden=(h, {"raw": x}))
 
 
+@pytest.mark.one_process
 def test_map_tensors_keeps_structure_and_types():
     out = Output(logits=torch.ones(2), hidden=(torch.zeros(1), {"raw": torch.ones(3)}))
     mapped = map_tensors(lambda t: t + 1, out)

@@ -256,6 +256,7 @@ def test_float64_parity_with_one_process(strategy, world, references):
                 assert torch.equal(params[i], initial[i].detach()), f"{context}: parameter {i}"
 
 
+@pytest.mark.one_process
 def test_the_reference_is_not_vacuous():
     """A wrong objective (one rank's data only) or no clip misses RTOL by far: the comparison
     can fail."""
@@ -267,6 +268,7 @@ def test_the_reference_is_not_vacuous():
                 assert_close(a, b, f"parameter {i}")
 
 
+@pytest.mark.one_process
 def test_rtol_has_headroom_over_the_reference_round_off():
     """RTOL against the round-off it has to absorb, measured on this machine: the reference
     against itself with another order of summation stays 100 times below it."""

@@ -10,6 +10,8 @@ from phalanx.planner.reference_model import ReferenceTransformer
 from phalanx.planner.trace import trace_module
 from phalanx.planner.transformer import TransformerShape, shape_from_config
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 GPT2_LIKE = {"model_type": "gpt2", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_inner": None,
              "n_positions": 64, "vocab_size": 211, "attn_pdrop": 0.1, "resid_pdrop": 0.1,
              "embd_pdrop": 0.1}

@@ -10,6 +10,8 @@ import pytest
 import phalanx as px
 from phalanx.cli import main as phalanx_main
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 STRATEGY_KEYS = {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                  "buffers_bytes", "total_bytes", "fits", "comm_bytes_per_step", "step_time_s",
                  "scaling_efficiency"}

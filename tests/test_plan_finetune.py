@@ -26,6 +26,7 @@ BASE = 100 * 64 + 2 * LAYER + 64 + 100 * 64
 ADAPTERS = 2 * ((4 * 64 + 64 * 4) + (4 * 64 + 32 * 4))
 
 
+@pytest.mark.one_process
 def test_the_planner_and_prepare_share_one_vocabulary():
     # "bf16" is mixed precision in both: 2 + 2 + 12 bytes per parameter under ddp with AdamW
     # (the planner's "bf16" meant pure bf16, 8 bytes, before the vocabulary was shared)
@@ -49,6 +50,7 @@ def test_the_planner_and_prepare_share_one_vocabulary():
         precision_spec("fp8", planner=True)
 
 
+@pytest.mark.one_process
 def test_phalanx_report_plans_a_run_in_the_precision_it_recorded():
     run = {"strategy": "zero2", "precision": "bf16", "world": 2, "backend": "gloo",
            "bucket_mb": 25.0, "comm_dtype": None, "trainable_params": 10**6, "optimizer": "adamw"}
@@ -57,6 +59,7 @@ def test_phalanx_report_plans_a_run_in_the_precision_it_recorded():
     assert planned.model_states_bytes == 2 * 10**6 + 14 * 10**6 // 2
 
 
+@pytest.mark.one_process
 def test_lora_from_a_config_counted_by_hand():
     r = px.plan(config=TINY, gpus=2, precision="bf16", optimizer="adamw", lora_rank=4)
     assert r.model["params"] == BASE + ADAPTERS
@@ -76,6 +79,7 @@ def test_lora_from_a_config_counted_by_hand():
         assert (p.params_bytes, p.grads_bytes, p.optimizer_bytes) == (w, g, k), name
 
 
+@pytest.mark.one_process
 def test_frozen_weights_cost_4_flops_per_token_and_trainable_ones_6():
     seq = 16
     full = px.plan(config=TINY, gpus=1, seq=seq)
@@ -90,6 +94,7 @@ def test_frozen_weights_cost_4_flops_per_token_and_trainable_ones_6():
     assert tuned.setting["flops_per_step"] == pytest.approx((4 * 0.75e9 + 6 * 0.25e9) * seq)
 
 
+@pytest.mark.one_process
 def test_trainable_fraction():
     r = px.plan(params=1e9, gpus=4, precision="bf16", optimizer="adamw", trainable=0.01)
     t = 10**7
@@ -99,6 +104,7 @@ def test_trainable_fraction():
     assert r["zero3"].model_states_bytes == (2 * (10**9 - t) + 2 * t + 12 * t) // 4
 
 
+@pytest.mark.one_process
 def test_lora_from_a_bare_count_uses_the_stand_in_shape():
     # 8e9 parameters: 34 layers ((8e9 / (12 * 128^2))^(1/3) = 34.4) of hidden
     # int(sqrt(8e9 / (12 * 34))) = 4428; q_proj and v_proj are 4428 x 4428 there
@@ -131,6 +137,7 @@ class _Net(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.one_process
 def test_lora_on_a_module_adapts_its_named_layers_on_the_meta_device():
     base = sum(p.numel() for p in _Net().parameters())
     module = _Net()
@@ -149,6 +156,7 @@ def test_lora_on_a_module_adapts_its_named_layers_on_the_meta_device():
         px.plan(module, gpus=2, input_shape="32", lora_rank=2, lora_targets="query,value")
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("options,message", [
     ({"lora_rank": 0}, "lora_rank must be a positive integer"),
     ({"lora_rank": 8, "trainable": 0.1}, "not both"),

@@ -7,6 +7,8 @@ import torch
 from phalanx.cli import main as phalanx_main
 from phalanx.planner import compare_layouts
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 WIDTH, LAYERS = 512, 6
 SHAPES = [(WIDTH, WIDTH), (WIDTH,)] * LAYERS
 

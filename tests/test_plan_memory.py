@@ -13,6 +13,7 @@ from phalanx.precisions import PLANNER_PRECISIONS as PRECISIONS
 from phalanx.testing import run_ranks
 
 
+@pytest.mark.one_process
 def test_zero_paper_figures_for_7_5b_on_64_gpus():
     # ZeRO (arXiv:1910.02054), Figure 1: 7.5B parameters, N = 64, mixed-precision Adam (K = 12).
     r = px.plan(params=7.5e9, gpus=64, precision="bf16", optimizer="adam")
@@ -30,6 +31,7 @@ def test_zero_paper_figures_for_7_5b_on_64_gpus():
     assert r["zero3"].model_states_bytes == 16 * psi / n - 2 * psi / n
 
 
+@pytest.mark.one_process
 def test_8b_fp32_adamw_is_32_plus_32_plus_64_gb_and_does_not_fit_replicated():
     r = px.plan(params="8B", gpus=8, precision="fp32", optimizer="adamw", gpu_memory="80GB")
     ddp = r["ddp"]
@@ -38,6 +40,7 @@ def test_8b_fp32_adamw_is_32_plus_32_plus_64_gb_and_does_not_fit_replicated():
     assert r.recommended != "ddp"
 
 
+@pytest.mark.one_process
 def test_1b_in_pure_bf16_is_8_gb():
     r = px.plan(params=1e9, gpus=1, precision="bf16-true", optimizer="adamw")
     assert r["ddp"].model_states_bytes == 8e9
@@ -71,6 +74,7 @@ FORMULAS = {
 }
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("precision,optimizer", list(FORMULAS))
 @pytest.mark.parametrize("world", [1, 4, 64])
 def test_each_strategy_matches_its_closed_form(precision, optimizer, world):
@@ -80,6 +84,7 @@ def test_each_strategy_matches_its_closed_form(precision, optimizer, world):
         assert r[name].model_states_bytes == formula(psi, world), name
 
 
+@pytest.mark.one_process
 def test_frozen_parameters_have_no_gradients_or_optimizer_state():
     model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))
     model[0].requires_grad_(False)
@@ -108,6 +113,7 @@ def _state_elements(opt):
                if torch.is_tensor(t) and t.dim() > 0)
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("name,make", [
     ("adamw", lambda ps: torch.optim.AdamW(ps)),
     ("adam", lambda ps: torch.optim.Adam(ps)),
@@ -164,6 +170,7 @@ def test_optimizer_and_weight_bytes_per_rank_match_the_engine(precision):
             assert weight_bytes == r[strategy].params_bytes
 
 
+@pytest.mark.one_process
 def test_model_states_function_shards_with_ceiling():
     prec = PRECISIONS["fp32"]
     s = model_states("zero3", prec, params=10, trainable=10, state_elements=20, world=3)
@@ -171,6 +178,7 @@ def test_model_states_function_shards_with_ceiling():
                                                 math.ceil(80 / 3))
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("compute_bytes", [4, 2])
 def test_unit_layout_matches_the_engines_units(compute_bytes):
     """The planner's units from a config are the engine's units of the module built from it,
@@ -197,6 +205,7 @@ def test_unit_layout_matches_the_engines_units(compute_bytes):
         assert len({layer_of.get(p) for p in run}) == 1
 
 
+@pytest.mark.one_process
 def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
     from phalanx.planner.memory import buffer_bytes, peak_bytes
     prec = PRECISIONS["fp32"]
@@ -224,6 +233,7 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
                                                   "backward start")
 
 
+@pytest.mark.one_process
 def test_the_flat_engine_steps_runs_of_units():
     from phalanx.planner.memory import step_working_bytes
     units = [300, 1000, 700]

@@ -11,6 +11,8 @@ import phalanx as px
 from phalanx.cli import main as phalanx_main
 from phalanx.planner.layout import unit_sizes
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 PSI = 8 * 10**9
 OWN = PSI // 2                      # the shard each of 2 ranks steps
 BUCKET = 13_107_200                 # elements of a 25 MiB bf16 unit

@@ -6,6 +6,8 @@ from phalanx.planner.hardware import LINKS
 from phalanx.planner.sizes import (format_bytes, format_count, parse_bandwidth, parse_bytes,
                                    parse_count)
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 
 @pytest.mark.parametrize("text,expected", [
     ("80GB", 80 * 10**9), ("80 GB", 80 * 10**9), ("80gb", 80 * 10**9), ("80GiB", 80 * 2**30),

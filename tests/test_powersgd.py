@@ -85,6 +85,7 @@ def at_2_ranks(tmp_path_factory):
 
 
 # -- bad requests --------------------------------------------------------------------------------
+@pytest.mark.one_process
 @pytest.mark.parametrize("kwargs,match", [
     ({"rank": 0}, "rank of the factors"), ({"rank": 2.0}, "rank of the factors"),
     ({"start_step": -1}, "start_step"), ({"start_step": True}, "start_step"),

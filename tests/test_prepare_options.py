@@ -42,6 +42,7 @@ def test_an_option_that_differs_between_ranks_fails_on_every_rank_naming_it(opti
 
 
 # -- bucket_mb that is not a finite number ---------------------------------------------
+@pytest.mark.one_process
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 @pytest.mark.parametrize("bucket_mb", [float("inf"), float("nan")])
 def test_bucket_mb_must_be_finite(strategy, bucket_mb):
@@ -52,6 +53,7 @@ def test_bucket_mb_must_be_finite(strategy, bucket_mb):
 
 
 # -- the model and the optimizer where they go (issue 37, item 4) ----------------------------
+@pytest.mark.one_process
 @pytest.mark.parametrize("second,words", [
     ("sgd", ("the second argument is the optimizer itself, a torch.optim.Optimizer built over "
              "model.parameters() such as torch.optim.SGD(model.parameters(), lr=0.1), not its "
@@ -73,6 +75,7 @@ def test_prepare_names_what_went_where_the_optimizer_goes(second, words):
     assert px.unwrap(model) is model  # nothing was done to the model
 
 
+@pytest.mark.one_process
 def test_prepare_names_an_optimizer_given_first():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -82,6 +85,7 @@ def test_prepare_names_an_optimizer_given_first():
         px.prepare(opt, model)
 
 
+@pytest.mark.one_process
 def test_the_precision_names_are_the_planners():
     """One vocabulary (phalanx/precisions.py): the planner's aliases mean the same here, and its
     pure-bf16 name is refused with the way to train so."""
@@ -93,6 +97,7 @@ def test_the_precision_names_are_the_planners():
         _options("ddp", "fp8")
 
 
+@pytest.mark.one_process
 def test_the_strategy_names_and_their_alias_are_one_list():
     """phalanx/strategies.py: px.prepare, PhalanxStrategy, the demo and the planner take the
     same names, in any case, and "fsdp" is zero3 everywhere."""

@@ -49,6 +49,7 @@ def test_identical_replicas_pass_the_check(strategy):
     assert run_ranks(_drift, 2, args=(strategy, "fp32", -1)) == [None, None]
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("every", [0, -2, 1.5, True, "10"])
 def test_check_replicas_every_must_be_a_step_count(every):
     model = mlp()

@@ -116,12 +116,14 @@ def test_a_function_defined_in_a_scripts_main_works(tmp_path):
     assert done.stdout.strip() == "rank 0 of 2 saw 2 and 7"
 
 
+@pytest.mark.one_process
 def test_auto_is_one_per_gpu_or_one_per_two_cores():
     expected = torch.cuda.device_count() if torch.cuda.is_available() \
         else max(1, (os.cpu_count() or 1) // 2)
     assert auto_processes() == expected
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "four", True])
 def test_a_bad_process_count_is_refused(bad):
     with pytest.raises(ValueError, match="number of worker processes"):

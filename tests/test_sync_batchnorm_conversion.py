@@ -13,6 +13,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from phalanx.model.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 
 class _MyNorm(nn.BatchNorm2d):
     """A user's own BatchNorm subclass: converted too."""

@@ -102,6 +102,7 @@ def test_load_state_dict_sets_the_sharded_masters():
     assert all(run_ranks(_load_and_compare, 2, args=(want,), timeout=120))
 
 
+@pytest.mark.one_process
 def test_check_replicas_every_is_refused_with_zero3():
     with pytest.raises(ValueError, match="check_replicas_every compares whole parameters"):
         px.prepare(Blocks(), strategy="zero3", check_replicas_every=10)
@@ -286,6 +287,7 @@ def test_a_meta_build_under_zero3_never_holds_the_whole_model_on_a_rank():
         assert rise > 0.9 * whole, f"peak rise {rise / 1e6:.1f} MB: the whole model not seen"
 
 
+@pytest.mark.one_process
 def test_a_meta_buffer_nothing_would_fill_is_refused():
     class Rotary(nn.Module):
         def __init__(self):

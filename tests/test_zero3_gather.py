@@ -249,6 +249,7 @@ def test_a_unit_bigger_than_the_bound_is_named_in_a_warning():
         "their own: 'the model' (17.3 KiB)" in first[0], first
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("options, match", [
     ({"prefetch": -1}, "prefetch=-1: how many blocks to gather ahead"),
     ({"prefetch": True}, "prefetch=True"),
@@ -323,6 +324,7 @@ def test_named_block_classes_become_the_units_gathered_one_at_a_time():
             torch.testing.assert_close(got[2][key], value, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("blocks, match", [
     ("Nope", "blocks: no module of class 'Nope' in the model"),
     (nn.Conv2d, "blocks: no module of class 'Conv2d' in the model"),
