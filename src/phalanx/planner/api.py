@@ -72,9 +72,11 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     `blocks` names the repeated blocks' classes as px.prepare's `blocks=` does (a module or
     factory only); `prefetch`, `max_gathered_mb` and `reshard_after_forward` are px.prepare's
     zero3 options, and change zero3's gathered memory and backward gathers as they change the
-    engine's. `link` ("1Gbit", "100Mbit", "25GB/s") is the bandwidth between nodes; it replaces
-    `inter_node_bw`, and the plan says whether each strategy is communication-bound over it and
-    what PowerSGD rank `powersgd_rank` or DiLoCo `sync_every` would send instead.
+    engine's. `link` ("1Gbit", "100Mbit", "25GB/s", with a latency "100Mbit+20ms") is the
+    bandwidth between nodes; it replaces `inter_node_bw`, and the plan says whether each
+    strategy is communication-bound over it, what PowerSGD rank `powersgd_rank` or DiLoCo
+    `sync_every` would send instead, and which streaming DiLoCo fragments and delay hide the
+    exchange behind the inner steps at that `sync_every` (`result.link.streaming`).
     `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within groups of K
     ranks and replicated across them, the replicas' average timed on the inter-node link.
     Fine-tuning: `lora_rank` freezes the model and adds LoRA adapters of
@@ -240,7 +242,8 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     shown = {n: plans[n] for n in s.shown}
     over_link = None if s.link_bps is None else link_report(
         shown, plans["ddp"], desc.trainable_shapes, s.comm_bytes or prec.grad_bytes,
-        desc.trainable_params, world, s.link_bps, s.powersgd_rank, s.sync_every)
+        desc.trainable_params, world, s.link_bps, s.powersgd_rank, s.sync_every,
+        s.link_latency_s, prec.master_bytes or prec.weight_bytes)
     return PlanResult(model=desc.summary(), setting=setting, strategies=shown,
                       recommended=recommended, reason=reason, notes=notes, units=s.units,
                       link=over_link)

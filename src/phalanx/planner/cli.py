@@ -62,15 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--intra-node-bw",
                     help=f"GB/s or preset: {', '.join(LINKS)} (default: the GPU's usual link)")
     hw.add_argument("--inter-node-bw", default="ib-400g", help="GB/s or preset (default ib-400g)")
-    hw.add_argument("--link", metavar="BANDWIDTH",
-                    help="the bandwidth between nodes, bits or bytes: 1Gbit, 100Mbit, 25GB/s "
-                         "(replaces --inter-node-bw); the plan then says whether a step is "
-                         "communication-bound over it, and what PowerSGD or DiLoCo would send")
+    hw.add_argument("--link", metavar="BANDWIDTH[+LATENCY]",
+                    help="the bandwidth between nodes, bits or bytes, and its latency after a "
+                         "+: 1Gbit, 100Mbit+20ms, 25GB/s (replaces --inter-node-bw); the plan "
+                         "then says whether a step is communication-bound over it, what "
+                         "PowerSGD or DiLoCo would send, and the streaming DiLoCo setting that "
+                         "hides DiLoCo's exchange behind the training")
     hw.add_argument("--powersgd-rank", type=int, default=4,
                     help="with --link: the PowerSGD rank of the what-if (default 4)")
     hw.add_argument("--sync-every", type=int, default=50,
-                    help="with --link: DiLoCo's steps between averages in the what-if "
-                         "(default 50)")
+                    help="with --link: DiLoCo's steps between averages in the what-if and "
+                         "the streaming setting (default 50)")
 
     run = p.add_argument_group("training")
     run.add_argument("--strategy", default="all",

@@ -13,7 +13,7 @@ from ..precisions import PrecisionSpec, precision_spec
 from .finetune import check_finetune
 from .hardware import LINKS, GpuSpec, gpu_spec
 from .hybrid import check_plan_shard_size
-from .link import parse_link
+from .link import link_latency, parse_link
 from .memory import OPTIMIZERS, STRATEGIES
 from .offload import DEFAULT_HOST_MEMORY_BW, OFFLOADS, offloaded_strategies
 from .sizes import parse_bandwidth, parse_bytes
@@ -62,6 +62,7 @@ class Setting:
     host_memory: int | None      # bytes per node (checked under offload, and its alternatives)
     host_link: float             # GB/s per GPU
     host_memory_bw: float        # GB/s per node
+    link_latency_s: float = 0.0  # what follows a + in link ("100Mbit+20ms")
 
     @property
     def world(self) -> int:
@@ -153,4 +154,5 @@ def check_setting(*, gpus, nodes, gpu, gpu_memory, peak_tflops, mfu, strategy, p
         gather=check_gather_options("zero3", prefetch, max_gathered_mb, reshard_after_forward),
         headroom=headroom, powersgd_rank=powersgd_rank, sync_every=sync_every,
         lora_rank=lora_rank, lora_targets=lora_targets, trainable=trainable, offload=offload,
-        host_memory=host_bytes, host_link=host_gbps, host_memory_bw=host_mem_gbps)
+        host_memory=host_bytes, host_link=host_gbps, host_memory_bw=host_mem_gbps,
+        link_latency_s=link_latency(link) if link is not None else 0.0)
