@@ -35,8 +35,8 @@ from . import store as keys
 from .gate import gate
 from .membership import debug
 
-__all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines", "settle",
-           "live_models", "leave_unadmitted", "cannot_join"]
+__all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines",
+           "rebuild_engines", "live_models", "leave_unadmitted", "cannot_join"]
 
 def live_models() -> list:
     """The prepared models of this process (elastic.watch_model), in prepare order."""
@@ -48,7 +48,7 @@ def live_models() -> list:
 def sync_engines(comm) -> None:
     """After a new group is formed: every member's engines take the launch order and step
     count of the first member that has them settled (see [Note: launch order follows
-    readiness] in engine/reducer.py); where no member has, the next backward settles them."""
+    readiness] in engine/reducer.py); where no member has, the next backward decides it."""
     for prepared in live_models():
         engine = prepared._engine
         mine = engine.elastic_state()
@@ -58,7 +58,7 @@ def sync_engines(comm) -> None:
         engine.set_elastic_state(source)
 
 
-def settle() -> list:
+def rebuild_engines() -> list:
     """After a new group is formed (every member calls it): sharded engines laid out for
     another group are built again for this one (model/relayout.py), then the engines agree
     (`sync_engines`). Returns the prepared models rebuilt: their state is to be loaded."""
@@ -136,7 +136,7 @@ def join(m, steps, load) -> dict:
     m.admitting = True  # an error from here on is not one of a training step (steps.py)
     try:
         if m.form(admission["gen"], admission["members"]):
-            settle()
+            rebuild_engines()
         return load(admission["path"])  # lost meanwhile: read alone, then the recovery
     finally:
         m.admitting = False
@@ -204,7 +204,7 @@ def admit(m, steps, comm, asking, path: str, reload) -> None:
     began, speaker = time.time(), comm.rank == 0
     m.drop_group()
     if m.form(gen, members):
-        settle()
+        rebuild_engines()
     reload(path)
     if steps.events is not None and not gate.cut:
         steps.events.joined([rank for rank, _ in asking], records.current_step(),

@@ -173,7 +173,8 @@ class StepGate:
             if not m.form(m.gen + 1, decision.survivors):
                 continue  # lost again before the group was made: from that generation on
             gate.cut = False  # open for the members' own agreement, cut again after it
-            rebuilt = joining.settle()  # sharded engines laid out again; launch order agreed
+            # sharded engines laid out again; launch order agreed
+            rebuilt = joining.rebuild_engines()
             if rebuilt and not gate.cut:
                 self._reload(rebuilt, decision)
             if not gate.cut:

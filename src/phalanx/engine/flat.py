@@ -128,7 +128,7 @@ class FlatUnit(UnitGradients):
         self.nonfinite = False  # some rank flagged a non-finite loss (the bucket's signal)
         self.failed = False     # some rank's step raised (the signal: engine/vote.py)
         # The reduced flags and signal, on the device, until the end of backward reads them
-        # with every other unit's (see `settle` and host.py).
+        # with every other unit's (see `take_flags` in flat_grads.py and host.py).
         self.tail: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None

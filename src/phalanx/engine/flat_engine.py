@@ -140,7 +140,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         self._gave_up = False  # a wait in this backward was given up (_may_wait)
         self.patience = 0.05   # seconds a root waits for its predecessors' flags (_may_wait)
         if self._host_waits:
-            self.gatherer.settle = lambda: self.reducer.settle(self.patience)
+            self.gatherer.finish_reductions = lambda: self.reducer.finish_done(self.patience)
         # See [Note: reading a peer's shards] in remote.py: where this rank holds 1/N of the
         # masters, a thread serves them (and the optimizer state) to a peer that asks, and
         # `lock` keeps a step from changing them while they are read.
@@ -250,7 +250,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         at = 0
         for unit in units:
             n = unit.tail.numel()
-            unit.settle(values[at:at + n], shard=self.shard_grads)
+            unit.take_flags(values[at:at + n], shard=self.shard_grads)
             at += n
         mine_value = bool(values[at]) if mine is not None else False
         at += mine is not None
@@ -315,12 +315,12 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         order = torch.tensor([b.index for b in completed], dtype=torch.int64,
                              device=self.comm.device)
         self.comm.broadcast(order, src=0, tag="launch order")
-        if gate.cut:  # rank 0's order never came (elastic/): settle it at the next backward
+        if gate.cut:  # rank 0's order never came (elastic/): decide it at the next backward
             self.reducer.rearm_first_order()
             return
         if self.replicas is not None:
             self.replicas.order(order)
-        self.reducer.settle_order(order.tolist())
+        self.reducer.adopt_order(order.tolist())
 
     # -- backward ----------------------------------------------------------------------------
     def _launch(self, bucket: GradBucket):

@@ -49,12 +49,12 @@ class UnitGradients:
     def finish_grad(self, shard: bool) -> None:
         """Turn the reduced bucket into what the step reads, once its collective is done, on
         the device alone: which parameters got a gradient is read by the host later, with
-        every unit's, in `settle` (see host.py).
+        every unit's, in `take_flags` (see host.py).
 
         See [Note: gradients that never arrived] in reducer.py: under full gradients a parameter
         still holding an accumulated `.grad` counts as used by itself (its slot is kept, its
         flag set); sharded gradients leave `.grad` None, so the flags of earlier backwards since
-        zero_grad() are remembered in `settle`.
+        zero_grad() are remembered in `take_flags`.
         """
         bucket = self.bucket
         reduced = bucket.comm_buffer if self._sent_compressed \
@@ -88,7 +88,7 @@ class UnitGradients:
         self.tail = bucket.tail()
         self.reduced = bucket.grads()[self.lo:self.hi]
 
-    def settle(self, tail: list[float], shard: bool) -> None:
+    def take_flags(self, tail: list[float], shard: bool) -> None:
         """The host's part of finishing, given this unit's reduced flags and signal as read."""
         used, self.nonfinite = [f > 0 for f in tail[:-1]], tail[-1] > 0
         self.failed = tail[-1] >= FAILED_AT

@@ -62,5 +62,5 @@ class AcrossGenerations:
         if state is None:  # no member has the order settled: the next backward settles it
             self.reducer.rearm_first_order()
             return
-        self.reducer.settle_order(state["order"])
+        self.reducer.adopt_order(state["order"])
         self.steps.value = state["steps"]

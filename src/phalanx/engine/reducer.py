@@ -131,14 +131,14 @@ class GradReducer:
         self._disarmed = True
 
     def first_order_pending(self) -> bool:
-        """Whether the next backward still has to settle the launch order."""
+        """Whether the next backward still has to decide the launch order."""
         return self._ready_order is not None
 
     def rearm_first_order(self) -> None:
         """Settle the launch order again at the next backward (its broadcast was lost)."""
         self._ready_order = [] if self._on_first_order is not None else None
 
-    def settle_order(self, indexes: list[int]) -> None:
+    def adopt_order(self, indexes: list[int]) -> None:
         """Launch in the order of `indexes`, the one rank 0 settled (also for a rank that joins
         the job later: elastic/joining.py)."""
         by_index = {b.index: b for b in self.buckets}
@@ -228,7 +228,7 @@ class GradReducer:
                 work.wait()
             self._finish_fn(bucket)
 
-    def settle(self, patience: float) -> None:
+    def finish_done(self, patience: float) -> None:
         """Finish, oldest first, the buckets in flight that are done or may be waited for
         (`may_wait`, allowed `patience` seconds to decide): called before a zero3 root makes its
         gradients, so the ones reduced before it no longer take memory."""

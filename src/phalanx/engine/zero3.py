@@ -158,7 +158,7 @@ class UnitGatherer(Prefetching):
         self.prefetched_unused = 0            # ... and freed without being used
         self._checks: list = []               # see zero3_roots.compare_roots
         self._deferred = None  # backward: (root, roots to prefetch once its units are freed)
-        self.settle = None     # the engine's: finish reductions before a root's backward
+        self.finish_reductions = None  # the engine's: finish reductions before a root's backward
         # unit -> its whole buffer read from the peers (engine/remote.py): how a forward
         # without gradients gathers, with no collective, so that one rank may run it alone
         self.fetch = None
@@ -341,8 +341,8 @@ class UnitGatherer(Prefetching):
             self.backward_started()  # in case backward began elsewhere than at the output node
             seen = self._backward_seen
             if not seen or seen[-1] != root.index:  # a root's several outputs: once
-                if self.settle is not None:  # the reductions before it, where safe
-                    self.settle()
+                if self.finish_reductions is not None:  # the reductions before it, where safe
+                    self.finish_reductions()
                 seen.append(root.index)
                 self._prefetch(self._backward_order, seen, defer=True)
             return grad
