@@ -50,7 +50,7 @@ import torch
 from .. import groups
 from ..collectives import Comm
 
-__all__ = ["check_shard_size", "layout", "Replicas", "REPLICAS"]
+__all__ = ["check_shard_size", "shard_groups", "Replicas", "REPLICAS"]
 
 REPLICAS = "hybrid:replicas"   # the replica group's name in records and step reports
 SHARDS = "hybrid:shards"
@@ -90,8 +90,8 @@ def check_shard_size(shard_size, strategy: str, world: int, staleness: int = 0) 
     return shard_size
 
 
-def layout(comm: Comm, shard_size: int | None) -> tuple[Comm, "Replicas | None"]:
-    """The Comm the engine shards over and the replicas' averaging (None: the flat layout,
+def shard_groups(comm: Comm, shard_size: int | None) -> tuple[Comm, "Replicas | None"]:
+    """The Comm the engine shards over and the replicas' averaging (None: no groups,
     `comm` itself). Makes the groups: a collective of every rank of `comm`."""
     if shard_size is None or comm.group is None:
         return comm, None
