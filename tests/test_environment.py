@@ -175,13 +175,13 @@ def test_px_init_checks_the_variables_before_joining(monkeypatch):
     monkeypatch.setenv("PHALANX_LOG_EVERY", "abc")  # px.log read it only after training
     with pytest.raises(ValueError, match=r"^PHALANX_LOG_EVERY='abc': a whole number of steps"):
         px.init()
-    assert not px.runtime._state.initialized
+    assert not px.process.state.world.initialized
 
 
 def test_px_log_names_the_variable_and_a_run_directory_it_cannot_make(monkeypatch, tmp_path):
     px.shutdown()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(metrics, "_state", {})
+    monkeypatch.setattr(metrics, "_lasting", {})
     px.init()
     try:  # set after px.init: read when used, and named there too
         monkeypatch.setenv("PHALANX_RUN_DIR", _not_a_dir(tmp_path))
@@ -199,7 +199,7 @@ def test_px_log_names_the_variable_and_a_run_directory_it_cannot_make(monkeypatc
 def test_px_log_says_when_the_default_run_directory_cannot_be_made(monkeypatch):
     px.shutdown()
     monkeypatch.delenv("PHALANX_RUN_DIR", raising=False)
-    monkeypatch.setattr(metrics, "_state", {})
+    monkeypatch.setattr(metrics, "_lasting", {})
     monkeypatch.chdir("/proc")  # runs/ cannot be made here, whoever runs the test
     with pytest.raises(OSError, match=r"cannot make the run directory runs/phalanx-.*; set "
                                       r"PHALANX_RUN_DIR to a directory this user can write to"):

@@ -80,7 +80,7 @@ def test_init_names_a_bad_timeout(timeout, error, words):
     with pytest.raises(error, match=r"px\.init\(timeout=") as caught:
         px.init(timeout=timeout)
     assert words in str(caught.value)
-    assert not px.runtime._state.initialized  # the check comes before anything is joined
+    assert not px.process.state.world.initialized  # the check comes before anything is joined
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

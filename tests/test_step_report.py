@@ -289,7 +289,8 @@ def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, monkeypatch)
     from phalanx.observe import metrics as metrics_log
 
     monkeypatch.setenv("PHALANX_RUN_DIR", str(tmp_path))
-    monkeypatch.setattr(metrics_log, "_state", {})
+    metrics_log.close()  # files a test before opened, in another run directory
+    monkeypatch.setattr(metrics_log, "_lasting", {})
     for step in range(4):
         px.log({"loss": 1.0 / (step + 1)}, step, every=0)
     metrics_log.close()

@@ -18,33 +18,31 @@ import datetime
 
 import torch.distributed as dist
 
+from .process import state
+
 __all__ = ["set_timeout", "timeout", "group_for", "partition", "end_all", "forget_all", "made",
            "on_end"]
 
-_timeout: list = [None]   # px.init's timeout (a timedelta), once known
-_made: dict = {}          # (id(parent), purpose) -> (parent, group)
-_on_end: list = []        # called first by end_all (the shard service's stop: engine/remote.py)
-
 
 def set_timeout(value: datetime.timedelta | None) -> None:
-    _timeout[0] = value
+    state.groups.timeout = value
 
 
 def timeout() -> datetime.timedelta | None:
     """The job's collective timeout (`px.init(timeout=)`), or None before `px.init`."""
-    return _timeout[0]
+    return state.groups.timeout
 
 
 def group_for(parent, purpose: str, backend: str | None = None):
     """The process group for `purpose` over the ranks of `parent` (made the first time: a
     collective of those ranks)."""
     key = (id(parent), purpose)
-    entry = _made.get(key)
+    entry = state.groups.made.get(key)
     if entry is None or entry[0] is not parent:
-        kwargs = {"timeout": _timeout[0]} if _timeout[0] is not None else {}
+        kwargs = {"timeout": timeout()} if timeout() is not None else {}
         group = dist.new_group(dist.get_process_group_ranks(parent), backend=backend,
                                use_local_synchronization=True, **kwargs)
-        entry = _made[key] = (parent, group)
+        entry = state.groups.made[key] = (parent, group)
     return entry[1]
 
 
@@ -54,37 +52,37 @@ def partition(parent, size: int) -> tuple:
     (hybrid.py). Every rank of `parent` makes every one of them, in one order (torch asks each
     rank to take part in making every group of a partition), once per (parent, size)."""
     key = (id(parent), f"hybrid:{size}")
-    entry = _made.get(key)
+    entry = state.groups.made.get(key)
     if entry is None or entry[0] is not parent:
         ranks = dist.get_process_group_ranks(parent)
         me = ranks.index(dist.get_rank())
-        kwargs = {"timeout": _timeout[0]} if _timeout[0] is not None else {}
+        kwargs = {"timeout": timeout()} if timeout() is not None else {}
         blocks = [ranks[g:g + size] for g in range(0, len(ranks), size)]
         columns = [ranks[i::size] for i in range(size)]
         made = [dist.new_group(r, **kwargs) for r in blocks + columns]
         shards, replicas = made[me // size], made[len(blocks) + me % size]
-        _made[(id(parent), f"hybrid:{size}:replicas")] = (parent, replicas)
-        entry = _made[key] = (parent, shards)
-    return entry[1], _made[(id(parent), f"hybrid:{size}:replicas")][1]
+        state.groups.made[(id(parent), f"hybrid:{size}:replicas")] = (parent, replicas)
+        entry = state.groups.made[key] = (parent, shards)
+    return entry[1], state.groups.made[(id(parent), f"hybrid:{size}:replicas")][1]
 
 
 def made() -> list:
     """The groups made so far (for tests: every one must be bounded and ended)."""
-    return [group for _, group in _made.values()]
+    return [group for _, group in state.groups.made.values()]
 
 
 def on_end(fn) -> None:
     """Have `end_all` call `fn()` before it destroys the groups (what still uses them stops)."""
-    if fn not in _on_end:
-        _on_end.append(fn)
+    if fn not in state.groups.on_end:
+        state.groups.on_end.append(fn)
 
 
 def end_all() -> None:
     """Destroy every group made here (`px.shutdown()`, before the job's group), after calling
     what `on_end` registered."""
-    for fn in list(_on_end):
+    for fn in list(state.groups.on_end):
         fn()
-    entries, _ = list(_made.values()), _made.clear()
+    entries, _ = list(state.groups.made.values()), state.groups.made.clear()
     for _, group in entries:
         try:
             dist.destroy_process_group(group)
@@ -96,6 +94,6 @@ def forget_all() -> None:
     """Forget every group made here without destroying them one by one: the job's group is
     being destroyed with all of its subgroups (a generation ends, elastic/membership.py).
     What `on_end` registered stops first, as at `end_all`."""
-    for fn in list(_on_end):
+    for fn in list(state.groups.on_end):
         fn()
-    _made.clear()
+    state.groups.made.clear()

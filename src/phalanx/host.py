@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["read", "count"]
+from .process import state
 
-_reads = [0]
+__all__ = ["read", "count"]
 
 
 def read(t: torch.Tensor) -> list:
     """`t.tolist()`, counted (see the module's docstring)."""
-    _reads[0] += 1
+    state.host.count += 1
     return t.tolist()
 
 
 def count() -> int:
-    """Host reads made through `read()` by this process so far."""
-    return _reads[0]
+    """Host reads made through `read()` by this process since `px.init` (`px.shutdown()`
+    starts the count again)."""
+    return state.host.count

@@ -63,15 +63,18 @@ import time
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .process import state
+
 __all__ = ["call_at_exit", "caller_sets_exit_status", "done", "ended", "ending", "failing", "how",
            "leave", "shutdown_error", "start"]
 
 _KEY = "phalanx/leaving"
 _POLL_MIN, _POLL_MAX = 0.002, 0.1  # seconds between two looks at the store while waiting
-_now: dict = {}
-_script_end: dict = {}  # the end of the script: "end" (px.shutdown), "ending", "error"
-_torch: dict = {}  # "destroy" -> torch's destroy_process_group while ours is installed
-_at_exit_registered: list = []
+# How the interpreter ends, kept for the process's life (not in state.leaving, which
+# px.shutdown resets): read by `_at_exit` and by launch/worker.py after px.shutdown has run.
+# "ending": how the script ended; "error": what px.shutdown raised there; "status_by_caller";
+# "registered": `_at_exit` is registered with atexit (once per process, forked children too).
+_script_end: dict = {}
 
 
 def start(store, rank: int, world: int, timeout: float, end) -> None:
@@ -80,12 +83,12 @@ def start(store, rank: int, world: int, timeout: float, end) -> None:
     `destroy_process_group()` for the whole job, calls. A key space per px.init: a store that
     outlives a shutdown and a new init (or a launcher's restart) holds the old keys."""
     attempt = (store.add(f"{_KEY}/joined", 1) - 1) // world
-    _now.clear()
-    _now.update(store=store, rank=rank, world=world, timeout=timeout, end=end,
-                prefix=f"{_KEY}/{attempt}", left=False, all_came=False)
+    now = state.leaving
+    now.__init__(store=store, rank=rank, world=world, timeout=timeout, end=end,
+                 prefix=f"{_KEY}/{attempt}", torch_destroy=now.torch_destroy)
     call_at_exit(end)
-    if "destroy" not in _torch:
-        _torch["destroy"] = c10d.destroy_process_group
+    if now.torch_destroy is None:
+        now.torch_destroy = c10d.destroy_process_group
         dist.destroy_process_group = c10d.destroy_process_group = _destroy_process_group
 
 
@@ -93,18 +96,19 @@ def call_at_exit(end) -> None:
     """Have the end of the script call `end` (`px.shutdown`) unless it failed: every
     `px.init` with peers, under `--on-failure continue` too, where nothing else of this
     module runs (its ranks meet at px.shutdown's barrier)."""
-    _script_end["end"] = end
-    if not _at_exit_registered:  # once per process (a forked child inherits it)
+    state.leaving.at_exit = end
+    if not _script_end.get("registered"):  # once per process (a forked child inherits it)
         atexit.register(_at_exit)
-        _at_exit_registered.append(True)
+        _script_end["registered"] = True
 
 
 def _destroy_process_group(group=None):
     # For the whole job, first this rank's end (px.shutdown(): see the Note); torch's own after.
-    original = _torch.get("destroy", c10d.destroy_process_group)
-    if "store" in _now and not _now["left"] and (group is None
-                                                  or group is c10d.GroupMember.WORLD):
-        _now["end"]()
+    now = state.leaving
+    original = now.torch_destroy or c10d.destroy_process_group
+    if now.store is not None and not now.left and (group is None
+                                                   or group is c10d.GroupMember.WORLD):
+        now.end()
         if not dist.is_initialized():  # px.init made it, and px.shutdown ended it
             return None
     return original(group)
@@ -120,13 +124,14 @@ def _at_exit() -> None:
     status 1: the job did not complete. A launcher's worker reads that through
     `shutdown_error()` (launch/worker.py); any other process ends here, with its streams
     flushed, without the exit handlers registered before `px.init`."""
-    end = _script_end.pop("end", None)
+    now = state.leaving
+    end, now.at_exit = now.at_exit, None
     if end is None:
         return
     if ending_on_failure():
         leave("failed")
         return
-    rank = _now.get("rank")
+    rank = now.rank if now.store is not None else None
     try:
         end()
     except Exception as exc:  # noqa: BLE001 - said, as nothing is left to raise it to
@@ -160,7 +165,7 @@ def ending(how_: str) -> None:
 def failing() -> None:
     """This process ends on a failure: its end will not wait for its peers (a launcher's
     worker says so before its `atexit` handlers run; see the Note)."""
-    _now["failing"] = True
+    state.leaving.failing = True
 
 
 def ending_on_failure() -> bool:
@@ -169,28 +174,30 @@ def ending_on_failure() -> bool:
     run; `sys.last_exc` from Python 3.12). A `sys.exit(1)` of a script run by plain `python`
     leaves no such trace: that rank waits for its peers as at a clean end, and a peer stuck in a
     collective with it ends the job by the hang report."""
-    return bool(_now.get("failing")) or getattr(sys, "last_value", None) is not None \
+    return state.leaving.failing or getattr(sys, "last_value", None) is not None \
         or getattr(sys, "last_exc", None) is not None
 
 
 def how(rank: int) -> str | None:
     """How `rank` ended ("px.shutdown", "failed", or how its script ended: `ending`), or None
     while it has not (or unknown)."""
-    if "store" not in _now:
+    store = state.leaving.store
+    if store is None:
         return None
-    key = f"{_now['prefix']}/{rank}"
+    key = f"{state.leaving.prefix}/{rank}"
     try:
-        return _now["store"].get(key).decode() if _now["store"].check([key]) else None
+        return store.get(key).decode() if store.check([key]) else None
     except Exception:  # noqa: BLE001 - the store is gone
         return None
 
 
 def ended(ranks) -> list[int]:
     """Those of `ranks` that have reached their end. One look at the store while none has."""
-    if "store" not in _now:
+    now = state.leaving
+    if now.store is None:
         return []
     try:
-        if _now["store"].add(f"{_now['prefix']}/count", 0) == 0:
+        if now.store.add(f"{now.prefix}/count", 0) == 0:
             return []
     except Exception:  # noqa: BLE001 - the store is gone
         return []
@@ -200,14 +207,15 @@ def ended(ranks) -> list[int]:
 def leave(how_: str) -> None:
     """This rank has reached its end (see the Note): announce it, and unless it fails, wait
     until every rank has, or the timeout passes. Once per `start`; a no-op without peers."""
-    if "store" not in _now or _now["left"]:
+    now = state.leaving
+    if now.store is None or now.left:
         return
-    _now["left"] = True
+    now.left = True
     fails = how_ == "failed" or ending_on_failure()
-    store, prefix, world = _now["store"], _now["prefix"], _now["world"]
+    store, prefix, world = now.store, now.prefix, now.world
     try:
         said = "failed" if fails else _script_end.get("ending", how_)
-        store.set(f"{prefix}/{_now['rank']}", said)
+        store.set(f"{prefix}/{now.rank}", said)
         if store.add(f"{prefix}/count", 1) == world:
             store.set(f"{prefix}/all", "1")
         if fails:  # it talks to nobody any more
@@ -216,9 +224,9 @@ def leave(how_: str) -> None:
     except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
         return
     came = _poll(lambda: store.check([f"{prefix}/all"]))
-    _now["all_came"] = came is True
+    now.all_came = came is True
     if came is False:
-        rank, timeout = _now["rank"], _now["timeout"]
+        rank, timeout = now.rank, now.timeout
         missing = [r for r in range(world) if r != rank and how(r) is None]
         names = ", ".join(map(str, missing))
         who = f"rank {names} has" if len(missing) == 1 else f"ranks {names} have"
@@ -233,19 +241,19 @@ def done() -> None:
     """This rank's groups and shard services have ended. Rank 0, which may host the job's
     store (`phalanx run` and torchrun's env:// put it there), stays until every rank has ended
     its own, which talk to the store as they end (a store that goes first makes torch print
-    "Connection reset by peer" on each of them). Then nothing of this px.init's end is kept,
-    and torch's `destroy_process_group` is torch's again."""
-    store, prefix = _now.get("store"), _now.get("prefix")
+    "Connection reset by peer" on each of them). Then torch's `destroy_process_group` is
+    torch's again; px.shutdown's reset of the process state (process.py) forgets the rest,
+    so the end of the script has nothing left to do."""
+    now = state.leaving
+    store, prefix = now.store, now.prefix
     try:
-        if _now.get("all_came"):
+        if now.all_came:
             count = store.add(f"{prefix}/done", 1)
-            if _now["rank"] == 0 and count < _now["world"]:
-                _poll(lambda: store.add(f"{prefix}/done", 0) >= _now["world"])
+            if now.rank == 0 and count < now.world:
+                _poll(lambda: store.add(f"{prefix}/done", 0) >= now.world)
     except Exception:  # noqa: BLE001 - the store is gone
         pass
-    _now.clear()
-    _script_end.pop("end", None)  # ended already: the end of the script has nothing left to do
-    original = _torch.pop("destroy", None)
+    original, now.torch_destroy = now.torch_destroy, None
     if original is not None:
         for module in (dist, c10d):
             if module.destroy_process_group is _destroy_process_group:
@@ -255,7 +263,7 @@ def done() -> None:
 def _poll(ready) -> bool | None:
     """Look at `ready()` until it is true (True), the timeout passes (False), or the store has
     gone (None: its host has ended, and nobody reads any more)."""
-    deadline = time.monotonic() + _now["timeout"]
+    deadline = time.monotonic() + state.leaving.timeout
     poll = _POLL_MIN
     while True:
         try:

@@ -3,10 +3,10 @@ planner's check read it.
 
 Each `Comm` (collectives.py) writes a `CollectiveRecord` for every collective it issues: kind,
 payload bytes, tag, the name of its process group and its number there, the optimizer step of
-the model it serves, and its start, completion and waited times. The live Comms are kept here
-(weakly: a Comm that nobody holds any more drops out), behind a lock, because they are read
-from other threads than the training thread: the hang watcher's (faults/hangs.py) and a
-background save's.
+the model it serves, and its start, completion and waited times. The live Comms are kept in
+this module's part of the process state (process.py; weakly: a Comm that nobody holds any more
+drops out), behind a lock here, because they are read from other threads than the training
+thread: the hang watcher's (faults/hangs.py) and a background save's.
 
 [Note: groups by name]
 A process group is known to every rank by the same name ("world" for the job's group,
@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from .process import state
 
 __all__ = ["CollectiveRecord", "StepCounter", "register", "live", "next_seq", "current_step",
            "blocking_done", "note_blocking_done", "on_blocking_done",
@@ -99,65 +100,61 @@ class StepCounter:
     def __init__(self):
         self.value = 0
         with _lock:
-            _counters.add(self)
+            state.records.counters.add(self)
 
     def tick(self) -> None:
         self.value += 1
 
 
-_lock = threading.Lock()
-_live: "weakref.WeakSet" = weakref.WeakSet()
-_counters: "weakref.WeakSet[StepCounter]" = weakref.WeakSet()
-# Collectives issued on each process group (by id), over all the Comms that share it: every
-# rank issues the same sequence on a group, so this number names one collective on every rank.
-_group_seq: dict[int, int] = defaultdict(int)
-
-
-# Blocking collectives that returned, per process group (by id): when one that was issued
-# after a moment has returned on this rank, every rank of the group has issued it, so each has
+# Guards state.records (process.py), read by the hang watcher's and background saves' threads.
+# state.records.group_seq counts the collectives issued on each process group (by id), over
+# all the Comms that share it: every rank issues the same sequence on a group, so this number
+# names one collective on every rank. state.records.blocking_done counts the blocking
+# collectives that returned, per process group (by id): when one that was issued after a
+# moment has returned on this rank, every rank of the group has issued it, so each has
 # finished what its main thread did before it (engine/remote.py releases dropped models then).
-_blocking_done: dict[int, int] = defaultdict(int)
-_on_blocking_done: list = []
+_lock = threading.Lock()
 
 
 def blocking_done(group) -> int:
     """How many blocking collectives on `group` have returned on this rank so far."""
-    return _blocking_done[id(group)]
+    return state.records.blocking_done[id(group)]
 
 
 def note_blocking_done(group) -> None:
     """A blocking collective on `group` returned (collectives.py); tell who asked."""
-    _blocking_done[id(group)] += 1
-    for fn in list(_on_blocking_done):
+    state.records.blocking_done[id(group)] += 1
+    for fn in list(state.records.on_blocking_done):
         fn(group)
 
 
 def on_blocking_done(fn) -> None:
-    if fn not in _on_blocking_done:
-        _on_blocking_done.append(fn)
+    if fn not in state.records.on_blocking_done:
+        state.records.on_blocking_done.append(fn)
 
 
 def register(comm) -> None:
     with _lock:
-        _live.add(comm)
+        state.records.live.add(comm)
 
 
 def live() -> list:
     """The live Comms, copied under the lock (another thread may be making one)."""
     with _lock:
-        return list(_live)
+        return list(state.records.live)
 
 
 def next_seq(group) -> int:
     with _lock:
-        _group_seq[id(group)] += 1
-        return _group_seq[id(group)]
+        seq = state.records.group_seq
+        seq[id(group)] += 1
+        return seq[id(group)]
 
 
 def current_step() -> int:
     """The largest step count of any live prepared model (0 before any)."""
     with _lock:
-        counters = list(_counters)
+        counters = list(state.records.counters)
     return max((c.value for c in counters), default=0)
 
 
@@ -240,5 +237,3 @@ def close_all() -> None:
     destroyed, so no engine keeps one alive into interpreter finalisation)."""
     for comm in live():
         comm.close()
-    with _lock:
-        _group_seq.clear()

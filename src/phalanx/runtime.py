@@ -5,29 +5,21 @@
 process, and no process group is created at all, so the same script runs unchanged under plain
 `python script.py`.
 
-[Note: process-wide state]
-This module keeps the world: rank, device, the default group and its Comm. Everything else
-receives its process group (or a Comm) explicitly. The other state kept per process, each in
-the module it belongs to and each ended or reset by `shutdown()` where it holds a group:
-the groups phalanx made (groups.py), the live Comms and step counters (records.py, weakly),
-the hang watcher (faults/hangs.py), background saves still running (checkpoint/saving.py),
-px.log's open files (observe/metrics.py), the trace writer (observe/trace.py), the seconds
-spent waiting for data (observe/step_report.py), map_batches' call count (data/inference.py),
-torch's replaced clip function while a model needs it (engine/clipping.py), and this rank's
-end, announced in the store and waited for there, with torch's destroy_process_group routed to
-it while the job's group lives (leaving.py).
+This module keeps the world: rank, device, the job's group and its Comm, the hang watcher,
+in its part of the process state (process.py). Everything else receives its process group (or
+a Comm) explicitly. `shutdown()` ends what runs and resets the whole process state: see
+[Note: process-wide state] in process.py, which lists what is kept per process and where.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import elastic, environment, groups, leaving, records
+from . import elastic, environment, groups, leaving, process, records
 from .collectives import Comm
 from .init_options import check_backend as _check_backend, check_timeout as _check_timeout
 from .launch.env import check_slurm_tasks, read_launch_env
@@ -38,21 +30,6 @@ __all__ = [
     "default_group", "default_comm", "job_comm", "is_distributed",
     "auto_processes", "process_count",
 ]
-
-
-@dataclass
-class _State:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-    initialized: bool = False
-    owns_group: bool = False  # True when init() created the group (so shutdown destroys it)
-    world: object = None  # the job's group this init joined (outside continue mode)
-    watch: tuple | None = None  # (timeout, hang_after) of init, for a new generation's watcher
-
-
-_state = _State()
 
 
 def _requested_device(device) -> str | None:
@@ -118,8 +95,9 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     gloo's CUDA support, so several ranks can share one GPU, which NCCL refuses: useful to test
     several ranks on a machine with one GPU, not for speed.
     """
+    me = process.state.world
     timeout = _check_timeout(timeout)
-    if not _state.initialized or _world_gone():  # See [Note: one table of variables]
+    if not me.initialized or _world_gone():  # See [Note: one table of variables]
         environment.check()
     requested = _requested_device(device)
     if backend is None:
@@ -128,7 +106,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         _check_backend(backend)
     if hang_after is not None:
         hang_after = _check_timeout(hang_after).total_seconds()
-    if _state.initialized:
+    if me.initialized:
         if not _world_gone():
             return
         shutdown()  # the script destroyed the group this process joined: start afresh
@@ -140,17 +118,17 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     if dist.is_available() and dist.is_initialized():
         backend_in_use = dist.get_backend()
         env = read_launch_env()
-        _state.rank = dist.get_rank()
-        _state.world_size = dist.get_world_size()
+        me.rank = dist.get_rank()
+        me.world_size = dist.get_world_size()
         if env.source != "none":
-            _state.local_rank = env.local_rank
-            _state.device = _pick_device(_state.local_rank, backend_in_use, requested)
+            me.local_rank = env.local_rank
+            me.device = _pick_device(me.local_rank, backend_in_use, requested)
         else:  # a group made by the user (mp.spawn...): keep the device they chose
-            _state.local_rank = torch.cuda.current_device() \
+            me.local_rank = torch.cuda.current_device() \
                 if backend_in_use != "gloo" and torch.cuda.is_available() else 0
-            _state.device = _pick_device(_state.local_rank, backend_in_use, requested)
-        _state.initialized = True
-        _state.owns_group = False
+            me.device = _pick_device(me.local_rank, backend_in_use, requested)
+        me.initialized = True
+        me.owns_group = False
         _joined(timeout, hang_after)
         return
     env = read_launch_env()
@@ -160,14 +138,14 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
     if backend is None:
         on_gpu = requested is None or requested.startswith("cuda")
         backend = "nccl" if torch.cuda.is_available() and on_gpu else "gloo"
-    _state.rank, _state.world_size, _state.local_rank = env.rank, env.world_size, env.local_rank
-    _state.device = _pick_device(env.local_rank, backend, requested)
+    me.rank, me.world_size, me.local_rank = env.rank, env.world_size, env.local_rank
+    me.device = _pick_device(env.local_rank, backend, requested)
     if env.world_size > 1 and elastic.wanted(env):  # phalanx run --on-failure continue
-        _state.initialized = True
-        _state.owns_group = True
-        _state.watch = (timeout, hang_after)
+        me.initialized = True
+        me.owns_group = True
+        me.watch = (timeout, hang_after)
         groups.set_timeout(timeout)
-        elastic.start(env, backend, timeout, _state.device)
+        elastic.start(env, backend, timeout, me.device)
         leaving.call_at_exit(shutdown)  # the end of the script calls px.shutdown()
         m = elastic.current()
         m.on_regroup.append(_regrouped)
@@ -181,7 +159,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
             os.environ.setdefault("MASTER_PORT", str(env.master_port))
         kwargs = {}
         if backend == "nccl":
-            kwargs["device_id"] = _state.device
+            kwargs["device_id"] = me.device
         dist.init_process_group(
             backend=backend,
             init_method="env://",
@@ -190,23 +168,24 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
             timeout=timeout,
             **kwargs,
         )
-        _state.owns_group = True
-    _state.initialized = True
+        me.owns_group = True
+    me.initialized = True
     _joined(timeout, hang_after)
 
 
 def _joined(timeout: datetime.timedelta, hang_after: float | None) -> None:
     """After joining a group (ours or the user's), outside continue mode: bound what waits by
     `timeout`, watch for hangs, and have this rank's end wait for its peers' (leaving.py)."""
+    me = process.state.world
     groups.set_timeout(timeout)
     _watch_hangs(timeout, hang_after)
-    if _state.world_size > 1 and dist.is_initialized():
-        _state.world = dist.group.WORLD
+    if me.world_size > 1 and dist.is_initialized():
+        me.world = dist.group.WORLD
         try:
             store = dist.distributed_c10d._get_default_store()
         except (ValueError, RuntimeError, AttributeError):  # a group made without a store
             return
-        leaving.start(store, _state.rank, _state.world_size, timeout.total_seconds(), shutdown)
+        leaving.start(store, me.rank, me.world_size, timeout.total_seconds(), shutdown)
 
 
 def _world_gone() -> bool:
@@ -214,14 +193,15 @@ def _world_gone() -> bool:
     `destroy_process_group()`, as the tutorial's rounds do before making the next): `px.init`
     (and `px.prepare`, which calls it) then ends the old one as `px.shutdown` would and starts
     afresh."""
-    return _state.world is not None and not (dist.is_available() and dist.is_initialized()
-                                             and dist.group.WORLD is _state.world)
+    me = process.state.world
+    return me.world is not None and not (dist.is_available() and dist.is_initialized()
+                                             and dist.group.WORLD is me.world)
 
 
 def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
     """Start this rank's hang watcher (faults/hangs.py) when there are peers to wait for."""
-    global _hang_watch
-    if _state.world_size < 2 or not dist.is_initialized():
+    me = process.state.world
+    if me.world_size < 2 or not dist.is_initialized():
         return
     from .faults.hangs import HangWatch, hang_threshold
 
@@ -232,24 +212,22 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
         store = dist.distributed_c10d._get_default_store()
     except (ValueError, RuntimeError, AttributeError):  # a group made without a store
         return
-    _hang_watch = HangWatch(store, _state.rank, _state.world_size, threshold)
+    watch = me.hang_watch = HangWatch(store, me.rank, me.world_size, threshold)
     steps = elastic.step_gate()
     if steps is not None:  # [Note: a member left behind], [Note: a member that hangs] (elastic/)
-        _hang_watch.on_tick, _hang_watch.on_hang = steps.watch_tick, elastic.current().remove_hung
-
-
-_hang_watch = None
+        watch.on_tick, watch.on_hang = steps.watch_tick, elastic.current().remove_hung
 
 
 def _regrouped(group) -> None:
     """A new generation's group (elastic/membership.py): this rank's place in it, and a hang
     watcher over it (the old one stopped when the old group broke)."""
+    me = process.state.world
     m = elastic.current()
-    _state.rank, _state.world_size = m.rank, m.world
-    _default.clear()
+    me.rank, me.world_size = m.rank, m.world
+    me.comm = None
     _stop_watching()
-    if _state.watch is not None:
-        _watch_hangs(*_state.watch)
+    if me.watch is not None:
+        _watch_hangs(*me.watch)
 
 
 def job_comm(**kwargs) -> Comm:
@@ -258,38 +236,39 @@ def job_comm(**kwargs) -> Comm:
     m = elastic.current()
     if m is not None and m.joining:
         comm = Comm(None, device=device(), **kwargs)
-        comm.world, comm.rank, comm.waiting = _state.world_size, _state.rank, True
+        me = process.state.world
+        comm.world, comm.rank, comm.waiting = me.world_size, me.rank, True
         return comm
     return Comm(default_group(), device=device(), **kwargs)
 
 
 def _ensure():
-    if not _state.initialized:
+    if not process.state.world.initialized:
         init()
 
 
 def rank() -> int:
     """This process's rank in the job (0 when not distributed)."""
     _ensure()
-    return _state.rank
+    return process.state.world.rank
 
 
 def world_size() -> int:
     """Number of processes in the job (1 when not distributed)."""
     _ensure()
-    return _state.world_size
+    return process.state.world.world_size
 
 
 def local_rank() -> int:
     """This process's index on its own machine."""
     _ensure()
-    return _state.local_rank
+    return process.state.world.local_rank
 
 
 def device() -> torch.device:
     """`cuda:LOCAL_RANK` on a GPU machine, `cpu` otherwise."""
     _ensure()
-    return _state.device
+    return process.state.world.device
 
 
 def is_main() -> bool:
@@ -300,7 +279,7 @@ def is_main() -> bool:
 def is_distributed() -> bool:
     """True when there is more than one process and a process group to talk over."""
     _ensure()
-    return _state.world_size > 1 and dist.is_initialized()
+    return process.state.world.world_size > 1 and dist.is_initialized()
 
 
 def default_group():
@@ -308,16 +287,13 @@ def default_group():
     return dist.group.WORLD if is_distributed() else None
 
 
-_default: dict = {}
-
-
 def default_comm() -> Comm:
     """The `Comm` of the job's default group (a world of one: a Comm over no group)."""
     group = default_group()
-    comm = _default.get("comm")
-    if comm is None or comm.group is not group:
-        comm = _default["comm"] = job_comm()
-    return comm
+    me = process.state.world
+    if me.comm is None or me.comm.group is not group:
+        me.comm = job_comm()
+    return me.comm
 
 
 def barrier() -> None:
@@ -357,7 +333,7 @@ def shutdown() -> None:
     (where gloo's threads can abort the process; pytorch/pytorch#179291). A group that the
     script already destroyed (torch's `destroy_process_group()`) is left alone.
     """
-    if not _state.initialized:
+    if not process.state.world.initialized:
         return
     error = None
     try:
@@ -377,24 +353,26 @@ def shutdown() -> None:
         try:
             _end_groups()
         finally:
-            leaving.done()
-            elastic.stop()
-            _state.__init__()
+            try:
+                leaving.done()
+                elastic.stop()
+            finally:
+                process.reset()  # [Note: process-wide state] in process.py
     if error is not None:
         raise error
 
 
 def _stop_watching() -> None:
-    global _hang_watch
-    if _hang_watch is not None:
-        _hang_watch.stop()
-        _hang_watch = None
+    me = process.state.world
+    if me.hang_watch is not None:
+        me.hang_watch.stop()
+        me.hang_watch = None
 
 
 def _end_groups() -> None:
     records.close_all()
     groups.end_all()
-    _default.clear()
-    if _state.owns_group and dist.is_initialized() and (
-            _state.world is None or dist.group.WORLD is _state.world):  # not a newer one
+    me = process.state.world
+    if me.owns_group and dist.is_initialized() and (
+            me.world is None or dist.group.WORLD is me.world):  # not a newer one
         dist.destroy_process_group()

@@ -33,6 +33,7 @@ from ..arguments import check_checkpoint_call
 from ..collectives import Comm
 from ..elastic.gate import gate
 from ..model.prepare import prepared_or_none
+from ..process import state
 from ..runtime import default_comm
 from .common import (LOSS_SCALER, OPTIM, STATE_FILE, agree, is_stateful, model_key,
                      optim_parts, rng_state)
@@ -153,7 +154,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         job.on_written = lambda: steps.saved(path, model, optimizer, stateful)
     thread = threading.Thread(target=job.run, args=(snapshot, writer), name="phalanx-save")
     job.thread = thread
-    _running.append(job)
+    state.saves.append(job)
     thread.start()
     return path
 
@@ -383,12 +384,11 @@ class _Job:
         self.seconds = time.perf_counter() - start
 
 
-_running: list[_Job] = []
 def wait_for_saves() -> None:
     """Wait for a background `px.save` still running, and raise its error if it had one
     (`px.save`, `px.load` and `px.shutdown` call it first)."""
-    while _running:
-        job = _running.pop(0)
+    while state.saves:
+        job = state.saves.pop(0)
         job.thread.join()
         if job.error is not None:
             raise job.error

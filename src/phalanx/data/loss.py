@@ -39,16 +39,16 @@ For logging, the mean over ranks of the per-step sum of the returned values is L
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..collectives import Comm
+from ..process import state
 from ..runtime import default_comm
 
 __all__ = ["global_mean"]
 
-# count tensor (by identity, held weakly) -> (its _version, the Comm, the reduced total). An
-# entry goes when its tensor dies; a hit needs the same live object, unchanged, and the same Comm.
-_totals = WeakTensorKeyDictionary()
+# state.loss_totals (process.py): count tensor (by identity, held weakly) -> (its _version, the
+# Comm, the reduced total). An entry goes when its tensor dies; a hit needs the same live object,
+# unchanged, and the same Comm.
 
 
 def global_mean(loss_sum: torch.Tensor, count) -> torch.Tensor:
@@ -85,7 +85,7 @@ def _global_total(count, comm: Comm) -> torch.Tensor:
         if count.numel() != 1:
             raise ValueError(f"px.global_mean: count must hold one number, got shape "
                              f"{tuple(count.shape)}; pass count.sum()")
-        cached = _totals.get(count)
+        cached = state.loss_totals.get(count)
         if cached is not None and cached[0] == count._version and cached[1] is comm:
             return cached[2]
         local = count.detach().reshape(()).to(torch.float64)
@@ -98,5 +98,5 @@ def _global_total(count, comm: Comm) -> torch.Tensor:
         local = local.to(comm.device).clone()
         comm.all_reduce(local, op="sum", tag="global_mean")
     if isinstance(count, torch.Tensor):
-        _totals[count] = (count._version, comm, local)
+        state.loss_totals[count] = (count._version, comm, local)
     return local

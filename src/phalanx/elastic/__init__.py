@@ -27,6 +27,7 @@ from __future__ import annotations
 import weakref
 
 from .. import environment
+from ..process import state
 from .gate import gate
 
 __all__ = ["active", "step_gate", "current", "start", "finish", "stop", "raised",
@@ -34,7 +35,6 @@ __all__ = ["active", "step_gate", "current", "start", "finish", "stop", "raised"
            "ON_FAILURE"]
 
 ON_FAILURE = "PHALANX_ON_FAILURE"
-_now: dict = {}
 
 
 def wanted(env) -> bool:
@@ -49,12 +49,12 @@ def active() -> bool:
 
 def current():
     """The process's Membership (membership.py) under continue mode, else None."""
-    return _now.get("membership")
+    return state.continuing.membership
 
 
 def step_gate():
     """The process's StepGate (steps.py) under continue mode, else None."""
-    return _now.get("steps")
+    return state.continuing.steps
 
 
 def check_options(strategy: str, precision: str, staleness: int, compression, diloco,
@@ -85,15 +85,15 @@ def check_options(strategy: str, precision: str, staleness: int, compression, di
 def iteration_starts() -> bool:
     """An iteration begins (a batch is fetched, or a forward with gradients starts): where
     training goes on after a recovery (steps.py). True if it went on here."""
-    steps = _now.get("steps")
+    steps = state.continuing.steps
     return steps is not None and steps.iteration_starts()
 
 
 def pass_ended(sampler) -> None:
     """A `px.data_loader` pass ran to its end: its sampler's ledger must balance, unless a
     recovery is still under way ([Note: the ledger] in data/ledger.py)."""
-    steps = _now.get("steps")
-    if steps is not None and not _now.get("failed"):
+    steps = state.continuing.steps
+    if steps is not None and not state.continuing.failed:
         _checked(steps, [sampler], "at the end of a pass over the data")
 
 
@@ -101,7 +101,7 @@ def _checked(steps, samplers, when: str) -> None:
     try:
         steps.check_ledgers(samplers, when)
     except Exception as exc:
-        _now["failed"] = True  # it does not say `done` (stop)
+        state.continuing.failed = True  # it does not say `done` (stop)
         _over(exc)
         raise
 
@@ -112,7 +112,7 @@ def _over(exc: BaseException) -> None:
     from . import store as keys
     from .membership import MembershipError
 
-    m = _now.get("membership")
+    m = state.continuing.membership
     if m is not None and isinstance(exc, MembershipError):
         try:
             keys.post_over(m.store, f"{type(exc).__name__}: {exc}"[:300])
@@ -124,12 +124,12 @@ def watch_model(prepared) -> None:
     """A prepared model whose engine follows the members (joining.py: its launch order and
     step count agreed, its layout rebuilt where sharded)."""
     if gate.active:
-        _now.setdefault("models", []).append(weakref.ref(prepared))
+        state.continuing.models.append(weakref.ref(prepared))
 
 
 def models() -> list:
     """The prepared models `watch_model` was given that still exist, in prepare order."""
-    refs = _now.get("models", [])
+    refs = state.continuing.models
     alive = [(ref, ref()) for ref in refs]
     refs[:] = [ref for ref, m in alive if m is not None]
     return [m for _, m in alive if m is not None]
@@ -148,8 +148,8 @@ def finish() -> None:
     """`px.shutdown`, first: a loss seen after this rank's last step is recovered from here,
     so that the survivors end together on one group (steps.py); then every sampler's ledger
     must balance (a step thrown away here is not redone: [Note: the ledger])."""
-    steps = _now.get("steps")
-    if steps is None or _now.get("failed"):
+    steps = state.continuing.steps
+    if steps is None or state.continuing.failed:
         return
     if gate.cut:
         steps.finish()
@@ -159,8 +159,8 @@ def finish() -> None:
 def raised(exc: BaseException) -> None:
     """The worker ends on `exc` (launch/worker.py): say so before the process goes, so that
     the others skip this step's batch rather than redo it (steps.py)."""
-    m, steps = _now.get("membership"), _now.get("steps")
-    _now["failed"] = True  # no ledger is checked after this, and stop() does not say `done`
+    m, steps = state.continuing.membership, state.continuing.steps
+    state.continuing.failed = True  # no ledger is checked after this; stop() does not say `done`
     _over(exc)
     if m is None or m.joining or m.admitting:  # not in a step: a replacement's own failure
         return
@@ -171,15 +171,13 @@ def raised(exc: BaseException) -> None:
 
 
 def stop() -> None:
-    """`px.shutdown`: nothing of continue mode outlives it."""
-    m = _now.get("membership")
-    if m is not None and not _now.get("failed"):
+    """`px.shutdown`: this member says it is done (unless it failed); px.shutdown's reset of
+    the process state (process.py) then forgets continue mode's objects and the switch."""
+    m = state.continuing.membership
+    if m is not None and not state.continuing.failed:
         from . import store as keys
 
         try:
             keys.write(m.store, f"done/{m.me}.{m.life}", True)
         except Exception:  # noqa: BLE001 - the store is gone: nobody reads the mark
             pass
-    gate.active = gate.cut = False
-    gate.on_loss = None
-    _now.clear()

@@ -1,30 +1,24 @@
 """The switch every collective reads under `--on-failure continue`: whether the step in flight
 is already lost.
 
-A leaf module (it imports nothing of phalanx), so that collectives.py and completion.py can
-read it. When a collective fails because a peer is gone, the `Comm` or `Handle` that saw it
-calls `lost(exc)`; from then until the survivors have formed their new group and reached the
-next step (membership.py), `gate.cut` is True and every collective returns at once without
-touching the wire: the rest of the step runs on this rank alone and is thrown away. Outside
-continue mode `gate.active` is False and an error is raised as always.
+A leaf module (it imports only process.py, where the switch is kept with the rest of the
+process's state), so that collectives.py and completion.py can read it. When a collective
+fails because a peer is gone, the `Comm` or `Handle` that saw it calls `lost(exc)`; from then
+until the survivors have formed their new group and reached the next step (membership.py),
+`gate.cut` is True and every collective returns at once without touching the wire: the rest of
+the step runs on this rank alone and is thrown away. Outside continue mode `gate.active` is
+False and an error is raised as always.
 """
 
 from __future__ import annotations
 
+from ..process import state
+
 __all__ = ["gate", "lost", "is_loss"]
 
-
-class _Gate:
-    __slots__ = ("active", "cut", "poked", "on_loss")
-
-    def __init__(self):
-        self.active = False   # --on-failure continue
-        self.cut = False      # the step in flight is lost: collectives do nothing
-        self.poked = False    # the others went on and asked this rank to report (steps.py)
-        self.on_loss = None   # called once with the first error (membership.py)
-
-
-gate = _Gate()
+# The switch (process.py's Gate: active, cut, poked, on_loss), by the name its readers import:
+# px.shutdown resets it in place, so this name stays the process's switch.
+gate = state.gate
 
 
 def is_loss(exc: BaseException) -> bool:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .. import environment
-from . import _now, _starter
+from ..process import state
+from . import _starter
 from .events import Events
 from .gate import gate
 from .membership import Membership
@@ -24,7 +25,8 @@ def start(env, backend: str, timeout, device) -> None:
     life = environment.value("PHALANX_JOINING") or 0
     m = Membership(client, env.rank, env.world_size, life, backend, timeout, device)
     steps = StepGate(m)
-    _now.update(membership=m, steps=steps, client=client)
+    now = state.continuing
+    now.membership, now.steps, now.client = m, steps, client
     gate.active = True
     gate.cut = False
     gate.on_loss = steps.lost

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from .. import elastic, groups, records
+from ..process import state
 
 __all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
 
@@ -267,18 +268,16 @@ class ShardService:
             return engine.serve(kind, arg)
 
 
-_services: dict = {}
-
-
 def service_for(comm) -> ShardService | None:
     """The process's shard service over `comm`'s group (made the first time: a collective of
     its ranks); None in a world of one."""
     if comm.group is None or comm.world == 1:
         return None
-    entry = _services.get(id(comm.group))
+    services = state.services
+    entry = services.get(id(comm.group))
     if entry is None or entry[0] is not comm.group:
-        entry = _services[id(comm.group)] = (comm.group, ShardService(comm.group, comm.rank,
-                                                                     comm.world))
+        entry = services[id(comm.group)] = (comm.group, ShardService(comm.group, comm.rank,
+                                                                    comm.world))
         groups.on_end(stop_all)
     return entry[1]
 
@@ -286,6 +285,6 @@ def service_for(comm) -> ShardService | None:
 def stop_all() -> None:
     """End every service (`px.shutdown()`, once every peer has reached its end, before the
     groups end; a generation's end under --on-failure continue)."""
-    entries, _ = list(_services.values()), _services.clear()
+    entries, _ = list(state.services.values()), state.services.clear()
     for _, service in entries:
         service.stop()

@@ -140,7 +140,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-_ctrl_c_handler = None  # the handler `_ctrl_c_held` replaced, while it holds
+# The handler `_ctrl_c_held` replaced, while it holds; a worker forked meanwhile reads it first
+# to put it back. Not a job's state (see [Note: process-wide state] in runtime.py).
+_ctrl_c_handler = None
 
 
 @contextlib.contextmanager
@@ -181,10 +183,11 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
         import torch
         import torch.distributed as dist
 
+        import phalanx.process as process
         import phalanx.runtime as runtime
 
         torch.set_num_threads(threads)
-        runtime._state.__init__()  # a forked child must not inherit the parent's world
+        process.reset()  # a forked child must not inherit the parent's job (process.py)
         if rendezvous.startswith("file://"):
             if n > 1:
                 dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=n)

@@ -22,10 +22,14 @@ import time
 from collections.abc import Mapping
 
 from .. import environment, records, runtime
+from ..process import state
 
 __all__ = ["log", "progress", "run_dir", "close"]
 
-_state: dict = {}
+# Kept for the process's life, not in state.metrics (which px.shutdown resets): the run
+# directory, chosen once, so that a script's rounds of px.init and px.shutdown log to one;
+# the terminal px.progress draws on; and "closing": `close` is registered with atexit.
+_lasting: dict = {}
 
 
 def default_run_dir() -> str:
@@ -35,7 +39,7 @@ def default_run_dir() -> str:
 
 def run_dir() -> str:
     """The run directory that rank 0 writes to (made on first use)."""
-    path = _state.get("dir")
+    path = _lasting.get("dir")
     if path is None:
         path = environment.value("PHALANX_RUN_DIR") or default_run_dir()
         try:
@@ -44,7 +48,7 @@ def run_dir() -> str:
             raise OSError(exc.errno, f"cannot make the run directory {path} (px.log's metrics "
                           f"and PHALANX_TRACE's traces go there): {exc.strerror or exc}; set "
                           "PHALANX_RUN_DIR to a directory this user can write to") from None
-        _state["dir"] = path
+        _lasting["dir"] = path
     return path
 
 
@@ -61,32 +65,33 @@ def _number(value):
 def note_run(info: dict) -> None:
     """What `px.prepare` knows of the run (strategy, world, parameters...), written to
     RUN_DIR/run.json with the first metrics, for `phalanx report` to ask the planner."""
-    _state["run"] = info
+    state.metrics.run = info
 
 
 def _writers():
-    if "csv" not in _state:
-        if "run" in _state:
+    now = state.metrics
+    if now.csv is None:
+        if now.run is not None:
             with open(os.path.join(run_dir(), "run.json"), "w") as f:
-                json.dump(_state["run"], f, indent=1)
+                json.dump(now.run, f, indent=1)
         path = os.path.join(run_dir(), "metrics.csv")
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         f = open(path, "a", newline="")
         writer = csv.writer(f)
         if new:
             writer.writerow(["step", "name", "value", "seconds"])
-        _state["csv"] = (f, writer)
-        _state["t0"] = time.monotonic()
+        now.csv = (f, writer)
+        now.t0 = time.monotonic()
         try:
             from torch.utils.tensorboard import SummaryWriter
-            _state["tb"] = SummaryWriter(os.path.join(run_dir(), "tensorboard"))
+            now.tensorboard = SummaryWriter(os.path.join(run_dir(), "tensorboard"))
         except Exception:  # noqa: BLE001 - tensorboard is not installed: the CSV is enough
-            _state["tb"] = None
-        if not _state.get("closing"):  # TensorBoard queues events in a thread: flush them
-            _state["closing"] = True
+            now.tensorboard = None
+        if not _lasting.get("closing"):  # TensorBoard queues events in a thread: flush them
+            _lasting["closing"] = True
             atexit.register(close)
             runtime.before_shutdown(close)
-    return _state["csv"], _state["tb"]
+    return now.csv, now.tensorboard
 
 
 def log(metrics: dict, step: int | None = None, *, every: int | None = None) -> None:
@@ -106,7 +111,7 @@ def log(metrics: dict, step: int | None = None, *, every: int | None = None) -> 
     values = {str(k): v for k, v in ((k, _number(v)) for k, v in metrics.items())
               if v is not None}
     (f, writer), tb = _writers()
-    seconds = round(time.monotonic() - _state["t0"], 6)
+    seconds = round(time.monotonic() - state.metrics.t0, 6)
     for name, value in values.items():
         writer.writerow([step, name, repr(value), seconds])
         if tb is not None:
@@ -124,10 +129,10 @@ def close() -> None:
     """Close the files `log` opened, flushing TensorBoard's queued events (`px.shutdown()` and
     the exit of the process call it, `phalanx run`'s and `px.spawn`'s workers too; `log`
     reopens them if called again)."""
-    entry = _state.pop("csv", None)
+    now = state.metrics
+    entry, tb, now.csv, now.tensorboard = now.csv, now.tensorboard, None, None
     if entry is not None:
         entry[0].close()
-    tb = _state.pop("tb", None)
     if tb is not None:
         tb.close()
 
@@ -148,7 +153,7 @@ def progress(iterable=None, **tqdm_kwargs):
         tty = None
     if tty and "file" not in tqdm_kwargs:
         try:
-            tqdm_kwargs["file"] = _state.get("tty") or _state.setdefault("tty", open(tty, "w"))
+            tqdm_kwargs["file"] = _lasting.get("tty") or _lasting.setdefault("tty", open(tty, "w"))
             tqdm_kwargs.setdefault("disable", False)
         except OSError:
             pass
