@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 import phalanx as px
-from phalanx import nonfinite, runtime, step_report
+from phalanx import nonfinite, process, step_report
 from phalanx.testing import run_ranks
 from ddp import batch_for, loss_for, make
 
@@ -79,7 +79,7 @@ def bench_rank(model_name, steps, warmup):
                 times[label].append(elapsed.item())
                 if label == "on":
                     added.append(spent[0] - before)
-    watch = runtime._hang_watch
+    watch = process.state.world.hang_watch
     tick = None
     if watch is not None:
         n = 200
