@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--intra-node-bw",
                     help=f"GB/s or preset: {', '.join(LINKS)} (default: the GPU's usual link)")
     hw.add_argument("--inter-node-bw", default="ib-400g", help="GB/s or preset (default ib-400g)")
-    hw.add_argument("--link", metavar="BANDWIDTH[+LATENCY]",
+    hw.add_argument("--link", metavar="BANDWIDTH",
                     help="the bandwidth between nodes, bits or bytes, and its latency after a "
                          "+: 1Gbit, 100Mbit+20ms, 25GB/s (replaces --inter-node-bw); the plan "
                          "then says whether a step is communication-bound over it, what "
