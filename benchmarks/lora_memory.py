@@ -47,15 +47,23 @@ ROWS, TOKENS, STEPS = 2, 64, 2
 OPTIONS: dict = {}  # --prefetch: passed to px.prepare (set before the ranks are forked)
 
 
-def lora_llama():
+LLAMA = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=8)
+
+
+def lora_llama(lora: bool = True, **sizes):
+    """The Llama above, from seed 0, with LoRA adapters (or bare, every parameter trainable).
+
+    `sizes` overrides LLAMA's fields: benchmarks/lora_steps.py checks its parity on a tiny one.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536,
-                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(**{**LLAMA, **sizes}, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    if not lora:
+        return model
     return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
                                             task_type="CAUSAL_LM"))
 
@@ -101,7 +109,9 @@ class ParamBytes:
 def measure(config: str, precision: str):
     model = lora_llama()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    def adamw():
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
     if config == "FSDP2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -113,6 +123,7 @@ def measure(config: str, precision: str):
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        optimizer = adamw()  # after fully_shard, which replaces the parameters by its own
         held = list(model.parameters())  # DTensors: their local shards
         itemsize = 2 if precision == "bf16" else 4
         block = max(sum(p.numel() for p in layer.parameters()) for layer in layers) * itemsize
@@ -120,7 +131,7 @@ def measure(config: str, precision: str):
                    if ".layers." not in n) * itemsize
         wrapped = model
     else:
-        wrapped, optimizer = px.prepare(model, optimizer, strategy="zero3", precision=precision,
+        wrapped, optimizer = px.prepare(model, adamw(), strategy="zero3", precision=precision,
                                         **OPTIONS)
         engine = engine_of(wrapped)
         held = [t for u in engine.all_units for t in u.held()]
