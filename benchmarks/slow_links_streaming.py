@@ -260,16 +260,12 @@ def main() -> None:
           "| compress s | loss | loss/ddp |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for link in args.links:
         rate, delay_ms = parse_link(link)
-        try:
-            cluster = Cluster(nodes=2, rate=rate, delay_ms=delay_ms).start()
-        except subprocess.CalledProcessError as exc:  # the kernel has no netem (latency)
-            if not delay_ms:
-                raise
-            why = (exc.stderr or b"").decode().strip()
-            print(f"{link}: no latency can be added here (tc netem: {why}); measured at "
-                  f"{rate} without it", flush=True)
-            link = f"{rate} (no latency)"
-            cluster = Cluster(nodes=2, rate=rate).start()
+        why = unavailable(latency=True) if delay_ms else None
+        if why is not None:  # the kernel has no netem: the latency cannot be added
+            print(f"{link}: no latency can be added here ({why}); measured at {rate} "
+                  "without it", flush=True)
+            link, delay_ms = f"{rate} (no latency)", None
+        cluster = Cluster(nodes=2, rate=rate, delay_ms=delay_ms).start()
         try:
             nodes = cluster.launch([str(HERE), "--worker", *forwarded], timeout=6 * 3600)
         finally:
