@@ -4,18 +4,27 @@ a px.save after every step (or every K), the README's resume lines), plus ways t
 purpose.
 
     keep_going.py OUT CKPT_DIR [--strategy ddp] [--precision fp32] [--epochs 3] [--sleep S]
-        [--kill RANK@STEP,...] [--raise RANK@STEP] [--die-in-save RANK@STEP]
-        [--die-completing STEP] [--die-joining] [--die-admitting RANK] [--skip STEP]
-        [--no-resume] [--save-every K] [--freeze RANK@STEP]
+        [--kill RANK@STEP,...] [--raise RANK@STEP] [--raise-in forward|backward] [--catch]
+        [--die-in-save RANK@STEP] [--die-completing STEP] [--die-joining]
+        [--die-admitting RANK] [--skip STEP] [--no-resume] [--save-every K]
+        [--freeze RANK@STEP] [--samples N] [--ticks] [--timeout S]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
-it evenly and any world size trains on the same samples. Only the first worker of a rank
-(life 0) fails on purpose; its replacement runs normally. `--die-completing S`: rank 0 dies
-as it completes the checkpoint of step S, the others waiting for its word. `--skip S` leaves
-out the batch of step S (the reference for `--raise`). `--freeze R@S`: rank R stops its own
-process (SIGSTOP) before step S's forward, a frozen rank (in the first attempt only, under
---on-failure restart). Rank 0 writes the final weights (one flat tensor) to OUT. Every worker
-prints `START rank=R pid=P life=L` and `END rank=R pid=P life=L world=W`.
+it evenly and any world size trains on the same samples; `--samples` of them (240: 20 steps an
+epoch). Only the first worker of a rank (life 0) of the first attempt (under --on-failure
+restart) fails on purpose; its replacement, or the restarted worker, runs normally.
+`--raise R@S`: rank R raises an out-of-memory error in step S's backward (or forward,
+`--raise-in forward`), which ends the worker, or which the loop catches (`--catch`: the step
+is dropped on every rank, and the failing rank goes on through the rest of the loop's body,
+its px.save included, as the others do). `--die-completing S`:
+rank 0 dies as it completes the checkpoint of step S, the others waiting for its word. `--skip
+S` leaves out the batch of step S (the reference for `--raise`). `--freeze R@S`: rank R stops
+its own process (SIGSTOP) before step S's forward, a frozen rank. `--timeout S`:
+`px.init(timeout=S)`. Rank 0 writes the final
+weights (one flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L` and `END
+rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT rank=R kind=K step=S
+t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L attempt=A step=S world=W t=TIME` after
+each optimizer step (benchmarks/fault_soak.py reads them).
 """
 
 import argparse
@@ -44,11 +53,18 @@ parser.add_argument("--skip", type=int, default=None)
 parser.add_argument("--no-resume", action="store_true")
 parser.add_argument("--save-every", type=int, default=1)
 parser.add_argument("--freeze", default="")
+parser.add_argument("--raise-in", choices=("forward", "backward"), default="backward")
+parser.add_argument("--catch", action="store_true")
+parser.add_argument("--samples", type=int, default=240)
+parser.add_argument("--ticks", action="store_true")
+parser.add_argument("--timeout", type=float, default=None)
 args = parser.parse_args()
 
-px.init()
+px.init(**({} if args.timeout is None else {"timeout": args.timeout}))
 rank = int(os.environ.get("RANK", "0"))  # the launch rank: a replacement keeps it
 life = int(os.environ.get("PHALANX_JOINING", "0"))
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+first = life == 0 and attempt == 0  # the worker that fails on purpose
 print(f"START rank={rank} pid={os.getpid()} life={life}", flush=True)
 
 
@@ -56,14 +72,19 @@ def at(text):
     return {tuple(map(int, item.split("@"))) for item in text.split(",") if item} if text else set()
 
 
+def say_fault(kind):
+    print(f"FAULT rank={rank} kind={kind} step={where['now']} t={time.time():.4f}", flush=True)
+
+
 def die():
+    say_fault("kill")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 kills, raises, saves = at(args.kill), at(args.raise_at), at(args.die_in_save)
 freezes = at(args.freeze)
 where = {"step": 0, "now": 0}  # steps taken (the loop's count), the step in progress
-if life == 0 and saves:  # killed while writing its file of that step's checkpoint
+if first and saves:  # killed while writing its file of that step's checkpoint
     import phalanx.checkpoint.saving as saving
 
     write = saving.write_tensors
@@ -73,7 +94,7 @@ if life == 0 and saves:  # killed while writing its file of that step's checkpoi
             die()
         return write(*a, **k)
     saving.write_tensors = write_or_die
-if life == 0 and rank == 0 and args.die_completing is not None:  # rank 0, completing a save
+if first and rank == 0 and args.die_completing is not None:  # rank 0, completing a save
     import phalanx.checkpoint.saving as saving
 
     complete = saving._complete
@@ -87,7 +108,7 @@ if life == 1 and args.die_joining:  # the replacement dies while loading the oth
     import phalanx.checkpoint.api as api
 
     api.load_checkpoint = lambda *a, **k: die()
-if life == 0 and args.die_admitting == rank:  # dies while admitting a replacement
+if first and args.die_admitting == rank:  # dies while admitting a replacement
     import phalanx.elastic as elastic
     import phalanx.elastic.joining as joining
 
@@ -100,17 +121,22 @@ if life == 0 and args.die_admitting == rank:  # dies while admitting a replaceme
     joining.sync_engines = sync_or_die
 
 
-class Boom(torch.autograd.Function):
-    """Raises in backward on one rank at one step (as an out-of-memory error would)."""
+def boom(part):
+    """Raise in `part` of this step on one rank (as an out-of-memory error would)."""
+    if first and (rank, where["now"]) in raises and args.raise_in == part:
+        say_fault("caught" if args.catch else "raise")
+        raise RuntimeError("CUDA out of memory (simulated)")
 
+
+class Boom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
+        boom("forward")
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        if life == 0 and (rank, where["now"]) in raises:
-            raise RuntimeError("CUDA out of memory (simulated)")
+        boom("backward")
         return grad
 
 
@@ -128,8 +154,8 @@ class Net(torch.nn.Module):
 torch.manual_seed(0)
 torch.set_default_dtype(torch.float64)
 g = torch.Generator().manual_seed(1)
-data = torch.utils.data.TensorDataset(torch.randn(240, 8, generator=g),
-                                      torch.randn(240, 1, generator=g))
+data = torch.utils.data.TensorDataset(torch.randn(args.samples, 8, generator=g),
+                                      torch.randn(args.samples, 1, generator=g))
 model = Net()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
 model, optimizer = px.prepare(model, optimizer, strategy=args.strategy,
@@ -145,17 +171,26 @@ for epoch in range(start, args.epochs):
     loader.sampler.set_epoch(epoch)
     for x, y in loader:
         step = where["now"] = where["step"]
-        if life == 0 and (rank, step) in kills:
+        if first and (rank, step) in kills:
             die()
-        if life == 0 and (rank, step) in freezes and \
-                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if first and (rank, step) in freezes:
+            say_fault("freeze")
             os.kill(os.getpid(), signal.SIGSTOP)
         where["step"] += 1
         if step == args.skip:
             continue
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        except RuntimeError as exc:
+            if not (args.catch and "(simulated)" in str(exc)):
+                raise
+            # the step is dropped on every rank (optimizer.step() below changes nothing); the
+            # rest of the loop (its tick, its px.save) goes on here as on the other ranks
         optimizer.step()
         optimizer.zero_grad()
+        if args.ticks:
+            print(f"TICK rank={rank} pid={os.getpid()} life={life} attempt={attempt} "
+                  f"step={step} world={px.world_size()} t={time.time():.4f}", flush=True)
         event = {k: v for k, v in px.step_stats(model).items() if k.startswith("membership/")}
         if event:  # the step report of the step after a change of members says so
             print(f"EVENT {' '.join(f'{k}={v}' for k, v in sorted(event.items()))}", flush=True)

@@ -31,6 +31,7 @@ _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent 
 _TORCH_PREFIX = re.compile(r"^(\[rank\d+\]: )+")
 # The file objects that hold written data in Python until flushed.
 _BUFFERED_FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+_FAILED_EXIT_WAIT = 10.0  # seconds a failed worker's exit handlers may take (see `leave`)
 
 
 def run(argv: list[str]) -> tuple[int, object]:
@@ -104,6 +105,11 @@ def leave(code: int) -> None:
     process ("terminate called without an active exception", SIGABRT) in a few runs in a
     hundred of an ordinary script (pytorch/pytorch#179291). Nothing useful happens in
     finalisation once the handlers have run and the streams are flushed, so it is skipped.
+
+    A failed worker's handlers get `_FAILED_EXIT_WAIT` seconds: its end says in the job's
+    store that it failed (phalanx/leaving.py), and a store whose serving process is frozen
+    (rank 0's worker serves it under restart and stop: launch/rendezvous.py) never answers,
+    whatever the store's timeout, so that call would keep the worker, and the job, forever.
     """
     main = threading.main_thread()
     for thread in threading.enumerate():
@@ -114,7 +120,16 @@ def leave(code: int) -> None:
         if code:  # a failed worker does not wait at its end for its peers (phalanx/leaving.py)
             leaving.failing()
         leaving.caller_sets_exit_status()
-    atexit._run_exitfuncs()
+    if code:
+        handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
+        handlers.start()
+        handlers.join(_FAILED_EXIT_WAIT)
+        if handlers.is_alive():
+            print(f"phalanx: a failed worker's exit handlers did not end within "
+                  f"{_FAILED_EXIT_WAIT:.0f} s (the job's store does not answer?): it ends "
+                  "without them", file=sys.stderr, flush=True)
+    else:
+        atexit._run_exitfuncs()
     error = leaving.shutdown_error() if leaving is not None else None
     if error is not None and not code:  # px.shutdown() at the end of the script raised
         _record_failure(error, f"px.shutdown() at the end of the script failed: "

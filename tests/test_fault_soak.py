@@ -1,0 +1,102 @@
+"""The fault soak of benchmarks/fault_soak.py: seven short `phalanx run` jobs, one of each fault
+kind, each checked against its uninterrupted run and for what it leaves behind; and the soak's
+own leftover checks, which must see what a job leaves.
+
+The soak itself (`benchmarks/fault_soak.py --jobs 105`) is what docs/benchmarks.md records; the
+slow case here is its first seven jobs of one seed: every fault kind once (the deck), under
+ddp, zero1, zero2 and zero3 and the three `--on-failure` modes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import fault_soak  # benchmarks/ is not a package: imported from its folder
+from soak_leftovers import MARKER, Watch
+
+SEED = 1
+
+
+@pytest.mark.slow
+def test_one_job_of_each_fault_kind_ends_as_its_mode_promises_and_leaves_nothing(tmp_path):
+    jobs = fault_soak.plan(SEED, 7)
+    assert sorted((j.kind, j.moment) for j in jobs) == sorted(fault_soak.FAULTS)
+    assert {j.strategy for j in jobs} == set(fault_soak.STRATEGIES)
+    assert {j.mode for j in jobs} == set(fault_soak.MODES)
+    outcomes = fault_soak.soak(SEED, jobs, tmp_path, timeout=240.0)
+    bad = [f"{o.job}: {o.verdict}: {o.detail}; left {o.leftovers}\n{o.stderr[-3000:]}"
+           for o in outcomes if o.verdict not in ("exact", "ended") or o.leftovers]
+    assert not bad, "\n\n".join(bad)
+    # every fault landed: each job that completed went through it (judged above), and each
+    # that ended was ended by it
+    assert all(o.fault_seen or o.verdict == "ended" for o in outcomes), \
+        [str(o.job) for o in outcomes if not o.fault_seen]
+
+
+def test_the_leftover_checks_see_a_process_a_temporary_file_and_shared_memory(tmp_path):
+    token = f"soak-test-{os.getpid()}"
+    tmp, ckpt = tmp_path / "tmp", tmp_path / "ckpt"
+    tmp.mkdir()
+    (ckpt / "step00003.partial-1234").mkdir(parents=True)
+    (tmp / "torchelastic_x").mkdir()
+    (tmp / "torchinductor_root").mkdir()  # torch's cache, kept between runs: not the job's
+    shm = Path("/dev/shm") / f"soak-test-{os.getpid()}-{time.monotonic_ns()}"
+    watch = Watch(token, every=0.05)
+    # a process of the job, in a session of its own, that holds a /dev/shm file open and
+    # outlives its launcher
+    code = (f"import time; f = open({str(shm)!r}, 'w'); print('ready', flush=True); "
+            "time.sleep(600)")
+    left = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, MARKER: token},
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert left.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 30
+        while left.pid not in watch.pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = watch.leftovers(tmp, ckpt)
+        assert left.wait(timeout=30) == -9  # the check ends what it found
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
+        shm.unlink(missing_ok=True)
+    assert [p.split()[0] for p in found["processes"]] == [str(left.pid)], found
+    assert found["temporary"] == ["torchelastic_x", str(ckpt / "step00003.partial-1234")], found
+    assert found["shared memory"] == [shm.name], found
+
+
+def test_a_frozen_rank_0_under_stop_ends_the_job_naming_it(tmp_path, monkeypatch):
+    """Found by the soak. Under restart and stop, rank 0's worker serves the store (launch/
+    rendezvous.py): frozen, it answers no store call, and a call to it never returns, whatever
+    the store's timeout. The others' collectives time out (px.init(timeout=15)) and they fail,
+    but each failed worker's end (its exit handlers: phalanx/leaving.py says in the store that
+    it failed) waited on that store forever, and the job with it."""
+    monkeypatch.setenv("PHALANX_HANG_AFTER", "3")
+    token = f"frozen0-{os.getpid()}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "phalanx", "run", "-n", "3", "--on-failure", "stop",
+           str(fault_soak.SCRIPT), str(tmp_path / "o.pt"), str(tmp_path / token),
+           "--freeze", "0@3", "--timeout", "15"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, MARKER: token,
+                                 "PHALANX_RUN_DIR": str(tmp_path / "runs")},
+                            start_new_session=True)
+    watch = Watch(token)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        err = "still running after 120 s\n" + err
+    left = watch.leftovers(tmp_path / "none", tmp_path / token)  # and kills what is left
+    assert proc.returncode == 1, err[-3000:]
+    message = err[err.index("phalanx run: error: "):]
+    assert message.startswith("phalanx run: error: rank 0 hung: its process was frozen "
+                              "(stopped, as by SIGSTOP), and the launcher ended it"), message
+    assert not left["processes"], left
