@@ -9,6 +9,7 @@ import dataclasses
 import os
 
 import torch
+import torch.distributed as dist
 
 import phalanx as px
 from phalanx.testing import run_ranks
@@ -46,8 +47,15 @@ def _one_job(path: str):
 def _two_jobs(path):
     first, count = _one_job(os.path.join(path, "first"))
     in_use = _parts_in_use()
+    rank = px.rank()
     px.shutdown()
     after_first = _parts_in_use()
+    # The second job on a group of its own, over a new store, as a launcher's next job has: over
+    # the old store, torch's name for a group made again (from its ranks and the number of live
+    # groups) would be the old one's, whose keys (a dead address) are still there.
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{path}/second-job", rank=rank,
+                            world_size=2)
     px.init()  # a second job in the same process
     second, _ = _one_job(os.path.join(path, "second"))
     loaded = mlp(1)
