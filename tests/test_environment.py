@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "environment.md"
 
 
+@pytest.mark.one_process
 def test_the_docs_table_is_the_modules_table():
     text = PAGE.read_text()
     section = text[text.index("## Read by phalanx"):text.index("Read by the test suite")]
@@ -32,6 +33,7 @@ def test_the_docs_table_is_the_modules_table():
         "paste in:\n" + "\n".join(environment.markdown_rows()))
 
 
+@pytest.mark.one_process
 def test_every_variable_read_in_src_is_in_the_table():
     read = set()
     for path in (ROOT / "src" / "phalanx").rglob("*.py"):
@@ -76,6 +78,7 @@ def _environ_reads(tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+@pytest.mark.one_process
 def test_the_variables_are_read_through_the_table_only():
     """[Note: one table of variables]: a variable read from os.environ elsewhere means what
     that place makes of it (`PHALANX_DEBUG_ELASTIC=0` once turned debugging on)."""
@@ -126,6 +129,7 @@ BAD = {
 }
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("name", list(environment.VARIABLES))
 def test_each_variable_takes_its_values_and_names_a_bad_one(name, tmp_path):
     for text, meant in GOOD.get(name, []):
@@ -142,12 +146,14 @@ def test_each_variable_takes_its_values_and_names_a_bad_one(name, tmp_path):
         assert str(caught.value).startswith(f"{name}={text!r}: ") and words in str(caught.value)
 
 
+@pytest.mark.one_process
 def test_a_directory_that_does_not_exist_yet_is_not_made(tmp_path):
     target = tmp_path / "runs" / "deeper"
     assert environment.value("PHALANX_RUN_DIR", {"PHALANX_RUN_DIR": str(target)}) == str(target)
     assert os.listdir(tmp_path) == []  # checked by a file made and removed in tmp_path
 
 
+@pytest.mark.one_process
 def test_check_names_every_bad_variable_at_once(tmp_path):
     env = {"PHALANX_LOG_EVERY": "0", "PHALANX_BACKEND": "foo", "PHALANX_TRACE": "1",
            "PHALANX_RUN_DIR": _not_a_dir(tmp_path), "PHALANX_JOINING": "x"}
@@ -159,6 +165,7 @@ def test_check_names_every_bad_variable_at_once(tmp_path):
         ["PHALANX_BACKEND", "PHALANX_RUN_DIR", "PHALANX_LOG_EVERY"]
 
 
+@pytest.mark.one_process
 def test_trace_into_the_default_run_directory_needs_a_writable_working_directory(tmp_path):
     (tmp_path / "runs").write_text("")  # runs/ under the working directory cannot be made
     cwd = os.getcwd()
@@ -170,6 +177,7 @@ def test_trace_into_the_default_run_directory_needs_a_writable_working_directory
     assert len(found) == 1 and found[0].startswith("PHALANX_TRACE=1 writes to the run directory")
 
 
+@pytest.mark.one_process
 def test_px_init_checks_the_variables_before_joining(monkeypatch):
     px.shutdown()  # whatever an earlier test joined
     monkeypatch.setenv("PHALANX_LOG_EVERY", "abc")  # px.log read it only after training
@@ -178,6 +186,7 @@ def test_px_init_checks_the_variables_before_joining(monkeypatch):
     assert not px.process.state.world.initialized
 
 
+@pytest.mark.one_process
 def test_px_log_names_the_variable_and_a_run_directory_it_cannot_make(monkeypatch, tmp_path):
     px.shutdown()
     monkeypatch.chdir(tmp_path)
@@ -196,6 +205,7 @@ def test_px_log_names_the_variable_and_a_run_directory_it_cannot_make(monkeypatc
         px.shutdown()
 
 
+@pytest.mark.one_process
 def test_px_log_says_when_the_default_run_directory_cannot_be_made(monkeypatch):
     px.shutdown()
     monkeypatch.delenv("PHALANX_RUN_DIR", raising=False)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from parity import Chain
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("world", [2, 3, 8, 64])
 def test_ring_bytes_per_rank(world):
     # A ring all-reduce sends each of 2 (N-1) chunks of B/N bytes; reduce-scatter and
@@ -28,6 +29,7 @@ def test_ring_bytes_per_rank(world):
     assert wire_bytes("all_reduce", payload, 1) == 0
 
 
+@pytest.mark.one_process
 def test_zero3_gathers_in_every_micro_step_and_reduces_once():
     colls = collectives("zero3", 100, 100, 4, reduce_scatter=True)
     t1 = step_time(colls, 4, 1.0, 1, 1.0, False)
@@ -39,6 +41,7 @@ def test_zero3_gathers_in_every_micro_step_and_reduces_once():
         step_time(ddp, 4, 1.0, 1, 1.0, False).comm_bytes
 
 
+@pytest.mark.one_process
 def test_overlap_hides_communication_up_to_the_backward():
     colls = collectives("ddp", 10**9, 10**9, 8, reduce_scatter=True)
     # 1.75 GB on the wire at 1 GB/s: 1.75 s against 3 s of compute (2 s of it backward)

@@ -16,6 +16,8 @@ from phalanx.engine.diloco import fragment_of
 from phalanx.engine.diloco_wire import Wire
 from phalanx.planner.link import link_latency, parse_link
 
+pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
+
 WORLD_NODES, GPUS = 4, 1
 RANK, H = 4, 50
 

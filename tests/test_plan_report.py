@@ -82,6 +82,7 @@ def test_report_plans_zero3_gathers_as_the_engine_runs_them(tmp_path, case):
     assert "did not record zero3's roots" not in text
 
 
+@pytest.mark.one_process
 def test_report_of_a_zero3_run_without_its_roots_says_what_it_assumed(tmp_path):
     # run.json as px.prepare wrote it before it recorded zero3's roots
     run = {"strategy": "zero3", "precision": "fp32", "world": 2, "backend": "gloo",

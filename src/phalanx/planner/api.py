@@ -14,6 +14,7 @@ the arithmetic; when nothing fits, alternatives.py plans the same model with LoR
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,7 +24,7 @@ from .alternatives import alternatives
 from .comm import collectives, step_time
 from .finetune import finetuned
 from .hybrid import across_groups
-from .layout import engine_units, lending, owned_elements, zero3_gathering
+from .layout import alike, engine_units, lending, owned_elements, zero3_gathering
 from .link import link_report
 from .memory import (STRATEGIES, buffer_bytes, model_states, optimizer_state_elements,
                      peak_bytes, step_working_bytes)
@@ -140,6 +141,7 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     # every parameter, frozen ones laid out with the trainable ones (layout.py)
     layouts = {zero3: engine_units(desc, zero3, prec.compute_dtype, prec.weight_bytes,
                                    s.bucket_mb) for zero3 in (False, True)}
+    grouped = {zero3: alike(units) for zero3, units in layouts.items()}
     units_ = [u.trainable for u in layouts[False]] or [0]
     gathering = zero3_gathering(desc, prec.weight_bytes, s.bucket_mb, **s.gather)
     grad_comm = (s.comm_bytes or prec.grad_bytes) * desc.trainable_params
@@ -149,21 +151,23 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     def _offload(strategy):
         return s.offload if strategy in s.candidates else None
 
+    @functools.lru_cache(maxsize=None)  # recommend() asks zero3 at many n, and again
     def memory_at(strategy, n):
         """Model states and buffers on the device, its step temporaries and peak, and what
         offload puts on the host, of `strategy` on n ranks."""
-        units = layouts[strategy == "zero3" and n > 1]
+        laid = strategy == "zero3" and n > 1  # frozen parameters laid out with the others
+        units = layouts[laid]
         trained = [u for u in units if u.trained]
         sizes = [u.trainable for u in trained] or [0]
         largest_param = max((max(u.trained) for u in trained if u.known), default=max(sizes))
         shards = 1 if strategy == "ddp" else n
-        owned_t, owned_f = owned_elements(units, shards)
+        owned_t, owned_f = owned_elements(grouped[laid], shards)
         owned_state = -(-state_elements * owned_t // max(desc.trainable_params, 1))
         states = model_states(strategy, prec, desc.params, desc.trainable_params,
                               state_elements, n, owned=(owned_t, owned_f, owned_state))
         buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
                                s.comm_bytes, max(sizes), largest_param,
-                               gathered_numel=gathering[0], borrowing=lending(units, n))
+                               gathered_numel=gathering[0], borrowing=lending(grouped[laid], n))
         # what the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
         # one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)
         if strategy == "ddp" and replicated and desc.trainable_shapes is not None:

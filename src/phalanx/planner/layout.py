@@ -19,13 +19,14 @@ otherwise the trainable parameters and the frozen ones as two counts.
 
 from __future__ import annotations
 
+import collections
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine.units import FIRST_UNIT_MIB, borrows, plan_units, unit_caps, unit_numels
 
-__all__ = ["Unit", "engine_units", "owned_elements", "lending", "unit_sizes", "zero3_gathering",
-           "zero3_roots", "engine_roots", "FIRST_UNIT_MIB"]
+__all__ = ["Unit", "engine_units", "alike", "owned_elements", "lending", "unit_sizes",
+           "zero3_gathering", "zero3_roots", "engine_roots", "FIRST_UNIT_MIB"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,10 @@ class Unit:
     trained: tuple[int, ...]
     frozen: int = 0
     known: bool = True
+    trainable: int = field(init=False)  # sum(trained), kept: a plan reads it per unit, often
 
-    @property
-    def trainable(self) -> int:
-        return sum(self.trained)
+    def __post_init__(self):
+        object.__setattr__(self, "trainable", sum(self.trained))
 
 
 def engine_units(desc, zero3: bool, compute_dtype, compute_bytes: int,
@@ -89,19 +90,27 @@ def _cut(shapes, blocks, trainable, compute_bytes: int, bucket_mb: float) -> lis
     return out
 
 
-def owned_elements(units: list[Unit], world: int) -> tuple[int, int]:
+def alike(units: list[Unit]) -> list[tuple[Unit, int]]:
+    """Each distinct unit and how many there are: a model given as a count of a trillion
+    parameters has tens of thousands of units of three sizes, and a plan asks about many
+    world sizes (counted on tuples, whose hashing is the interpreter's own)."""
+    keys = collections.Counter((u.trained, u.frozen, u.known) for u in units)
+    return [(Unit(*key), k) for key, k in keys.items()]
+
+
+def owned_elements(grouped: list[tuple[Unit, int]], world: int) -> tuple[int, int]:
     """(trainable, frozen) elements of the shards the first rank owns, the most any rank
     does: each unit's segment padded to a multiple of `world` and cut in `world` slices
-    (engine/flat.py). `world` 1: everything."""
-    return (sum(-(-u.trainable // world) for u in units),
-            sum(-(-u.frozen // world) for u in units))
+    (engine/flat.py). `grouped`: the units as `alike` counts them. `world` 1: everything."""
+    return (sum(k * -(-u.trainable // world) for u, k in grouped),
+            sum(k * -(-u.frozen // world) for u, k in grouped))
 
 
-def lending(units: list[Unit], world: int) -> tuple[int, int]:
+def lending(grouped: list[tuple[Unit, int]], world: int) -> tuple[int, int]:
     """(trainable elements of the largest unit that borrows its full-gradient buffer from the
     pool, of the largest that does not), as engine/units.py's `borrows` decides on `world`
-    ranks; a unit laid out as a count is taken to borrow."""
-    trained = [u for u in units if u.trained]
+    ranks; a unit laid out as a count is taken to borrow. `grouped`: as `alike` counts them."""
+    trained = [u for u, _ in grouped if u.trained]
     return (max((u.trainable for u in trained
                  if not u.known or borrows(list(u.trained), world)), default=0),
             max((u.trainable for u in trained
