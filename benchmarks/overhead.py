@@ -30,7 +30,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 import phalanx as px
-from phalanx import nonfinite, process, step_report
+from phalanx import process
+from phalanx.faults import nonfinite
+from phalanx.observe import step_report
 from phalanx.testing import run_ranks
 from ddp import batch_for, loss_for, make
 
