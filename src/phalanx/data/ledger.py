@@ -138,7 +138,7 @@ def _counted(samples: int, steps: int) -> str:
 
 def step_called(samplers) -> None:
     """`optimizer.step()` is called: it takes the batches of the sampler that served last."""
-    ledgers = [s._ledger for s in samplers if s._ledger is not None]
+    ledgers = [s.ledger for s in samplers if s.ledger is not None]
     if ledgers:
         latest = max(ledgers, key=lambda ledger: ledger.last)
         for ledger in ledgers:

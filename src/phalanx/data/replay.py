@@ -1,19 +1,42 @@
 """The part of `DistributedSampler` that steps redone under `phalanx run --on-failure continue`
 need: where the last committed step left the order, going back there (or to a sharded engine's
-checkpoint) after a rank is lost, leaving out the lost steps' batches when a replay reaches
-them, and the ledger that checks the result (ledger.py). elastic/steps.py drives it through
-`_commit`, `_rewind` and `_resume`, and `ledger.step_called` at every `optimizer.step()`.
+checkpoint) after a rank is lost, leaving out the lost steps' batches when a replay reaches them,
+and the ledger that checks the result (ledger.py). elastic/steps.py drives it through `commit_step`,
+`rewind_to` and `resume_after_loss` (the protocol `Replayable` below), and `ledger.step_called` at
+every `optimizer.step()`.
 """
 
 from __future__ import annotations
 
-__all__ = ["Replays"]
+from typing import Protocol
+
+__all__ = ["Replayable", "Replays"]
+
+
+class Replayable(Protocol):
+    """What continue mode (elastic/steps.py) asks of a sampler that it replays after a rank is
+    lost; `DistributedSampler` is one (through `Replays`). A sampler registers itself with the
+    process's step gate (`elastic.step_gate().samplers`) when it is made under continue mode."""
+
+    ledger: object  # its Ledger (ledger.py), which counts what the loop was served
+
+    def commit_step(self) -> None:
+        """Every rank committed the step: a redo goes back no further than here."""
+
+    def rewind_to(self, state: dict) -> None:
+        """A sharded engine reloaded the checkpoint holding this sampler's `state`: the next
+        resume starts there, keeping what the lost steps consumed."""
+
+    def resume_after_loss(self, skip: bool) -> None:
+        """The lost steps are thrown away: the next pass starts where the last committed step
+        left the order (with `skip`, where the lost steps left it), the loader starting its
+        iteration again."""
 
 
 class Replays:
     """Mixed into `DistributedSampler` (sampler.py), whose state it reads and moves: `epoch`,
     `_start`, the pass in progress, `_committed`, `_redo_from`, `_left_out`, `_through`,
-    `_replay_until` and `_ledger`."""
+    `_replay_until` and `ledger`."""
 
     def _skipped(self, start: int, upto: int, epoch: int | None = None) -> int:
         """Samples of the epoch's order (this one's by default) from `start` to before `upto`
@@ -36,11 +59,11 @@ class Replays:
         epoch is the start of the next epoch."""
         return (epoch + 1, 0) if self._end(consumed) <= consumed else (epoch, consumed)
 
-    def _commit(self) -> None:
+    def commit_step(self) -> None:
         """A step every rank committed: a redo goes back no further than here."""
         self._committed = self._where()
-        if self._ledger is not None:
-            self._ledger.committed()
+        if self.ledger is not None:
+            self.ledger.committed()
 
     def _served(self, at: tuple | None) -> None:
         """The loop is about to be served the pass's next batch, `at` (epoch, position, size)
@@ -52,9 +75,9 @@ class Replays:
         fresh = self._replay_until is None or at[:2] >= self._replay_until
         if fresh:
             self._replay_until = None
-        self._ledger.served(at[0], at[2], fresh)
+        self.ledger.served(at[0], at[2], fresh)
 
-    def _resume(self, skip: bool) -> None:
+    def resume_after_loss(self, skip: bool) -> None:
         """[Note: a step redone]
         Under `phalanx run --on-failure continue` the steps after the last one every rank
         committed are thrown away when a rank is lost (elastic/steps.py); the next pass starts
@@ -63,7 +86,7 @@ class Replays:
         there are now.
 
         A sharded engine goes back further, to its newest checkpoint (`_redo_from`, set by
-        `_rewind` instead of a load: the order the lost steps consumed is still needed). Then
+        `rewind_to` instead of a load: the order the lost steps consumed is still needed). Then
         the steps from there to the last committed one are trained again, and with `skip` the
         lost steps' part of the order is left out when the replay reaches it (`_left_out`):
         the result is the same as skipping those batches where they fell.
@@ -97,8 +120,8 @@ class Replays:
                     self._left_out.append((e1, 0, p1))
         if start[0] > loop_epoch:  # the loop's pass is at its end: it ends there
             start = (loop_epoch, self.dataset_length)
-        if self._ledger is not None:
-            self._ledger.thrown_away(skip)
+        if self.ledger is not None:
+            self.ledger.thrown_away(skip)
             until = self._replay_until
             self._replay_until = lost_end if until is None else max(until, lost_end)
         self._committed = start
@@ -108,12 +131,12 @@ class Replays:
         self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
         self.restart = True
 
-    def _rewind(self, state: dict) -> None:
+    def rewind_to(self, state: dict) -> None:
         """A sharded engine reloaded the checkpoint holding `state` after a loss: training goes
-        back there at the next resume (see `_resume`), and so does the ledger's `done`."""
+        back there at the next resume (see `resume_after_loss`), and so does the ledger's `done`."""
         self._redo_from = self._next_from(int(state["epoch"]), int(state["consumed"]))
-        if self._ledger is not None:
-            self._ledger.rewound(state.get("ledger"))
+        if self.ledger is not None:
+            self.ledger.rewound(state.get("ledger"))
 
     def _left_to_catch_up(self) -> int:
         """Samples of the whole epochs a replay passes through before the loop's own."""
@@ -126,8 +149,8 @@ class Replays:
         state: dict = {}
         if self._through is not None:
             state["through"] = self._through
-        if self._ledger is not None:
-            state["ledger"] = self._ledger.rows()
+        if self.ledger is not None:
+            state["ledger"] = self.ledger.rows()
         return state
 
     def _load_replay_state(self, state: dict) -> None:
@@ -135,8 +158,8 @@ class Replays:
         through = state.get("through")
         self._through = int(through) if through is not None and through > self.epoch else None
         self._replay_until = None
-        if self._ledger is not None:
-            self._ledger.load(state.get("ledger"))
+        if self.ledger is not None:
+            self.ledger.load(state.get("ledger"))
 
     def _loop_epoch(self) -> int:
         """The epoch of the loop's pass: the one a replay is on its way to, else this one."""
@@ -145,8 +168,8 @@ class Replays:
     def _pass_ended(self, began_in: int) -> None:
         """A loader's pass the loop began in epoch `began_in` came to its end: in that epoch,
         unless a replay went astray, which the ledger reports."""
-        if self._ledger is not None and self.epoch != began_in:
-            self._ledger.astray.append(f"a pass the loop began in epoch {began_in} ended in "
+        if self.ledger is not None and self.epoch != began_in:
+            self.ledger.astray.append(f"a pass the loop began in epoch {began_in} ended in "
                                        f"epoch {self.epoch}")
 
     def _catching_up(self) -> bool:

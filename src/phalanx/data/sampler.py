@@ -159,7 +159,7 @@ class DistributedSampler(Replays, Sampler[int]):
         self.restart = False      # the loader must start its iteration again (a rewind)
         self._continuing = None   # (epoch, position, restore): see [Note: a pass continued]
         gate = elastic.step_gate()
-        self._ledger = Ledger() if gate is not None else None  # See [Note: the ledger]
+        self.ledger = Ledger() if gate is not None else None  # See [Note: the ledger]
         if gate is not None:
             gate.samplers.add(self)
 
@@ -263,7 +263,7 @@ class DistributedSampler(Replays, Sampler[int]):
 
     # -- progress, reported by the loader ---------------------------------------------------
     def _batch_consumed(self, at: tuple | None = None) -> None:
-        if self._ledger is not None:
+        if self.ledger is not None:
             self._served(at)  # See [Note: the ledger] in ledger.py
         self._steps_done += 1
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data.ledger import step_called
+from ..data.replay import Replayable
 from . import joining, store as keys
 from .gate import gate
 from .membership import Membership, MembershipError, debug
@@ -93,7 +94,7 @@ class _Rewind:
         self.sampler = sampler
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler._rewind(state)
+        self.sampler.rewind_to(state)
 
 
 class StepGate:
@@ -109,7 +110,7 @@ class StepGate:
         self.resume_due = False
         self.lost_at: float | None = None
         self.cause: BaseException | None = None
-        self.samplers: "weakref.WeakSet" = weakref.WeakSet()
+        self.samplers: "weakref.WeakSet[Replayable]" = weakref.WeakSet()
         self.on_lost: list = []     # called first when the wire is cut (the hang watcher stops)
         self.on_resume: list = []   # called with the decision when training goes on
         self._vote = None
@@ -161,7 +162,7 @@ class StepGate:
     def _committed(self, call: int) -> None:
         self.last_voted = call
         for sampler in list(self.samplers):
-            sampler._commit()
+            sampler.commit_step()
 
     def recover(self, call: int) -> Decision:
         """Report, wait for every member's report or departure, decide, form the next group
@@ -231,8 +232,8 @@ class StepGate:
         """A `px.save` completed: where a sharded engine takes the state back from after a
         loss (see [Note: a sharded engine after a loss])."""
         self.last_save = (path, model, optimizer, stateful)
-        self.unsaved[path] = [(weakref.ref(s), s._ledger.rows()) for s in list(self.samplers)
-                              if s._ledger is not None
+        self.unsaved[path] = [(weakref.ref(s), s.ledger.rows()) for s in list(self.samplers)
+                              if s.ledger is not None
                               and all(v is not s for v in stateful.values())]
         for old in list(self.unsaved)[:-4]:
             del self.unsaved[old]
@@ -242,8 +243,8 @@ class StepGate:
         recovery is under way (its replay is counted at the next check)."""
         if gate.cut or self.decision is not None or self.resume_due:
             return
-        wrong = [line for s in samplers if s._ledger is not None
-                 for line in s._ledger.mismatches()]
+        wrong = [line for s in samplers if s.ledger is not None
+                 for line in s.ledger.mismatches()]
         if wrong:
             raise MembershipError(
                 f"phalanx: {when}, the model does not hold what the loop was served after a "
@@ -308,8 +309,8 @@ class StepGate:
         or to nothing where unknown) and finds the batches lost ([Note: the ledger])."""
         kept = {id(ref()): rows for ref, rows in self.unsaved.get(path, [])}
         for sampler in list(self.samplers):
-            if sampler._ledger is not None and all(v is not sampler for v in stateful.values()):
-                sampler._ledger.rewound(kept.get(id(sampler)))
+            if sampler.ledger is not None and all(v is not sampler for v in stateful.values()):
+                sampler.ledger.rewound(kept.get(id(sampler)))
 
     def watch_tick(self, oldest_in_flight: dict) -> None:
         """[Note: a member left behind]
@@ -385,7 +386,7 @@ class StepGate:
         self.resume_due, self.decision = False, None
         gate.cut = gate.poked = False
         for sampler in list(self.samplers):
-            sampler._resume(skip=d.skip)
+            sampler.resume_after_loss(skip=d.skip)
         for fn in list(self.on_resume):
             fn(d)
         return True
