@@ -413,8 +413,8 @@ def machine() -> str:
         pass
     commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(HERE.parent), "status", "--porcelain", "--",
-                            "src"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(HERE.parent.parent), "status", "--porcelain",
+                            "--", "src"], capture_output=True, text=True).stdout.strip()
     return (f"{cpu}, {os.cpu_count()} cores; commit {commit or '?'}"
             f"{' (src/ with uncommitted changes)' if dirty else ''}")
 

@@ -100,3 +100,17 @@ def test_a_frozen_rank_0_under_stop_ends_the_job_naming_it(tmp_path, monkeypatch
     assert message.startswith("phalanx run: error: rank 0 hung: its process was frozen "
                               "(stopped, as by SIGSTOP), and the launcher ended it"), message
     assert not left["processes"], left
+
+
+def test_a_rank_frozen_while_the_others_wait_in_its_save_is_removed_and_the_job_completes(
+        tmp_path):
+    """Found by the soak (job 18 of seed 37: zero2 under continue, rank 1 stopped as the
+    others entered step 2's px.save). The survivors went on without it, but the save's first
+    collective, lost with the group, stayed a record in flight on the next generation's group,
+    and one threshold later the hang watcher reported it: every rank ended with status 124."""
+    job = fault_soak.plan(37, 19)[18]
+    assert (job.strategy, job.mode, job.kind, job.moment) == ("zero2", "continue", "stop",
+                                                              "random")
+    [outcome] = fault_soak.soak(37, [job], tmp_path, timeout=240.0)
+    assert outcome.verdict == "exact" and not outcome.leftovers, \
+        f"{outcome.detail}; left {outcome.leftovers}\n{outcome.stderr[-3000:]}"

@@ -147,14 +147,23 @@ class Membership:
         holder lets go first: each Comm (those of the job's group wait, without one, for the
         next generation's; those of groups made apart from it end with it), the step clocks
         (`on_drop`), the shard services (groups.py's end hooks). A group left alive here kept
-        a peer blocked in a collective on this rank until its hang report, 200 s later."""
+        a peer blocked in a collective on this rank until its hang report, 200 s later.
+
+        A collective lost with the group never completes, and its Comm's records go with it
+        to the next generation's group: each is stamped ended here, or the hang watcher read
+        it as in flight there, a hang one threshold later that ended the job (a rank frozen
+        while the others waited in its px.save's first collective, under zero2)."""
         if not dist.is_initialized():
             return
+        now = time.perf_counter()
         for comm in records.live():
             if comm.group is not None:
                 comm.waiting = comm.name == "world"
                 comm.group = None
                 records.drop_in_flight(comm)
+                for rec in list(comm.records):
+                    if rec.completed is None:
+                        rec.completed = now
         for fn in list(self.on_drop):
             fn()
         groups.forget_all()
