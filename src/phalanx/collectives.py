@@ -39,7 +39,7 @@ from . import groups, pickled, records
 from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
 from .completion import Handle, wait_whole
 from .elastic.cut import guarded as _guarded, own_shard as _own_shard, nothing as _nothing
-from .elastic.gate import gate
+from .elastic.gate import continuing
 from .records import CollectiveRecord
 
 __all__ = ["Comm", "Handle", "CollectiveMismatch"]
@@ -168,7 +168,7 @@ class Comm:
         blocking call returns when the collective is done; NCCL's at enqueue, so there a blocking
         collective is issued async and waited for as a handle (see [Note: completion on NCCL])."""
         # NCCL, and continue mode (see [Note: waiting on a group the others may have left])
-        waits_here = not async_op and (self.polls or gate.active)
+        waits_here = not async_op and (self.polls or continuing())
         with _label(rec):
             work = call(async_op or waits_here)
         self._track(rec, work)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .elastic.gate import gate, is_loss, lost
+from .elastic.gate import continuing, gate, is_loss, lost, step_lost
 
 __all__ = ["Handle", "wait_whole"]
 
@@ -67,7 +67,7 @@ class Handle:
                 if stalled:  # NCCL: the wait is the current stream's, timed on the device
                     self.records[0].stall = _device_interval(
                         lambda: [w.wait() for w in self.works])
-                elif gate.active:  # see [Note: waiting on a group the others may have left]
+                elif continuing():  # see [Note: waiting on a group the others may have left]
                     for w in self.works:
                         _wait_or_give_up(w)
                 else:
@@ -116,7 +116,7 @@ def _wait_or_give_up(work) -> None:
     (torch._dynamo, imported by any optimizer, keeps references to every process group), and a
     rank waiting only on that peer would otherwise wait for the timeout."""
     while True:
-        if gate.cut:  # its buffers hold nothing: whoever reads them must know (Handle.lost)
+        if step_lost():  # its buffers hold nothing: whoever reads them must know (Handle.lost)
             raise RuntimeError(_LOST)
         if gate.poked:
             raise RuntimeError("the other ranks went on without this one after a rank was lost")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..collectives import Comm
-from ..elastic.gate import gate
+from ..elastic.gate import step_lost
 from .reader import CheckpointError
 
 __all__ = ["STATE_FILE", "LOSS_SCALER", "MODEL", "OPTIM", "POWERSGD", "model_key", "optim_key",
@@ -52,11 +52,11 @@ def agree(comm: Comm, error: str | None, what: str, saving: bool = False) -> Non
     """Raise on every rank if any rank had an error, naming the ranks and their errors.
 
     A save does not raise when the step was lost meanwhile (`phalanx run --on-failure
-    continue`): it is abandoned then (its caller looks at the gate next), and the error of a
+    continue`): it is abandoned then (its caller asks step_lost() next), and the error of a
     rank whose partial checkpoint another rank removed on seeing the loss first is no error
     of the job's (it once ended a survivor)."""
     errors = comm.all_gather_object(error, tag=what)
-    if saving and gate.cut:
+    if saving and step_lost():
         return
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:

@@ -31,7 +31,7 @@ import torch
 from .. import elastic, runtime
 from ..arguments import check_checkpoint_call
 from ..collectives import Comm
-from ..elastic.gate import gate
+from ..elastic.gate import step_lost
 from ..model.prepare import prepared_or_none
 from ..process import state
 from ..runtime import default_comm
@@ -91,7 +91,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         prepared._engine.vote.catch_up()
     # See [Note: saving in the background] above.
     wait_for_saves()
-    if gate.cut:  # phalanx run --on-failure continue: see [Note: a save in a lost step]
+    if step_lost():  # phalanx run --on-failure continue: see [Note: a save in a lost step]
         _skipped(path)
         return path
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
@@ -110,7 +110,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     problem = why_not_replaceable(path) if comm.rank == 0 else None
     seen = comm.all_gather_object((uuid.uuid4().hex[:12], path, problem, job_ids()),
                                   tag="save:token")
-    if gate.cut:  # lost meanwhile (the tokens are then each rank's own)
+    if step_lost():  # lost meanwhile (the tokens are then each rank's own)
         _skipped(path)
         return path
     jobs = agree_on_job([s[3] for s in seen])  # See [Note: a job removes only what it wrote]
@@ -135,7 +135,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = f"{type(exc).__name__}: {exc}"
     agree(comm, error, f"px.save({path!r}): reading the state to save", saving=True)
-    if gate.cut:  # lost meanwhile: see [Note: a save in a lost step]
+    if step_lost():  # lost meanwhile: see [Note: a save in a lost step]
         _skipped(path)
         return path
     if not background:
@@ -250,7 +250,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
             shutil.rmtree(snap.partial, ignore_errors=True)
         raise
     reports = comm.gather_object(report, dst=0, tag="save:reports")
-    if gate.cut:  # a rank was lost during the save: see [Note: a save in a lost step]
+    if step_lost():  # a rank was lost during the save: see [Note: a save in a lost step]
         # every rank, after its own write: one still writing when another removed the
         # directory made it again, and the last to remove it comes after every write
         shutil.rmtree(snap.partial, ignore_errors=True)
@@ -265,7 +265,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
     agree(comm, error, f"px.save({snap.path!r}): completing the checkpoint", saving=True)
     # lost while rank 0 completed it: whether it did is unknown here, so the save counts as
     # not written (a sharded engine then reloads the one before it, which is complete)
-    return not gate.cut
+    return not step_lost()
 
 
 def _failure(exc: Exception, snap: _Snapshot) -> str:

@@ -14,11 +14,23 @@ from __future__ import annotations
 
 from ..process import state
 
-__all__ = ["gate", "lost", "is_loss"]
+__all__ = ["gate", "lost", "is_loss", "step_lost", "continuing"]
 
 # The switch (process.py's Gate: active, cut, poked, on_loss), by the name its readers import:
 # px.shutdown resets it in place, so this name stays the process's switch.
 gate = state.gate
+
+
+def step_lost() -> bool:
+    """The one question the rest of phalanx asks continue mode: is the step in flight already
+    lost (a peer gone, the wire cut)? What is computed or saved from then on is thrown away."""
+    return gate.cut
+
+
+def continuing() -> bool:
+    """Whether this process runs under `--on-failure continue` (a collective's failure is then
+    a loss to go on through, not an error)."""
+    return gate.active
 
 
 def is_loss(exc: BaseException) -> bool:

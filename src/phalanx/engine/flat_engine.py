@@ -28,7 +28,7 @@ import torch
 
 from .. import host
 from ..collectives import Comm
-from ..elastic.gate import gate
+from ..elastic.gate import step_lost
 from ..records import StepCounter
 from .buckets import BufferPool, GradBucket
 from .flat import FlatUnit
@@ -198,7 +198,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         self.reducer.sync = bool(value)
 
     def backward_started(self, grad: torch.Tensor | None = None) -> None:
-        """From each output's gate in backward, with the gradient arriving there."""
+        """From each output's node in backward, with the gradient arriving there."""
         if grad is not None and self.nonfinite is not None:
             self.nonfinite.note(grad)
         self.vote.dropped = False
@@ -224,7 +224,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         (zero3_roots.py). Nothing of it when the step is lost (elastic/): what came back is
         this rank's own, and the step is thrown away. A signal that says some rank's step
         raised drops the step on every rank instead ([Note: the step vote] in vote.py)."""
-        if gate.cut:
+        if step_lost():
             self._unsettled = []
             self.vote.failing = None
             return self.gatherer.take_checks() if self.gatherer is not None else None
@@ -315,7 +315,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         order = torch.tensor([b.index for b in completed], dtype=torch.int64,
                              device=self.comm.device)
         self.comm.broadcast(order, src=0, tag="launch order")
-        if gate.cut:  # rank 0's order never came (elastic/): decide it at the next backward
+        if step_lost():  # rank 0's order never came (elastic/): decide it at the next backward
             self.reducer.rearm_first_order()
             return
         if self.replicas is not None:
