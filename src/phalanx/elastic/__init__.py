@@ -28,9 +28,9 @@ import weakref
 
 from .. import environment
 from ..process import state
-from .gate import gate
+from .gate import continuing, gate
 
-__all__ = ["active", "step_gate", "current", "start", "finish", "stop", "raised",
+__all__ = ["continuing", "step_gate", "current", "start", "finish", "stop", "raised",
            "iteration_starts", "pass_ended", "watch_model", "models", "check_options",
            "ON_FAILURE"]
 
@@ -41,10 +41,6 @@ def wanted(env) -> bool:
     """Whether this process runs under `--on-failure continue` as one of several workers."""
     return (environment.value(ON_FAILURE) == "continue" and env.world_size > 1
             and env.master_addr is not None and env.master_port is not None)
-
-
-def active() -> bool:
-    return gate.active
 
 
 def current():

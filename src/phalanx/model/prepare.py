@@ -173,7 +173,7 @@ def _build(model, optimizer, options: PrepareOptions, comm, init):
     if options.sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
         # under continue mode the job's group, whatever it is at each forward (elastic/)
-        model = convert_sync_batchnorm(model, group=None if elastic.active() else comm.group)
+        model = convert_sync_batchnorm(model, group=None if elastic.continuing() else comm.group)
     if optimizer is not None:
         optimizer_groups(optimizer, model)
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
