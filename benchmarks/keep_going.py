@@ -75,7 +75,7 @@ def worker(args) -> None:
         optimizer.step()
         optimizer.zero_grad()
         step += 1
-        gate = elastic.step_gate()  # whether this step committed (a lost one is dropped)
+        gate = elastic.step_boundary()  # whether this step committed (a lost one is dropped)
         done = gate is None or gate.last_voted == gate.calls
         print(f"TICK rank={rank} life={life} restart={restart} step={step} done={int(done)} "
               f"at={loader.sampler.position() // 48} world={px.world_size()} "

@@ -249,7 +249,7 @@ def test_the_ledger_makes_a_lost_batch_an_error_and_a_replay_balances_it():
     """One mechanism for every way a recovery could lose data: the loop's batches each count
     once (the first time it steps after one), the model's go back with it; a step thrown away
     and never served again is an error naming the epoch and both counts."""
-    from phalanx.elastic.steps import StepGate
+    from phalanx.elastic.steps import StepBoundary
 
     train = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
                                                world_size=1, shuffle=False))
@@ -267,7 +267,7 @@ def test_the_ledger_makes_a_lost_batch_an_error_and_a_replay_balances_it():
     _step(train, evaluation, commits=False)   # step 3, lost with a rank
     train.resume_after_loss(skip=False)
     evaluation.resume_after_loss(skip=False)
-    gate = StepGate(None)
+    gate = StepBoundary(None)
     with pytest.raises(MembershipError, match="at the end of the job, the model does not hold "
                        "what the loop was served after a recovery from a lost rank: epoch 0: "
                        "the loop took 16 samples in 4 optimizer steps, the model holds 12 "
@@ -304,11 +304,11 @@ def test_a_batch_not_served_again_after_a_loss_fails_the_ledger(how):
     px.data_loader begins its iteration again); a sharded engine goes back to a checkpoint
     that does not hold the sampler, which stays where it was. Either way a batch the model
     lost is not trained again, and the ledger says which epoch and how much."""
-    from phalanx.elastic.steps import StepGate
+    from phalanx.elastic.steps import StepBoundary
 
     sampler = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
                                                  world_size=1, shuffle=False))
-    gate = StepGate(None)
+    gate = StepBoundary(None)
     gate.samplers.add(sampler)
     if how == "plain DataLoader":
         loader = torch.utils.data.DataLoader(list(range(24)), batch_size=4, sampler=sampler)

@@ -149,7 +149,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         leaving.call_at_exit(shutdown)  # the end of the script calls px.shutdown()
         m = elastic.current()
         m.on_regroup.append(_regrouped)
-        elastic.step_gate().on_lost.append(_stop_watching)
+        elastic.step_boundary().on_lost.append(_stop_watching)
         if not m.joining:
             _watch_hangs(timeout, hang_after)
         return
@@ -213,7 +213,7 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
     except (ValueError, RuntimeError, AttributeError):  # a group made without a store
         return
     watch = me.hang_watch = HangWatch(store, me.rank, me.world_size, threshold)
-    steps = elastic.step_gate()
+    steps = elastic.step_boundary()
     if steps is not None:  # [Note: a member left behind], [Note: a member that hangs] (elastic/)
         watch.on_tick, watch.on_hang = steps.watch_tick, elastic.current().remove_hung
 

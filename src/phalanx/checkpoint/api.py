@@ -47,7 +47,7 @@ def latest_checkpoint(directory) -> str | None:
                "px.latest_checkpoint('checkpoints')")
     m = elastic.current()
     if m is not None and m.joining:
-        return elastic.step_gate().admission_path()
+        return elastic.step_boundary().admission_path()
     directory = os.path.abspath(os.fspath(directory))
     chosen, skipped = newest_intact(directory)
     damage = "; ".join(f"{path}: {why}" for path, why in skipped)
@@ -93,7 +93,7 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     # How the replacement is admitted: [Note: joining at a save] in elastic/joining.py.
     m = elastic.current()
     if m is not None and m.joining:
-        return elastic.step_gate().join(lambda at: load_checkpoint(
+        return elastic.step_boundary().join(lambda at: load_checkpoint(
             at, model, optimizer, strict, stateful, restore_rng=False))
     return load_checkpoint(path, model, optimizer, strict, stateful)
 

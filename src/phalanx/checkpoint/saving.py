@@ -122,7 +122,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
                          "directory)")
     if seen[0][2] is not None:
         raise CheckpointError(f"px.save({path!r}) refused: {seen[0][2]}")
-    steps = elastic.step_gate()
+    steps = elastic.step_boundary()
     stateful = {k: v for k, v in values.items() if is_stateful(v)}  # what a reload restores
     # a replacement waiting to join is admitted once this save is complete (elastic/joining.py)
     joining = steps.joiners_asking(comm) if steps is not None else []

@@ -16,7 +16,8 @@ __all__ = ["Replayable", "Replays"]
 class Replayable(Protocol):
     """What continue mode (elastic/steps.py) asks of a sampler that it replays after a rank is
     lost; `DistributedSampler` is one (through `Replays`). A sampler registers itself with the
-    process's step gate (`elastic.step_gate().samplers`) when it is made under continue mode."""
+    process's step boundary (`elastic.step_boundary().samplers`) when it is made under
+    continue mode."""
 
     ledger: object  # its Ledger (ledger.py), which counts what the loop was served
 

@@ -158,7 +158,7 @@ class DistributedSampler(Replays, Sampler[int]):
         self._replay_until = None  # (epoch, position) where the loop stood when it was sent back
         self.restart = False      # the loader must start its iteration again (a rewind)
         self._continuing = None   # (epoch, position, restore): see [Note: a pass continued]
-        gate = elastic.step_gate()
+        gate = elastic.step_boundary()
         self.ledger = Ledger() if gate is not None else None  # See [Note: the ledger]
         if gate is not None:
             gate.samplers.add(self)

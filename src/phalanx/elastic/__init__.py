@@ -30,7 +30,7 @@ from .. import environment
 from ..process import state
 from .gate import continuing, gate
 
-__all__ = ["continuing", "step_gate", "current", "start", "finish", "stop", "raised",
+__all__ = ["continuing", "step_boundary", "current", "start", "finish", "stop", "raised",
            "iteration_starts", "pass_ended", "watch_model", "models", "check_options",
            "ON_FAILURE"]
 
@@ -48,8 +48,8 @@ def current():
     return state.continuing.membership
 
 
-def step_gate():
-    """The process's StepGate (steps.py) under continue mode, else None."""
+def step_boundary():
+    """The process's StepBoundary (steps.py) under continue mode, else None."""
     return state.continuing.steps
 
 

@@ -42,7 +42,7 @@ def _ranks(ranks) -> str:
 
 
 class Events:
-    """Says each change (see the module docstring); kept by the StepGate it listens to."""
+    """Says each change (see the module docstring); kept by the StepBoundary it listens to."""
 
     def __init__(self, membership, steps):
         self.m = membership

@@ -15,7 +15,7 @@ from . import _starter
 from .events import Events
 from .gate import gate
 from .membership import Membership
-from .steps import StepGate
+from .steps import StepBoundary
 
 __all__ = ["start"]
 
@@ -24,7 +24,7 @@ def start(env, backend: str, timeout, device) -> None:
     client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
     life = environment.value("PHALANX_JOINING") or 0
     m = Membership(client, env.rank, env.world_size, life, backend, timeout, device)
-    steps = StepGate(m)
+    steps = StepBoundary(m)
     now = state.continuing
     now.membership, now.steps, now.client = m, steps, client
     gate.active = True

@@ -46,7 +46,7 @@ from . import joining, store as keys
 from .gate import gate
 from .membership import Membership, MembershipError, debug
 
-__all__ = ["StepGate", "Decision", "decide", "POKE_AFTER", "LEFT_BEHIND"]
+__all__ = ["StepBoundary", "Decision", "decide", "POKE_AFTER", "LEFT_BEHIND"]
 
 POKE_AFTER = 2.0   # seconds the others wait for a member's report before asking it
 LEFT_BEHIND = 125  # the exit status of a member that could not report (watch_tick)
@@ -97,7 +97,7 @@ class _Rewind:
         self.sampler.rewind_to(state)
 
 
-class StepGate:
+class StepBoundary:
     """This process's steps under continue mode (one per process: every prepared optimizer's
     `step()` passes through `before_step`)."""
 

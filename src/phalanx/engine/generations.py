@@ -1,5 +1,5 @@
 """What an engine does across generations of the job's members (`phalanx run --on-failure
-continue`, phalanx/elastic/): each `optimizer.step()` asks the step gate first, a rank that
+continue`, phalanx/elastic/): each `optimizer.step()` asks the step boundary first, a rank that
 joins takes the others' launch order and step count, and a sharded engine laid out for another
 group gives the model and optimizer back to be built again (model/relayout.py).
 
@@ -14,7 +14,7 @@ __all__ = ["AcrossGenerations"]
 
 
 class AcrossGenerations:
-    def gate_steps(self, optimizer, before) -> None:
+    def guard_steps(self, optimizer, before) -> None:
         """Ask `before()` as every `optimizer.step()` of the user's loop begins whether the
         step may change anything (elastic/steps.py); when not, its gradients are dropped first,
         so the optimizer (adopted or the user's own) steps nothing."""

@@ -24,7 +24,7 @@ buffer and copied to the device (under zero1 and zero2 into its owned slice, the
 while the next run steps; under zero3 into `kept`; under "params" cast into the host's `kept`
 only). The gradients are copied to the host in the step, not as they arrive in backward: a
 unit stepped in backward would be stepped before clipping, the fp16 overflow check, the step
-vote and continue mode's step gate decide over the whole step, and before a second backward
+vote and continue mode's step boundary decide over the whole step, and before a second backward
 adds to its gradients. So the host step does not overlap the backward; its own copies overlap
 each other and the steps of the runs beside them. On a machine without CUDA the same code runs
 with host buffers distinct from the "device" ones (both in CPU memory), every copy made.

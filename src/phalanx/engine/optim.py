@@ -90,7 +90,7 @@ class OptimizerAdapter:
         group_of = optimizer_groups(optimizer, module)
         self.adopted = engine.adopt
         self.after_step: list = []  # called after each optimizer.step() (engine.watch_steps)
-        self.before_step = None     # fn() -> whether the step may run (engine.gate_steps)
+        self.before_step = None     # fn() -> whether the step may run (engine.guard_steps)
         # The groups as the user built them: what a single process's state_dict indexes.
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         setattr(optimizer, _ADAPTER_ATTR, self)

@@ -193,7 +193,7 @@ def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built,
         fill_shards(model, engine.held_pieces(), comm, built.dtypes, built.reading)
         engine.publish_masters()  # offload: what the gathers start from (engine/offload.py)
     outer = attach_diloco(options.diloco, model, engine, optimizer, comm)  # None unless DiLoCo
-    steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
+    boundary = elastic.step_boundary()  # phalanx run --on-failure continue: elastic/steps.py
     note_run({"strategy": options.strategy, "precision": options.precision, "world": comm.world,
               "backend": comm.backend, "device": str(runtime.device()),
               "bucket_mb": options.bucket_mb, "comm_dtype": COMM_DTYPES[options.comm_dtype],
@@ -204,8 +204,8 @@ def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built,
                       across=engine.names_across()) if options.step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
-    if clock is not None and steps_gate is not None:
-        steps_gate.events.watch(clock, engine)
+    if clock is not None and boundary is not None:
+        boundary.events.watch(clock, engine)
     if clock is not None and engine.compression is not None:
         clock.extras.append(engine.compression.step_report)
     if clock is not None and engine.host_link is not None:
@@ -252,7 +252,7 @@ class Recipe:
 
 def attach_engine(model, optimizer, comm, recipe: Recipe):
     """Build `model`'s engine over `comm` and hang on it what watches its steps: the
-    non-finite check, the step counter, continue mode's step gate, the replica check."""
+    non-finite check, the step counter, continue mode's step boundary, the replica check."""
     # the whole world, or a group of it; a world of one under DiLoCo (model/diloco.py)
     shard_comm, replicas = shard_groups(inner_comm(comm) if recipe.inner else comm,
                                         recipe.shard_size)
@@ -265,9 +265,9 @@ def attach_engine(model, optimizer, comm, recipe: Recipe):
     engine.steps = recipe.steps
     if optimizer is not None:  # the step that collective records and reports name
         engine.watch_steps(optimizer, recipe.steps.tick)
-    steps_gate = elastic.step_gate()  # phalanx run --on-failure continue: elastic/steps.py
-    if steps_gate is not None and optimizer is not None:
-        engine.gate_steps(optimizer, lambda: steps_gate.before_step(engine.comm))
+    boundary = elastic.step_boundary()  # phalanx run --on-failure continue: elastic/steps.py
+    if boundary is not None and optimizer is not None:
+        engine.guard_steps(optimizer, lambda: boundary.before_step(engine.comm))
     if recipe.check_replicas_every is not None and optimizer is not None:
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
