@@ -108,8 +108,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, stderr: str = "") -> None:
 def test_a_rank_killed_mid_step_is_redone_by_the_others_and_its_replacement_joins(
         tmp_path, strategy):
     reference = _reference(tmp_path)
-    weights, stdout, stderr = _job(tmp_path, "--kill", "1@7", "--sleep", "0.1",
-                                   "--strategy", strategy)
+    # the survivors wait at step 12 for the replacement to ask (an event, not a clock: on a
+    # loaded machine it once started only after the job had ended)
+    weights, stdout, stderr = _job(tmp_path, "--kill", "1@7", "--sleep", "0.05",
+                                   "--wait-for-joiner", "12", "--strategy", strategy)
     _close(weights, reference)
     _survivors_kept_their_processes(stdout, 3)
     assert "phalanx: rank 1 was killed by SIGKILL at step 7; step 7 redone by 2 ranks" in stderr

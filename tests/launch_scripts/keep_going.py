@@ -7,7 +7,7 @@ purpose.
         [--kill RANK@STEP,...] [--raise RANK@STEP] [--raise-in forward|backward] [--catch]
         [--die-in-save RANK@STEP] [--die-completing STEP] [--die-joining]
         [--die-admitting RANK] [--skip STEP] [--no-resume] [--save-every K]
-        [--freeze RANK@STEP] [--samples N] [--ticks] [--timeout S]
+        [--freeze RANK@STEP] [--samples N] [--ticks] [--timeout S] [--wait-for-joiner STEP]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
 it evenly and any world size trains on the same samples; `--samples` of them (240: 20 steps an
@@ -20,7 +20,10 @@ its px.save included, as the others do). `--die-completing S`:
 rank 0 dies as it completes the checkpoint of step S, the others waiting for its word. `--skip
 S` leaves out the batch of step S (the reference for `--raise`). `--freeze R@S`: rank R stops
 its own process (SIGSTOP) before step S's forward, a frozen rank. `--timeout S`:
-`px.init(timeout=S)`. Rank 0 writes the final
+`px.init(timeout=S)`. `--wait-for-joiner S`: before step S, while the job is short of a
+rank, every member waits until a replacement asks to join (the next px.save admits it), so a
+test that wants the replacement in waits for that event rather than for a clock. Rank 0 writes
+the final
 weights (one flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L` and `END
 rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT rank=R kind=K step=S
 t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L attempt=A step=S world=W t=TIME` after
@@ -58,6 +61,7 @@ parser.add_argument("--catch", action="store_true")
 parser.add_argument("--samples", type=int, default=240)
 parser.add_argument("--ticks", action="store_true")
 parser.add_argument("--timeout", type=float, default=None)
+parser.add_argument("--wait-for-joiner", type=int, default=None)
 args = parser.parse_args()
 
 px.init(**({} if args.timeout is None else {"timeout": args.timeout}))
@@ -176,6 +180,12 @@ for epoch in range(start, args.epochs):
         if first and (rank, step) in freezes:
             say_fault("freeze")
             os.kill(os.getpid(), signal.SIGSTOP)
+        if step == args.wait_for_joiner and px.world_size() < int(os.environ["WORLD_SIZE"]):
+            from phalanx.elastic import current
+            from phalanx.elastic.joining import requests
+
+            while not requests(current()):  # the job's timeout ends a wait that never ends
+                time.sleep(0.05)
         where["step"] += 1
         if step == args.skip:
             continue
