@@ -62,9 +62,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import keep_going  # benchmarks/ is not a package: imported from its folder
+
+HERE = Path(__file__).resolve()
 
 BATCH, FIELDS = 48, 9  # the global batch; the fields of a TICK line
 LIGHTHOUSE = ("import sys, time; from torchft._torchft import LighthouseServer; "
