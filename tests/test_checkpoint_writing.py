@@ -57,6 +57,9 @@ def test_one_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     assert "rank 1" in str(failed.value)
     assert px.latest_checkpoint(tmp_path) == str(tmp_path / "step1")
     assert px.load(tmp_path / "step1", model=make_model(3)) == {"step": 1}
+    # rank 0 saw its peer gone in the save and removed what the save began: a job that ends
+    # here leaves no half-written save behind
+    assert sorted(os.listdir(tmp_path)) == ["step1"], os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("where", ["rank file", "manifest", "rename"])

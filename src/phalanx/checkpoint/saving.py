@@ -245,11 +245,14 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
     snap.tensors = {}  # the copies are written: let them go
     try:
         agree(comm, error, f"px.save({snap.path!r}): writing the ranks' files", saving=True)
+        reports = comm.gather_object(report, dst=0, tag="save:reports")
     except CheckpointError:
         if comm.rank == 0:
             shutil.rmtree(snap.partial, ignore_errors=True)
         raise
-    reports = comm.gather_object(report, dst=0, tag="save:reports")
+    except Exception:  # a peer went away (the job is ending): no half-written save is left
+        shutil.rmtree(snap.partial, ignore_errors=True)
+        raise
     if step_lost():  # a rank was lost during the save: see [Note: a save in a lost step]
         # every rank, after its own write: one still writing when another removed the
         # directory made it again, and the last to remove it comes after every write
@@ -369,8 +372,7 @@ class _Job:
         self.path = path
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.seconds: float | None = None
-        self.written = True
+        self.seconds, self.written = None, True  # the write's time; False: a rank was lost
         self.on_written = None  # called once the checkpoint is complete
 
     def run(self, snap: _Snapshot, comm: Comm) -> None:
@@ -385,8 +387,7 @@ class _Job:
 
 
 def wait_for_saves() -> None:
-    """Wait for a background `px.save` still running, and raise its error if it had one
-    (`px.save`, `px.load` and `px.shutdown` call it first)."""
+    """Wait for a background save still running and raise its error (save, load, shutdown)."""
     while state.saves:
         job = state.saves.pop(0)
         job.thread.join()
