@@ -58,7 +58,10 @@ def test_the_leftover_checks_see_a_process_a_temporary_file_and_shared_memory(tm
     try:
         assert left.stdout.readline() == "ready\n"
         deadline = time.monotonic() + 30
-        while left.pid not in watch.pids and time.monotonic() < deadline:
+        # the watch has seen the process and the file it holds (one poll notes the pid
+        # before it reads the pid's open files)
+        while not (left.pid in watch.pids and shm.name in watch.shm) and \
+                time.monotonic() < deadline:
             time.sleep(0.05)
         found = watch.leftovers(tmp, ckpt)
         assert left.wait(timeout=30) == -9  # the check ends what it found
@@ -72,6 +75,7 @@ def test_the_leftover_checks_see_a_process_a_temporary_file_and_shared_memory(tm
     assert found["shared memory"] == [shm.name], found
 
 
+@pytest.mark.slow  # 30 s; the soak's own run covers it too
 def test_a_frozen_rank_0_under_stop_ends_the_job_naming_it(tmp_path, monkeypatch):
     """Found by the soak. Under restart and stop, rank 0's worker serves the store (launch/
     rendezvous.py): frozen, it answers no store call, and a call to it never returns, whatever
@@ -102,6 +106,7 @@ def test_a_frozen_rank_0_under_stop_ends_the_job_naming_it(tmp_path, monkeypatch
     assert not left["processes"], left
 
 
+@pytest.mark.slow  # 30 s; the soak's own run covers it too
 def test_a_rank_frozen_while_the_others_wait_in_its_save_is_removed_and_the_job_completes(
         tmp_path):
     """Found by the soak (job 18 of seed 37: zero2 under continue, rank 1 stopped as the

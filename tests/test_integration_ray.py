@@ -101,6 +101,7 @@ def _trainer(directory: str, name: str, **config):
                         run_config=RunConfig(storage_path=f"{directory}/ray", name=name))
 
 
+@pytest.mark.slow  # Ray starts a local cluster: about 40 s
 def test_torchtrainer_runs_zero2_and_zero3(tmp_path):
     from phalanx.testing import run_ranks
 
