@@ -74,9 +74,8 @@ def optimizer_for(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)  # frozen parameters in it too
 
 
-def _train(strategy, precision, dtype, task_type=None):
-    model = lora_llama(dtype, task_type)
-    model, opt = px.prepare(model, optimizer_for(model), strategy=strategy, precision=precision)
+def _steps(model, opt) -> list:
+    """STEPS training steps of a prepared model; their losses."""
     losses = []
     for _ in range(STEPS):
         loss = llama_loss(model, llama_tokens(px.world_size(), px.rank()))
@@ -84,6 +83,13 @@ def _train(strategy, precision, dtype, task_type=None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def _train(strategy, precision, dtype, task_type=None):
+    model = lora_llama(dtype, task_type)
+    model, opt = px.prepare(model, optimizer_for(model), strategy=strategy, precision=precision)
+    losses = _steps(model, opt)
     return model, {k: v.clone() for k, v in model.state_dict().items()}, losses
 
 
@@ -107,13 +113,7 @@ def _every_strategy_and_precision(directory):
     # a base loaded in bf16 (PEFT makes the adapters fp32): one unit holds both dtypes' weights
     model = _bf16_base()
     model, opt = px.prepare(model, optimizer_for(model), strategy="zero3", precision="bf16")
-    losses = []
-    for _ in range(STEPS):
-        loss = llama_loss(model, llama_tokens(px.world_size(), px.rank()))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(model, opt)
     out["bf16 base"] = ({k: v.clone() for k, v in model.state_dict().items()}, losses,
                         sum(bool(u.params and u.frozen) for u in engine_of(model).units))
     return out
