@@ -19,8 +19,9 @@ seen as a matrix of n = shape[0] rows and m columns, on rank i:
      e_i = M_i - P Q^T.
 The compressed matrices of a unit that share a shape form a group whose Ps, Qs, error
 feedback and warm-start Qs lie side by side, so steps 1, 3, 4 and 5 are one batched call per
-group (bmm, a batched QR, baddbmm for e_i = M_i - P Q^T in one pass) rather than one call per
-matrix; P Q^T is written straight into the bucket. The time these take is in the step report
+group (bmm, a batched QR) rather than one call per matrix; P Q^T is written straight into the
+bucket, and e_i = M_i - P Q^T subtracts what was written there (baddbmm, a second product,
+where the bucket is bf16). The time these take is in the step report
 (`powersgd/compute_s`, beside the bytes saved).
 The bucket then holds what an all-reduce would have left in it, and the rest of the engine
 (flat.py's finish_grad: ddp's and zero1's `.grad`, zero2's owned shard of the full average) is
@@ -234,14 +235,18 @@ class PowerSGDReducer:
             q = group.q_view(second).to(p.dtype)
             used = flags[group.indices.to(flags.device)] > 0
             p = p * used[:, None, None]  # a parameter no rank gave a gradient gets zero
+            same = buf.dtype == p.dtype
             for mat in group.members:
                 view = buf[mat.offset:mat.offset + mat.n * mat.m].view(mat.n, mat.m)
-                if view.dtype == p.dtype:
+                if same:
                     torch.mm(p[mat.slot], q[mat.slot].T, out=view)
+                    if self.config.error_feedback:  # M - P Q^T, from the P Q^T just written
+                        m[mat.slot].sub_(view)  # (one pass, where a second product took two)
                 else:
                     view.copy_(p[mat.slot] @ q[mat.slot].T)
             if self.config.error_feedback:  # m is the error buffers, holding M: M - P Q^T
-                m.baddbmm_(p, q.transpose(1, 2), alpha=-1)
+                if not same:
+                    m.baddbmm_(p, q.transpose(1, 2), alpha=-1)
                 _zero_unless(m, finite)
             if self.config.warm_start:
                 keep = (used & finite)[:, None, None]
