@@ -4,7 +4,7 @@ the step report says each remedy costs, and the held-out loss after the run.
 
     .venv/bin/python benchmarks/slow_links_streaming.py            # needs root (ip netns, tc)
     .venv/bin/python benchmarks/slow_links_streaming.py --links 1gbit 100mbit+20ms \\
-        --models mlp gpt --rounds 8 --steps 120                    # 960 steps per competitor
+        --models mlp gpt --rounds 7 --steps 120                    # 960 steps per competitor
     .venv/bin/python benchmarks/slow_links_streaming.py --tiny     # checks the script (seconds)
 
 Two nodes of one rank each (gloo, one thread per rank), each node's launcher `phalanx run
@@ -17,12 +17,13 @@ latency each way). Two models, AdamW lr 1e-3:
 Competitors, each its own copy from the same weights, in the same processes, taking turns in
 rotating order, `--steps` steps a turn (round 0 included: every step trains):
 compute-only (no communication: the bound), ddp, PowerSGD (`--powersgd-rank`, from step 10),
-DiLoCo (`--sync-every` H, one sync of the whole model) and streaming DiLoCo (H, `--fragments`,
-`--delay`, `--keep-local`, int4 pseudo-gradients with error feedback); both DiLoCos with the
-outer step `--outer-lr` / `--outer-momentum`. A step's time is the slowest rank's, averaged
+DiLoCo (`--sync-every` H, one sync of the whole model) and streaming DiLoCo (its H, fragments
+and delay per model: STREAMING below, or `--streaming H P D`; `--keep-local`; int4
+pseudo-gradients with error feedback); both DiLoCos with the outer step `--outer-lr` /
+`--outer-momentum`. A step's time is the slowest rank's, averaged
 over the timed rounds (a DiLoCo sync lands in some steps only, so the mean). The bytes are
-what each competitor handed to collectives per step (DiLoCo's from its own groups' counts, as
-an average may complete after its step's report); `exposed` is the step report's exposed
+what each competitor handed to collectives per step (DiLoCo's from its own groups' counts,
+every average sent during the turn); `exposed` is the step report's exposed
 communication per step, and `compress` PowerSGD's `powersgd/compute_s` per step. The loss is
 the mean over ranks of the held-out loss (8 batches) after the run, with each rank's own
 weights, as a user would evaluate them (under DiLoCo they differ by the inner steps since each
@@ -103,9 +104,18 @@ class Task:
         return F.mse_loss(model(x), y) if self.name == "mlp" else model(x, y)
 
 
-def competitors(px, args) -> dict:
+# Streaming DiLoCo's (sync_every, fragments, delay) per model. The delay covers a fragment's
+# int4 exchange at 100 Mbit/s (the MLP's 1.7 MB in 4 of its 60 ms steps; the GPT's 1.3 MB in
+# one of its 175 ms steps). The GPT syncs every 8 steps: at H=20 with a delay its loss sat on
+# the plateau of the unigram statistics (6.2 after 960 steps where ddp reached 2.2), while
+# H=8 left it by step 240 (loopback, 2 ranks, outer lr 0.1, momentum 0.9).
+STREAMING = {"mlp": (20, 4, 4), "gpt": (8, 4, 1)}
+
+
+def competitors(px, args, model: str) -> dict:
     """name -> keyword arguments of px.prepare (None: compute only)."""
     outer = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    H, P, D = args.streaming or STREAMING[model]
     return {
         "compute-only": None,
         "ddp": {},
@@ -113,9 +123,8 @@ def competitors(px, args) -> dict:
             "compression": px.PowerSGD(rank=args.powersgd_rank, start_step=10)},
         f"diloco H={args.sync_every}": {
             "strategy": px.DiLoCo(sync_every=args.sync_every, **outer)},
-        f"streaming H={args.sync_every} P={args.fragments} D={args.delay} int4": {
-            "strategy": px.DiLoCo(sync_every=args.sync_every, fragments=args.fragments,
-                                  delay=args.delay, keep_local=args.keep_local,
+        f"streaming H={H} P={P} D={D} int4": {
+            "strategy": px.DiLoCo(sync_every=H, fragments=P, delay=D, keep_local=args.keep_local,
                                   comm_dtype="int4", **outer)},
     }
 
@@ -140,7 +149,7 @@ def worker(args) -> None:
     for task_name in args.models:
         task = Task(task_name, args.tiny)
         runs = {}
-        for name, kwargs in competitors(px, args).items():
+        for name, kwargs in competitors(px, args, task_name).items():
             model = task.model()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             if kwargs is not None:
@@ -228,8 +237,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--sync-every", type=int, default=20)
-    parser.add_argument("--fragments", type=int, default=4)
-    parser.add_argument("--delay", type=int, default=4)
+    parser.add_argument("--streaming", type=int, nargs=3, metavar=("H", "P", "D"),
+                        help="streaming DiLoCo's sync_every, fragments and delay for every "
+                             "model (default: STREAMING, per model)")
     parser.add_argument("--keep-local", type=float, default=0.5)
     # the outer step: slow-links.md measured outer_lr 0.1 (momentum 0.9) ending below ddp's
     # loss at H=20 on the GPT, where the paper's 0.7 trained worse than one rank alone
@@ -241,7 +251,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
-        args.rounds, args.steps, args.sync_every, args.fragments, args.delay = 1, 8, 4, 2, 1
+        args.rounds, args.steps, args.sync_every, args.streaming = 1, 8, 4, [4, 2, 1]
     if args.worker:
         worker(args)
         return

@@ -36,7 +36,8 @@ def test_fragments_are_runs_of_about_equal_size():
 def test_streaming_equals_a_one_process_simulation_of_its_workers():
     """2 ranks, AdamW inner, outer Nesterov 0.7/0.9, 9 steps of each config in one job: every
     rank's weights equal the simulation's; the int4 and int8 payloads are what the report
-    says; a step that sends nothing reports nothing."""
+    says (with a delay, in the step the average completes in); a step that sends nothing
+    reports nothing."""
     results = run_ranks(rank_run, 2, args=(CONFIGS, 9), timeout=TIMEOUT)
     for c, (H, P, D, keep, wire) in enumerate(CONFIGS):
         sim = Simulation(2, H, P, D, keep, wire, "adamw").run(9)
@@ -55,6 +56,14 @@ def test_streaming_equals_a_one_process_simulation_of_its_workers():
             k = ((step + 1) % H // (H // P) - 1) % P
             payload = quantized_bytes([sizes[i] for i in FRAGMENTS[P][k]], torch.int4, 8)
             assert report["all_gather/bytes"] == 2 * payload, (CONFIGS[c], step)
+    for c in (0, 2):  # a delay: each average counts once, in the step it completes in
+        H, P, _, _, wire = CONFIGS[c]
+        every, dtype = H // P, {"int4": torch.int4, "int8": torch.int8}[wire]
+        sends = [step for step in range(9) if (step + 1) % every == 0]  # each applied by step 8
+        want = sum(2 * quantized_bytes([sizes[i] for i in FRAGMENTS[P][
+            ((step + 1) % H // every - 1) % P]], dtype, 8) for step in sends)
+        got = [report.get("all_gather/bytes", 0) for report in results[0][c][1]]
+        assert sum(got) == want, (CONFIGS[c], got)
 
 
 def _save_part(path, config, steps):

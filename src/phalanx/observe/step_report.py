@@ -19,7 +19,10 @@ synchronisation:
   per kind, the collectives' count, bytes and algorithmic bandwidth (bytes over time in
   flight); and the bytes within a shard group and across groups (`intra_group_bytes`,
   `inter_group_bytes`: with `shard_size`, the replica group's and the job's group's count as
-  across; without it everything is within the one group);
+  across; without it everything is within the one group). A collective still in flight at
+  the end of the step that issued it (a delayed DiLoCo average) counts in the step it
+  completes in: its count and bytes, its time in flight from that step's start, and the
+  waits for it;
 - exposed communication: the time the training waited for a collective (the training
   thread blocked in a handle's wait or a blocking call; on NCCL, the compute stream's stall
   at a wait, from two CUDA events); overlap = (communication - exposed) / communication;
@@ -120,7 +123,8 @@ class StepClock:
         self._data_at_start = _data_wait[0]
         self.trace = tracer(comm.rank)  # observe/trace.py: None unless PHALANX_TRACE asks
         self.extras: list = []  # fn() -> entries of the report (PowerSGD's bytes: powersgd.py)
-        self._reset()
+        self._pending: list = []  # (record, its exposure counted) of collectives still in
+        self._reset()             # flight at the end of the step that issued them
 
     def _reset(self) -> None:
         self.forward_s = 0.0
@@ -166,11 +170,17 @@ class StepClock:
         wall = now - self._start
         optimizer = now - self._backward_end if self._backward_end is not None else 0.0
         issued = records.records_since(self.groups, self._start)
-        records.poll_completions(issued)
-        done = [r for r in issued if r.completed is not None]
-        exposed = sum(r.exposed() for r in issued)
+        carried = [r for r, _ in self._pending]
+        records.poll_completions(issued + carried)
+        done = [r for r in issued + carried if r.completed is not None]
+        # a collective still in flight at its step's end (a delayed DiLoCo average) counts in
+        # the step it completes in: its bytes, its time in flight within that step, and the
+        # waits for it not counted yet
+        counted = {id(r): already for r, already in self._pending}
+        exposed = sum(r.exposed() - counted.get(id(r), 0.0) for r in issued + carried)
+        self._pending = [(r, r.exposed()) for r in issued + carried if r.completed is None]
         data = min(_data_wait[0] - self._data_at_start, wall)
-        comm = union_length([(r.started, r.completed) for r in done])
+        comm = union_length([(max(r.started, self._start), r.completed) for r in done])
         kinds: dict[str, list] = {}
         for r in done:
             entry = kinds.setdefault(r.kind, [0, 0, 0.0])
