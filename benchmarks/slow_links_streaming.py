@@ -24,7 +24,9 @@ pseudo-gradients with error feedback); both DiLoCos with the outer step `--outer
 over the timed rounds (a DiLoCo sync lands in some steps only, so the mean). The bytes are
 what each competitor handed to collectives per step (DiLoCo's from its own groups' counts,
 every average sent during the turn); `exposed` is the step report's exposed
-communication per step, and `compress` PowerSGD's `powersgd/compute_s` per step. The loss is
+communication per step, `compress` PowerSGD's `powersgd/compute_s` per step, and `kernel` the
+CPU seconds the machine's kernel spent per step of the turn (kernel_seconds: the emulated
+links' packets are processed on the cores that also compute). The loss is
 the mean over ranks of the held-out loss (8 batches) after the run, with each rank's own
 weights, as a user would evaluate them (under DiLoCo they differ by the inner steps since each
 fragment's last sync).
@@ -150,6 +152,9 @@ def worker(args) -> None:
         task = Task(task_name, args.tiny)
         runs = {}
         for name, kwargs in competitors(px, args, task_name).items():
+            if args.only and name not in ("compute-only", "ddp") \
+                    and not any(name.startswith(prefix) for prefix in args.only):
+                continue
             model = task.model()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             if kwargs is not None:
@@ -157,6 +162,7 @@ def worker(args) -> None:
             runs[name] = (model, opt)
         names = list(runs)
         times = {name: [] for name in names}
+        kernel = {name: [] for name in names}
         sums = {name: {"bytes": 0.0, "exposed": 0.0, "compress": 0.0, "n": 0} for name in names}
         done = {name: 0 for name in names}
         for r in range(args.rounds + 1):  # round 0 warms up
@@ -166,7 +172,7 @@ def worker(args) -> None:
                 diloco = getattr(model, "_diloco", None)
                 handed = _handed_bytes(model) if diloco is not None else 0
                 dist.barrier()
-                start = time.perf_counter()
+                start, kernel_start = time.perf_counter(), kernel_seconds()
                 for i in range(args.steps):
                     task.loss(model, task.batch(done[name] * world + rank)).backward()
                     opt.step()
@@ -188,6 +194,7 @@ def worker(args) -> None:
                     sums[name]["n_bytes"] = sums[name].get("n_bytes", 0) + args.steps
                 if r > 0:
                     times[name].append(elapsed.item() / args.steps)
+                    kernel[name].append((kernel_seconds() - kernel_start) / args.steps)
         held_out = [task.batch(10**6 + i) for i in range(8)]
         out = {}
         for name in names:
@@ -198,6 +205,7 @@ def worker(args) -> None:
             dist.all_reduce(mine)
             s = sums[name]
             out[name] = {"step_s": statistics.mean(times[name]), "loss": mine.item() / world,
+                         "kernel_s": statistics.mean(kernel[name]),
                          "bytes": s["bytes"] / max(s.get("n_bytes", s["n"]), 1),
                          "exposed": s["exposed"] / max(s["n"], 1),
                          "compress": s["compress"] / max(s["n"], 1), "steps": done[name]}
@@ -205,6 +213,19 @@ def worker(args) -> None:
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
     px.shutdown()
+
+
+def kernel_seconds() -> float:
+    """CPU seconds the machine's kernel spent so far (system, irq and softirq time of every
+    core, /proc/stat): the namespaces' links (veth, the bridge, tc, TCP) run there, on the
+    cores that also compute. Every node of the cluster is on this machine, so this is the
+    whole job's."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return 0.0
+    return (int(fields[2]) + int(fields[5]) + int(fields[6])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_link(text: str) -> tuple[str | None, float | None]:
@@ -245,6 +266,9 @@ def main() -> None:
     # loss at H=20 on the GPT, where the paper's 0.7 trained worse than one rank alone
     parser.add_argument("--outer-lr", type=float, default=0.1)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--only", nargs="+", metavar="PREFIX",
+                        help="only the competitors whose names start so (compute-only and ddp "
+                             "always run: the columns are ratios to them)")
     parser.add_argument("--tiny", action="store_true",
                         help="small models, 2 rounds of 8 steps, H=4 in 2 fragments, delay 1: a "
                              "check that the script runs, not a measurement")
@@ -267,7 +291,7 @@ def main() -> None:
     print(f"2 nodes x 1 rank, AdamW, {(args.rounds + 1) * args.steps} steps per competitor; "
           f"DiLoCo outer lr {args.outer_lr}, momentum {args.outer_momentum}")
     print("| link | model | competitor | step s | of bound | vs ddp | MB/step | exposed s "
-          "| compress s | loss | loss/ddp |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| compress s | kernel s | loss | loss/ddp |\n" + "|---" * 12 + "|")
     for link in args.links:
         rate, delay_ms = parse_link(link)
         why = unavailable(latency=True) if delay_ms else None
@@ -291,7 +315,7 @@ def main() -> None:
                 print(f"| {link} | {model} | {name} | {row['step_s']:.3f} "
                       f"| {bound['step_s'] / row['step_s']:.2f} "
                       f"| {ddp['step_s'] / row['step_s']:.2f} | {mb} | {row['exposed']:.3f} "
-                      f"| {row['compress']:.3f} | {row['loss']:.4f} "
+                      f"| {row['compress']:.3f} | {row['kernel_s']:.3f} | {row['loss']:.4f} "
                       f"| {row['loss'] / ddp['loss']:.3f} |", flush=True)
 
 
