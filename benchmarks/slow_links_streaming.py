@@ -19,9 +19,9 @@ rotating order, `--steps` steps a turn (round 0 included: every step trains):
 compute-only (no communication: the bound), ddp, PowerSGD (`--powersgd-rank`, from step 10),
 DiLoCo (`--sync-every` H, one sync of the whole model) and streaming DiLoCo (its H, fragments
 and delay per model: STREAMING below, or `--streaming H P D`; `--keep-local`; int4
-pseudo-gradients with error feedback); both DiLoCos with the outer step `--outer-lr` /
-`--outer-momentum`. A step's time is the slowest rank's, averaged
-over the timed rounds (a DiLoCo sync lands in some steps only, so the mean). The bytes are
+pseudo-gradients with error feedback, or each `--wire`); both DiLoCos with the outer step
+`--outer-lr` / `--outer-momentum`. A step's time is the slowest rank's, averaged over the
+timed rounds (a DiLoCo sync lands in some steps only, so the mean). The bytes are
 what each competitor handed to collectives per step (DiLoCo's from its own groups' counts,
 every average sent during the turn); `exposed` is the step report's exposed
 communication per step, `compress` PowerSGD's `powersgd/compute_s` per step, and `kernel` the
@@ -125,10 +125,11 @@ def competitors(px, args, model: str) -> dict:
             "compression": px.PowerSGD(rank=args.powersgd_rank, start_step=10)},
         f"diloco H={args.sync_every}": {
             "strategy": px.DiLoCo(sync_every=args.sync_every, **outer)},
-        f"streaming H={H} P={P} D={D} int4": {
+    } | {
+        f"streaming H={H} P={P} D={D} {wire}": {
             "strategy": px.DiLoCo(sync_every=H, fragments=P, delay=D, keep_local=args.keep_local,
-                                  comm_dtype="int4", **outer)},
-    }
+                                  comm_dtype=None if wire == "fp32" else wire, **outer)}
+        for wire in args.wire}
 
 
 def _handed_bytes(model) -> int:
@@ -262,6 +263,9 @@ def main() -> None:
                         help="streaming DiLoCo's sync_every, fragments and delay for every "
                              "model (default: STREAMING, per model)")
     parser.add_argument("--keep-local", type=float, default=0.5)
+    parser.add_argument("--wire", nargs="+", default=["int4"],
+                        choices=["int4", "int8", "bf16", "fp32"],
+                        help="streaming DiLoCo's comm_dtype (one competitor each)")
     # the outer step: slow-links.md measured outer_lr 0.1 (momentum 0.9) ending below ddp's
     # loss at H=20 on the GPT, where the paper's 0.7 trained worse than one rank alone
     parser.add_argument("--outer-lr", type=float, default=0.1)
