@@ -130,12 +130,17 @@ class Wire:
                     nbytes += member[1].numel() * size
         return Exchange(handles, lambda: [f() for f in finishes])
 
-    def _with_error(self, key: int, t: torch.Tensor) -> torch.Tensor:
-        """x = t + e (the tensor itself without error feedback)."""
-        if not self.error_feedback:
-            return t
-        e = self.errors.get(key)
-        return t if e is None else t + e
+    def _with_error(self, key: int, t: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """x = t + e (the tensor itself without error feedback); flat into `out` when given,
+        which may be e itself (the last send's error, a view of the run's buffer): the sum
+        goes element by element."""
+        e = self.errors.get(key) if self.error_feedback else None
+        if out is None:
+            return t if e is None else t + e
+        if e is None:
+            return out.copy_(t.reshape(-1))
+        return torch.add(t.reshape(-1), e.reshape(-1), out=out)
 
     def _keep_error(self, key: int, x: torch.Tensor, sent: torch.Tensor) -> None:
         if self.error_feedback:
@@ -173,12 +178,7 @@ class Wire:
         xs = self._buffer("x", run, length, dtype, device)  # its padding stays zero
         at = 0
         for key, t in run:
-            piece = xs[at:at + t.numel()]
-            e = self.errors.get(key) if self.error_feedback else None
-            if e is None:
-                piece.copy_(t.reshape(-1))
-            else:  # e may be this very piece (the last send's error): element by element
-                torch.add(t.reshape(-1), e.reshape(-1), out=piece)
+            self._with_error(key, t, out=xs[at:at + t.numel()])
             at += padded(t.numel())
         chunks = xs.view(-1, CHUNK)
         # max |x| / L, as the larger of max x and -min x: two reductions that read x in place
