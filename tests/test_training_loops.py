@@ -160,3 +160,41 @@ def test_unfreezing_after_prepare_is_refused_on_every_rank(strategy):
         run_ranks(_unfreeze_after_prepare, 2, args=(strategy,), timeout=60)
     assert "2 of 2 ranks failed" in str(info.value)
     assert "trainable parameters changed after px.prepare" in str(info.value)
+
+
+def _scheduler_before_prepare(strategy):
+    """Accelerate's and Lightning's order: the scheduler is built over the optimizer before
+    px.prepare; on a rank when `strategy` is set, else the one-process reference."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    rows = slice(0, 8)  # the reference: the global batch of 2 ranks
+    if strategy is not None:
+        model, opt = px.prepare(model, opt, strategy=strategy)
+        rows = slice(4 * px.rank(), 4 * px.rank() + 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = _data(step, 8)
+            F.mse_loss(model(x[rows].double()), y[rows].double()).backward()
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+    said = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
+            or "optimizer.step()" in str(w.message)]
+    return said, opt.param_groups[0]["lr"], [v.clone() for v in model.state_dict().values()]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_a_scheduler_built_before_prepare_steps_without_a_warning(strategy):
+    """It warned 'optimizer.step() has been overridden after learning rate scheduler
+    initialization' on every scheduler.step() under zero2 and zero3 (whose step replaces the
+    optimizer's), though the scheduler's own wrapper still ran at every step."""
+    _, want_lr, want = _scheduler_before_prepare(None)
+    for said, lr, got in run_ranks(_scheduler_before_prepare, 2, args=(strategy,), timeout=120):
+        assert said == [], f"{strategy}: {said}"
+        assert lr == pytest.approx(want_lr)
+        assert_params_close(got, want, rtol=1e-12, context=strategy)

@@ -123,8 +123,16 @@ class OptimizerAdapter:
         self._user = {name: getattr(optimizer, name)
                       for name in ("step", "zero_grad", "state_dict", "load_state_dict")}
         adapter = self
-        optimizer.step = types.MethodType(lambda opt, closure=None: adapter.step(closure),
-                                          optimizer)
+
+        def step(opt, closure=None):
+            return adapter.step(closure)
+        # An LR scheduler built before px.prepare wrapped the step it found and marked it;
+        # without the mark, every scheduler.step() warns that optimizer.step() was overridden
+        # after the scheduler was built. The wrapper it made is `self._user["step"]`, which
+        # each step calls (and which notes that the optimizer stepped), so the mark is true.
+        if getattr(self._user["step"], "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(step, optimizer)
         optimizer.zero_grad = types.MethodType(
             lambda opt, set_to_none=True: adapter.zero_grad(set_to_none), optimizer)
         optimizer.state_dict = types.MethodType(lambda opt: adapter.state_dict(), optimizer)
