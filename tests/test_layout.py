@@ -1,6 +1,11 @@
 """The package's shape: no import circle between phalanx's modules, no file too long to read, and
 every module named on the architecture page.
 
+The length rule is one a whole class can keep: a module holds one concept, and a class is never
+cut across files (by a mixin or by private writes from a sibling) to fit a count of lines, so
+the bound is set where one class with its notes fits (FSDP2's largest, `FSDPParamGroup`, is
+about 1,100 lines with its helpers; phalanx's largest concept files are well under 800).
+
 The import graph counts every `import` and `from ... import` in a module, at its top and inside
 functions alike (a lazy import is still a dependency; it only hides a circle from the
 interpreter). A package's `__init__` counts as the package.
@@ -17,7 +22,7 @@ pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src", "phalanx")
 TESTS = os.path.dirname(__file__)
-MAX_LINES = 400
+MAX_LINES = 800
 
 
 def _modules() -> dict[str, str]:
@@ -101,7 +106,7 @@ def test_no_import_circle_between_modules():
 
 
 @pytest.mark.parametrize("where", [SRC, TESTS])
-def test_no_file_over_400_lines(where):
+def test_no_file_over_the_line_bound(where):
     long = []
     for dirpath, _, files in os.walk(where):
         for name in files:

@@ -42,13 +42,18 @@ from .elastic.cut import guarded as _guarded, own_shard as _own_shard, nothing a
 from .elastic.gate import continuing
 from .records import CollectiveRecord
 
-__all__ = ["Comm", "Handle", "CollectiveMismatch"]
+__all__ = ["Comm", "Handle", "CollectiveMismatch", "JobEnded"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN}
+
+
+class JobEnded(RuntimeError):
+    """A collective, or a read of a peer's shards, after the job's end (every rank called
+    `px.shutdown()` or torch's `destroy_process_group()`): the peers it needs have ended."""
 
 
 class Comm:
@@ -72,6 +77,7 @@ class Comm:
         # not yet admitted) waits without a group for the next; `regroups` counts its groups
         self.waiting = False
         self.regroups = 0
+        self.ended = False  # px.shutdown() ended its group: see `close`
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.backend = str(dist.get_backend(group)) if group is not None else "none"
@@ -205,10 +211,27 @@ class Comm:
         records.drop_in_flight(self)
 
     def close(self) -> None:
-        """Drop the process group, so nothing here keeps it alive past `px.shutdown()`."""
+        """Drop the process group, so nothing here keeps it alive past `px.shutdown()`. A
+        Comm that had peers is then ended: a collective on it raises `JobEnded` (see
+        `_alone`) instead of doing what a world of one does, which is nothing."""
+        self.ended = self.ended or self.group is not None
         self.group = None
         self.world, self.rank = 1, 0
         records.drop_in_flight(self)
+
+    def _alone(self) -> bool:
+        """Whether this Comm has nobody to talk to (a world of one: every collective is a
+        no-op). A Comm whose peers have ended (`close`) raises instead: a training step, a
+        zero3 gather or a buffer broadcast after the end would otherwise go on as if this
+        rank were the whole job, computing something else than the job without a word."""
+        if self.group is not None:
+            return False
+        if self.ended:
+            raise JobEnded(f"a collective ({self.name}) after this job's end: every rank "
+                           "called px.shutdown() or torch's destroy_process_group(), and the "
+                           "peers that would take part have ended. Train, evaluate and take "
+                           "the state (state_dict(), optimizer.state_dict()) before the end")
+        return True
 
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:
@@ -221,7 +244,7 @@ class Comm:
                    tag: str | None = None):
         """Reduce `tensor` over the ranks, in place ("avg" divides inside the collective, so
         no extra pass over the buffer is needed)."""
-        if self.group is None:
+        if self._alone():
             return Handle([]) if async_op else None
         rec = self._begin("all_reduce", self._nbytes(tensor), tag)
         return self._issue(rec, lambda a: dist.all_reduce(tensor, op=_OPS[op], group=self.group,
@@ -235,7 +258,7 @@ class Comm:
         By reduce-scatter (`full` untouched), or by all-reduce of `full` in place and a copy of
         the owned slice, as the backend prefers. The copy happens when the handle is waited.
         """
-        if self.group is None:
+        if self._alone():
             out.copy_(full)
             return Handle([])
         if self.uses_reduce_scatter:
@@ -263,7 +286,7 @@ class Comm:
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                         tag: str | None = None):
         """Concatenate every rank's `shard` into `output`, in rank order."""
-        if self.group is None:
+        if self._alone():
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return Handle([]) if async_op else None
@@ -290,7 +313,7 @@ class Comm:
     @_guarded(lambda self, tensor, tag=None: [tensor] * self.world)
     def all_gather_list(self, tensor: torch.Tensor, tag: str | None = None) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape everywhere), in rank order."""
-        if self.group is None:
+        if self._alone():
             return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
         rec = self._begin("all_gather", self._nbytes(tensor) * self.world, tag)
@@ -303,7 +326,7 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False,
                   tag: str | None = None):
         """Rank `src`'s (a rank of this group) `tensor` on every rank, in place."""
-        if self.group is None:
+        if self._alone():
             return Handle([]) if async_op else None
         rec = self._begin("broadcast", self._nbytes(tensor), tag)
         root = dist.get_global_rank(self.group, src)
@@ -318,7 +341,7 @@ class Comm:
     @_guarded(lambda self, obj, tag=None: [obj] * self.world)
     def all_gather_object(self, obj, tag: str | None = None) -> list:
         """Every rank's picklable `obj`, in rank order."""
-        if self.group is None:
+        if self._alone():
             return [obj]
         rec = self._begin("all_gather_object", 0, tag)
         payload, sizes = self._pickle_and_sizes(obj)
@@ -336,7 +359,7 @@ class Comm:
     @_guarded(lambda self, obj, dst=0, tag=None: [obj] * self.world if self.rank == dst else None)
     def gather_object(self, obj, dst: int = 0, tag: str | None = None) -> list | None:
         """Every rank's `obj` on rank `dst` (a rank of this group; None elsewhere)."""
-        if self.group is None:
+        if self._alone():
             return [obj]
         rec = self._begin("gather_object", 0, tag)
         payload, sizes = self._pickle_and_sizes(obj)
@@ -367,7 +390,7 @@ class Comm:
 
     @_guarded(_nothing)
     def barrier(self, tag: str | None = None) -> None:
-        if self.group is None:
+        if self._alone():
             return
         rec = self._begin("barrier", 0, tag)
         ids = {"device_ids": [self.device.index]} if "nccl" in self.backend else {}

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from .. import elastic, groups, records
+from ..collectives import JobEnded
 from ..process import state
 
 __all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
@@ -123,6 +124,7 @@ class ShardService:
         self.opened = 0  # engines 0 .. opened-1 are served (see [Note: served once prepared])
         self._retired: list = []             # (engine, blocking collectives done when retired)
         self.served = 0          # requests answered (tests, benchmarks)
+        self.stopped = False     # `stop` ran: this rank's end, after every peer's (leaving.py)
         records.on_blocking_done(self._release)
         self._thread = threading.Thread(target=self._serve, name="phalanx-shard-service",
                                         daemon=True)
@@ -161,6 +163,7 @@ class ShardService:
         at once; let go of every engine."""
         self._held.clear()
         self._retired = []
+        self.stopped = True
         try:
             if self._thread.is_alive():
                 ticket = self._asking_store.add(f"{self.prefix}/{self.rank}/tickets", 1)
@@ -178,7 +181,16 @@ class ShardService:
     def ask(self, peers: list[int], engine_id: int, kind: str, arg, step: int, what: str):
         """Ask each rank of `peers` (ranks of the group) for `kind`/`arg` of engine `engine_id`
         once it has taken `step` optimizer steps: every request is made first, so the peers
-        read and answer at once; returns [(header, tensors)] in the order of `peers`."""
+        read and answer at once; returns [(header, tensors)] in the order of `peers`.
+
+        After this rank's end (`stop`, at px.shutdown() once every peer has reached its own
+        end: leaving.py) nobody serves any more: `JobEnded` at once, where a request would
+        wait for an answer that never comes."""
+        if self.stopped:
+            raise JobEnded(f"this rank asked a peer for {what} after every rank had reached "
+                           "its end (px.shutdown() or torch's destroy_process_group()): the "
+                           "peers holding the other shards have ended. Take the state "
+                           "(state_dict(), optimizer.state_dict(), a forward) before the end")
         store = self._asking_store
         tickets = []
         for peer in peers:
