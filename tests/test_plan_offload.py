@@ -147,9 +147,9 @@ def test_with_activations_the_8b_full_fine_tune_needs_the_parameters_offloaded_t
     by_change = {tuple(a.change.values())[0]: a for a in r.alternatives}
     assert "zero3" in by_change[8].fits and "ddp" in by_change[8].fits
     assert not by_change["optimizer"].fits
-    assert round(by_change["optimizer"].too_big["zero3"] / 1e9, 1) == 24.2  # as the guide says
+    assert round(by_change["optimizer"].too_big["zero3"] / 1e9, 1) == 25.4  # as the guide says
     assert list(by_change["params"].fits) == ["zero3"]
-    assert round(by_change["params"].fits["zero3"] / 1e9, 1) == 16.2
+    assert round(by_change["params"].fits["zero3"] / 1e9, 1) == 17.4
     assert round(by_change["params"].host_bytes_per_node["zero3"] / 1e9, 1) == 115.7
     # what zero3 holds with the optimizer offloaded: bf16 weights and gradients, half each
     z3 = px.plan(config=config, gpus=2, gpu="rtx3090", seq=2048, attention="flash",

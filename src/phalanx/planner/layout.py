@@ -20,13 +20,15 @@ otherwise the trainable parameters and the frozen ones as two counts.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from dataclasses import dataclass, field
 
 from ..engine.units import FIRST_UNIT_MIB, borrows, plan_units, unit_caps, unit_numels
 
 __all__ = ["Unit", "engine_units", "alike", "owned_elements", "lending", "unit_sizes",
-           "zero3_gathering", "zero3_roots", "engine_roots", "FIRST_UNIT_MIB"]
+           "zero3_gathering", "zero3_roots", "module_roots", "config_roots", "engine_roots",
+           "FIRST_UNIT_MIB"]
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     forward to its backward, so all are gathered at the end of the forward. The roots are those
     `zero3_roots` gives; where none are known (a bare count) each unit stands for a root and none is
     kept."""
-    known = desc.zero3_roots is not None or desc.module is not None
+    known = desc.zero3_roots is not None or desc.module is not None or _from_config(desc)
     model_rooted, sizes, unreached = zero3_roots(desc, compute_bytes, bucket_mb)
     last = next(iter(sizes.values()), 0)  # the root the forward ends with, kept
     if not sizes and not known:
@@ -166,28 +168,22 @@ def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int,
     reaches), frozen parameters included (zero3 shards and gathers them in the units of the
     trainable ones). A root's backward gather is started by a hook on its output, which a root whose
     output needs no gradient never gets: one holding no trainable parameter that runs before every
-    one that does (known from a module: the others give 0). From what a run's engine recorded
-    (`desc.zero3_roots`, see `engine_roots`); from a module, the engine's own roots, the last
-    registered taken as the last to run; from a config, each repeated block is a root and the rest
-    is left out (a model-level embedding tied to the head would add its size); from a bare count,
-    none."""
-    learning: dict = {}  # root -> holds a trainable parameter (from a module)
+    one that does (known from a module or a config: a recorded run gives 0). From what a run's
+    engine recorded (`desc.zero3_roots`, see `engine_roots`); from a module, the engine's own roots,
+    the last registered taken as the last to run; from a config, the engine's own roots of the
+    module the config describes (`config_roots`); from a bare count, none."""
+    learning: dict = {}  # root -> holds a trainable parameter (from a module or a config)
     if desc.zero3_roots is not None:
         pairs = [(root, numel) for root, numel in desc.zero3_roots]
     elif desc.module is not None:
-        from ..engine.units import module_units, unit_roots
-
-        params = list(desc.module.parameters())  # frozen ones too: zero3 gathers them
-        runs = module_units(desc.module, params, compute_bytes, bucket_mb, desc.block_classes)
-        pairs = []
-        for run, root in zip(runs, unit_roots(desc.module, runs, desc.block_classes)):
-            pairs.append((root, sum(p.numel() for p in run)))
-            learning[root] = learning.get(root, False) or any(p.requires_grad for p in run)
+        pairs, learning = module_roots(desc.module, compute_bytes, bucket_mb, desc.block_classes)
+    elif _from_config(desc):
+        lora = desc.finetune or {}
+        pairs, learned = config_roots(desc.transformer, compute_bytes, bucket_mb,
+                                      lora.get("lora_rank"), tuple(lora.get("lora_targets", ())))
+        learning = dict(learned)
     else:
-        shapes, blocks = desc.param_shapes, desc.param_blocks
-        pairs = [(block, math.prod(shape))
-                 for shape, block in reversed(list(zip(shapes or [], blocks or [])))
-                 if block is not None]
+        pairs = []
     sizes: dict = {}
     for root, numel in pairs:
         sizes[root] = sizes.get(root, 0) + numel
@@ -198,6 +194,46 @@ def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int,
             break
         unreached += sizes[root]
     return model_rooted, sizes, unreached
+
+
+def _from_config(desc) -> bool:
+    """`desc` describes a model by a config's shape (finetune.py keeps it with LoRA's adapters or
+    a trainable fraction), with every parameter's shape."""
+    return desc.transformer is not None and desc.param_shapes is not None
+
+
+def module_roots(module, compute_bytes: int, bucket_mb: float = 25.0,
+                 block_classes=None) -> tuple[list, dict]:
+    """([(root, elements)] of each of the engine's units of `module`, in backward order; {root:
+    holds a trainable parameter}), by the engine's own functions (engine/units.py)."""
+    from ..engine.units import module_units, unit_roots
+
+    params = list(module.parameters())  # frozen ones too: zero3 gathers them
+    runs = module_units(module, params, compute_bytes, bucket_mb, block_classes)
+    pairs, learning = [], {}
+    for run, root in zip(runs, unit_roots(module, runs, block_classes)):
+        pairs.append((root, sum(p.numel() for p in run)))
+        learning[root] = learning.get(root, False) or any(p.requires_grad for p in run)
+    return pairs, learning
+
+
+@functools.lru_cache(maxsize=32)  # a plan asks again for each alternative and layout
+def config_roots(shape, compute_bytes: int, bucket_mb: float = 25.0, lora_rank=None,
+                 lora_targets: tuple = ()) -> tuple[tuple, tuple]:
+    """`module_roots` of the model a config describes: the reference model of its `shape`
+    (reference_model.py: the config's parameters in the config's order; the embedding, the
+    blocks, the final norm and the head each a child of the model, the head the embedding's weight
+    when tied), built on the meta device, with LoRA's adapters where `lora_rank` says (beside
+    `lora_targets`, as finetune.py adds them to a config). So a config's zero3 gathers what its
+    module's does (see [Note: zero3's gather and free] in engine/zero3.py): the head, the root the
+    forward ends with, stays gathered into backward (tied to the embedding, it is rooted at the
+    model, gathered from the forward's start), and the embedding and the head, as large as a block
+    or larger, are among the roots gathered at once."""
+    from .reference_model import on_meta
+
+    module = on_meta(shape, None if lora_rank is None else (lora_rank, lora_targets))
+    pairs, learning = module_roots(module, compute_bytes, bucket_mb)
+    return tuple(pairs), tuple(learning.items())
 
 
 def engine_roots(engine) -> dict | None:

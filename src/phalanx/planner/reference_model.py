@@ -6,6 +6,10 @@ trains it. Its parameters are exactly `TransformerShape.param_shapes()` and its 
 written out (no fused kernel), so it saves exactly the tensors of [Note: Activation formula]
 in transformer.py. Positions are learned when the shape says so and absent otherwise (rotary
 embeddings add no parameters and are left out).
+
+It is also the module a config stands for where the layout of modules matters: zero3's roots
+(which units are gathered together, and which stay gathered from forward into backward) are
+the engine's own on it, built on the meta device (`on_meta`, read by layout.py).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .finetune import add_lora
 from .transformer import TransformerShape
 
-__all__ = ["ReferenceTransformer", "Block"]
+__all__ = ["ReferenceTransformer", "Block", "PROJECTIONS", "on_meta"]
 
 
 class Attention(nn.Module):
@@ -119,3 +124,21 @@ class ReferenceTransformer(nn.Module):
         """What the planner's traced forward feeds the model (see trace.py)."""
         return (torch.zeros(batch_size, seq_len, dtype=torch.long,
                             device=self.embed.weight.device),)
+
+
+# A Llama-style block's projections by their Hugging Face names (finetune.py's LoRA targets on a
+# config), and where the reference model keeps each.
+PROJECTIONS = {"q_proj": "attn.q", "k_proj": "attn.k", "v_proj": "attn.v", "o_proj": "attn.out",
+               "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def on_meta(s: TransformerShape, lora: tuple[int, tuple[str, ...]] | None = None) -> nn.Module:
+    """The reference model of `s` on the meta device (no memory), with LoRA adapters of rank
+    `lora[0]` beside the projections `lora[1]` names (Hugging Face names, as a config's LoRA
+    takes them: finetune.py), the rest frozen."""
+    with torch.device("meta"):
+        model = ReferenceTransformer(s, dropout=0.0)
+    if lora is not None:
+        rank, targets = lora
+        add_lora(model, rank, tuple(PROJECTIONS[t] for t in targets))
+    return model
