@@ -43,6 +43,15 @@ subtree. The children's own `reset_parameters` run later in the same order as in
 build, so the last writer wins as it does there. A `reset_parameters` writing parameters outside
 its subtree cannot be split: it is refused by name, and `init=` (which materialises the whole
 model first, 4 bytes per fp32 parameter, once) does it.
+
+A PEFT model's adapters are drawn with the same `draw_modules`, in the order `get_peft_model`
+draws them ([Note: a PEFT model reads the plain model's files] in model/peft_names.py), with
+`only` the parameters of each pass drawn, the others staying meta stand-ins whose writes are
+dropped; into the pieces each rank owns under zero3, into the parameters otherwise, from rank
+0's generator either way. With `init=px.from_safetensors(...)`, only the adapters, which no
+file has. With no `init=` (`plain_draws`), under every strategy, first the base (each module's
+`reset_parameters()` in order, the adapters' parameters left out), then the adapters: so a meta
+build has the values of a whole build from the same seed, LoRA's B zero among them.
 """
 
 from __future__ import annotations
@@ -50,7 +59,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["on_meta", "materialize", "fill_shards", "has_room"]
+from . import peft_names
+
+__all__ = ["on_meta", "materialize", "fill_shards", "has_room", "draw_modules", "plain_draws"]
+
+# Why draw_modules runs one module at a time, and the way out when a module cannot run alone
+ZERO3 = ("zero3 initialises the model one module at a time",
+         "pass px.prepare(..., init=fn), fn(model) setting every parameter and buffer")
+PEFT_META = ("a PEFT model built on the meta device is drawn one module at a time, its base "
+             "first and its adapters after it, as get_peft_model draws them",
+             "pass px.prepare(..., init=fn), fn(model) setting every parameter and buffer, or "
+             "build the model off the meta device")
+ADAPTERS_NO_FILE = ("the adapters that no file has are drawn one module at a time",
+                    "build the model off the meta device (its adapters then keep their values)")
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -74,6 +95,7 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
     is built. `reading` (init=px.from_safetensors: model/pretrained.py): storage on `device`,
     read into instead of drawn (zero3's trainable parameters, with `values=False`, later)."""
     places = _places(model)
+    plain = []
     if init is None:  # what only a constructor fills would stay garbage: refuse it
         firsts = {where[0] for where in places.values()}
         for name, module in model.named_modules():
@@ -89,6 +111,7 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
                         f"device and {type(module).__name__} has no reset_parameters() to "
                         "fill it: pass px.prepare(..., init=fn), fn(model) setting every "
                         "parameter and buffer, or build that module on a real device")
+        plain = plain_draws(model)  # refuses a PEFT initialisation it cannot draw
     draws = values and reading is None
     if draws:
         _same_generator_state(comm)
@@ -107,6 +130,9 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
                 module._buffers[attr] = torch.empty_like(b, device=place)
     if draws and init is not None:
         init(model)
+    elif draws and len(plain) > 1:  # a PEFT model: its base, then its adapters
+        for calls, only, why in plain:
+            draw_modules(model, calls, {}, {}, only, why)
     elif draws:
         for module in model.modules():
             reset = getattr(module, "reset_parameters", None)
@@ -120,6 +146,8 @@ def materialize(model: nn.Module, optimizer, device: torch.device, comm, init=No
             module._parameters[attr] = keep
     if reading is not None:
         reading.load()
+        if values:  # zero3 draws into its pieces in fill_shards
+            _draw_missing(model, reading, {}, comm, {})
     if optimizer is not None:
         new = dict(model.named_parameters())
         for group in optimizer.param_groups:
@@ -156,8 +184,57 @@ def fill_shards(model: nn.Module, pieces: dict, comm, dtypes: dict, reading=None
     read the pieces from instead (model/pretrained.py)."""
     if reading is not None:
         reading.load_pieces(pieces)
+        _draw_missing(model, reading, pieces, comm, dtypes)
         return
     _same_generator_state(comm)
+    for calls, only, why in plain_draws(model):
+        draw_modules(model, calls, pieces, dtypes, only, why)
+
+
+def plain_draws(model: nn.Module) -> list[tuple[list, set | None, tuple[str, str]]]:
+    """What draws a meta build given no `init=`, as runs of `draw_modules` (calls, only,
+    why): each module's `reset_parameters()` in `model.modules()` order; for a PEFT model
+    (model/peft_names.py), those of its base first, the adapters' parameters left out (a
+    module holding nothing else is skipped), then its adapters as `get_peft_model` draws them.
+    Raises ValueError for a PEFT initialisation that a meta build cannot draw."""
+    resets = [(name, m, m.reset_parameters, "reset_parameters()")
+              for name, m in model.named_modules()
+              if callable(getattr(m, "reset_parameters", None))]
+    adapters = peft_names.adapters(model)
+    if not adapters:
+        return [(resets, None, ZERO3)]
+    problems: list[str] = []
+    order, inits = peft_names.draw_order(model, adapters, problems, keep_undrawn=True)
+    if problems:
+        raise ValueError("; ".join(problems))
+    drawn = {(model.get_submodule(path), attr) for path, attr in adapters}
+    base = {key for where in _places(model).values() if where[0] not in drawn for key in where}
+    held = {id(m): [(m, a) for a, p in m._parameters.items() if p is not None]
+            for m in model.modules()}
+    base_resets = [call for call in resets
+                   if not (keys := [k for sub in call[1].modules() for k in held[id(sub)]])
+                   or any(k in base for k in keys)]
+    return [(base_resets, base, PEFT_META),
+            (peft_names.draw_calls(model, order, inits), drawn, PEFT_META)]
+
+
+def _draw_missing(model: nn.Module, reading, pieces: dict, comm, dtypes: dict) -> None:
+    """Draw the parameters of `reading` (px.from_safetensors) that no file has."""
+    calls, only = reading.adapters.draws()
+    if calls:
+        _same_generator_state(comm)
+        draw_modules(model, calls, pieces, dtypes, only, ADAPTERS_NO_FILE)
+
+
+@torch.no_grad()
+def draw_modules(model: nn.Module, draws: list, pieces: dict, dtypes: dict,
+                 only: set | None = None, why: tuple[str, str] = ZERO3) -> None:
+    """Run each of `draws` ((name, module, fn, what fn is called), in order) with CPU
+    temporaries for the parameters of its module (of its module tree, if it writes those),
+    and copy what it drew into each parameter, or into the pieces of it this rank holds
+    (`pieces`, as fill_shards takes them). `only`: the (module, attribute) of the parameters
+    drawn; the others stay meta stand-ins, what is written into them dropped (None: all).
+    `why`: why the modules are run one at a time, and what to do instead, for the errors."""
     first = {where[0] for where in _places(model).values()}
     real, names, by_module = {}, {}, {}
     for name, m in model.named_modules():
@@ -172,23 +249,23 @@ def fill_shards(model: nn.Module, pieces: dict, comm, dtypes: dict, reading=None
                 for key, p in real.items()}
     _swap(stand_in)
     try:
-        for name, module in model.named_modules():
-            reset = getattr(module, "reset_parameters", None)
-            if not callable(reset):
-                continue
-            own = by_module.get(id(module), [])
-            subtree = [key for sub in module.modules() for key in by_module.get(id(sub), [])]
+        for name, module, reset, what in draws:
+            tree = [key for sub in module.modules() for key in by_module.get(id(sub), [])]
+            subtree = [key for key in tree if only is None or key in only]
+            own = [key for key in by_module.get(id(module), []) if only is None or key in only]
             rng = torch.get_rng_state()
-            drawn, written = _draw(module, name, reset, own, real, stand_in, dtypes)
+            args = (module, name, reset, what, real, stand_in, dtypes, why)
+            drawn, written = _draw(own, *args)
             if set(written) & set(subtree):  # it initialises its children: again, with them
                 torch.set_rng_state(rng)
-                drawn, written = _draw(module, name, reset, subtree, real, stand_in, dtypes)
+                drawn, written = _draw(subtree, *args)
+            inside = set(tree)  # a stand-in written there is one `only` leaves: dropped
+            written = [key for key in written if key not in inside]
             if written:
                 raise RuntimeError(
-                    f"{type(module).__name__}.reset_parameters() of {name or 'the model'!r} "
-                    f"writes {names[written[0]]!r}, outside its own module tree, so zero3 cannot "
-                    "initialise the model one module at a time; pass px.prepare(..., init=fn), "
-                    "fn(model) setting every parameter and buffer")
+                    f"{type(module).__name__}.{what} of {name or 'the model'!r} "
+                    f"writes {names[written[0]]!r}, outside its own module tree, but {why[0]}: "
+                    f"{why[1]}")
             for key, value in drawn.items():
                 if key not in first:
                     continue  # a tie: the first registrant's values are the ones kept
@@ -207,7 +284,7 @@ def _swap(tensors: dict) -> None:
         module._parameters[attr] = p
 
 
-def _draw(module, name, reset, keys, real, stand_in, dtypes) -> tuple[dict, list]:
+def _draw(keys, module, name, reset, what, real, stand_in, dtypes, why) -> tuple[dict, list]:
     """Run `reset` with CPU temporaries for `keys`: (the temporaries, the other parameters whose
     stand-ins it wrote)."""
     temps = {key: nn.Parameter(torch.empty(real[key].shape,
@@ -219,10 +296,8 @@ def _draw(module, name, reset, keys, real, stand_in, dtypes) -> tuple[dict, list
         reset()
     except RuntimeError as exc:
         raise RuntimeError(
-            f"{type(module).__name__}.reset_parameters() of {name or 'the model'!r} failed "
-            "while zero3 initialised the model one module at a time: pass "
-            "px.prepare(..., init=fn), fn(model) setting every parameter and buffer: "
-            f"{exc}") from exc
+            f"{type(module).__name__}.{what} of {name or 'the model'!r} failed, run alone "
+            f"because {why[0]} ({why[1]}): {exc}") from exc
     finally:
         _swap({key: stand_in[key] for key in temps})
     return temps, [key for key, t in stand_in.items() if t._version != seen[key]]

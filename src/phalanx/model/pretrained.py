@@ -35,7 +35,15 @@ is the same ValueError on every rank and no rank goes on to wait in a collective
     same call resets takes the file's value.
 Values are copied into each tensor in its own dtype, before any cast for the precision: a
 bf16 file into an fp32 model gives fp32 masters holding the bf16 values exactly, and bf16
-compute then casts them as it casts any fp32 model.
+compute then casts them as it casts any fp32 model. Only where that dtype holds every value of
+the file's exactly (`exact_cast`): any other cast would change values, so `plan` refuses it.
+
+A PEFT model reads the files of its base model, as
+[Note: a PEFT model reads the plain model's files] in model/peft_names.py says: which name of
+the files each of its tensors is read from, which of its parameters are adapters that no file
+has, and how those are drawn on meta (by model/materialize.py's `draw_modules`, zero3's into
+the pieces each rank owns after `load_pieces`); not on meta, an adapter keeps its values, rank
+0's (`share_kept`).
 """
 
 from __future__ import annotations
@@ -50,11 +58,21 @@ from safetensors import safe_open
 from torch import nn
 
 from .materialize import has_room
+from .peft_names import Adapters, adapter_scope, ancestors, file_names, listed
 
 __all__ = ["from_safetensors", "PretrainedWeights"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+# safetensors' names of its dtypes (the header's "dtype"); float8 and unsigned where torch has
+# them
+_FILE_DTYPES = {name: getattr(torch, attr) for name, attr in (
+    ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"),
+    ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"), ("U64", "uint64"),
+    ("F16", "float16"), ("BF16", "bfloat16"), ("F32", "float32"), ("F64", "float64"),
+    ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+    if hasattr(torch, attr)}
 
 
 def from_safetensors(path: str | os.PathLike) -> PretrainedWeights:
@@ -78,11 +96,24 @@ def from_safetensors(path: str | os.PathLike) -> PretrainedWeights:
     embedding's `inv_freq`) is in no file: its module's `reset_parameters()` computes it, or,
     in a Hugging Face model, the model's `_init_weights`. Each value is copied into its
     tensor's own dtype, before any cast for the precision (a bf16 file and an fp32 model give
-    fp32 masters holding the bf16 values exactly). A model not built on meta is loaded in
-    place on every rank, with no broadcast.
+    fp32 masters holding the bf16 values exactly), and only where that dtype holds every value
+    of the file's: the same dtype, or a float into a wider float (bf16 or fp16 into fp32, fp32
+    into fp64), an integer into a wider integer. An integer into a float or back, and a
+    narrower dtype (fp64 into fp32, fp32 into bf16), would change values: such a tensor is a
+    ValueError on every rank, naming it and both dtypes, before anything is read. A model not
+    built on meta is loaded in place on every rank, with no broadcast of what the files hold.
 
-    The object returned is also an `fn(model)` that loads the files into a model whole, and
-    counts in `read_bytes` the bytes of tensor data it has read.
+    A PEFT model reads the base model's files: `get_peft_model(base, LoraConfig(...))` names
+    `q_proj.weight` `base_model.model.….q_proj.base_layer.weight`, and that is read from
+    `….q_proj.weight` (prompt learning's `base_model.` and the `modules_to_save` copies too).
+    Its adapters are in no file: built on meta, they are drawn as `get_peft_model` draws them
+    (each adapter module's `reset_parameters()`, then PEFT's LoRA initialisation, B zero), from
+    rank 0's generator; not on meta they keep rank 0's values. A LoRA initialisation that
+    reads the base weights (`init_lora_weights="pissa"`, "olora", ...) is refused on meta.
+
+    `px.prepare(..., init="path")` (a str or os.PathLike) means `init=px.from_safetensors(
+    "path")`. The object returned is also an `fn(model)` that loads the files into a model
+    whole, and counts in `read_bytes` the bytes of tensor data it has read.
     """
     return PretrainedWeights(path)
 
@@ -96,6 +127,7 @@ class _Entry:
     attr: str
     parameter: bool
     shape: tuple
+    dtype: torch.dtype
     key: str | None = None
     file: str | None = None
 
@@ -109,6 +141,16 @@ class PretrainedWeights:
 
     def __repr__(self) -> str:
         return f"px.from_safetensors({self.path!r})"
+
+    @staticmethod
+    def of(init) -> PretrainedWeights | None:
+        """px.prepare's `init=` as pretrained weights: `px.from_safetensors(path)` itself, or a
+        path (str or os.PathLike) standing for it; None for an init function or None."""
+        if isinstance(init, PretrainedWeights):
+            return init
+        if isinstance(init, (str, os.PathLike)):
+            return PretrainedWeights(init)
+        return None
 
     def __call__(self, model: nn.Module) -> None:
         """Load the files into `model` (with storage) whole, in one process."""
@@ -128,27 +170,39 @@ class PretrainedWeights:
     def _plan(self, model: nn.Module) -> tuple[Reading | None, str | None]:
         try:
             files = _tensor_files(self.path)
-            shapes = _shapes(files)
+            headers = _headers(files)
         except Exception as exc:  # noqa: BLE001 (a file missing, unreadable, not safetensors)
             return None, f"{self!r} cannot be read: {type(exc).__name__}: {exc}"
         problems: list[str] = []
         entries = _entries(model, problems)
         computed = _computed(model, problems)
-        known = {name for e in entries for name in e.names}
-        missing, wrong = [], []
+        adapter = adapter_scope(model)
+        known, missing, wrong, casts, lacking = set(), [], [], [], []
         for e in entries:
-            present = [name for name in e.names if name in shapes]
-            if not present:
-                missing.append(repr(e.names[0]) + "".join(f" (tied: or {n!r})"
-                                                           for n in e.names[1:]))
-            for name in present:
-                if shapes[name] != e.shape:
-                    wrong.append(f"{name!r} is {list(shapes[name])} in the files but "
-                                 f"{list(e.shape)} in the model")
+            # see [Note: a PEFT model reads the plain model's files] in peft_names.py
+            names = [file_names(name) for name in e.names]
+            known.update(key for candidates in names for key in candidates)
+            present = list(dict.fromkeys(key for candidates in names for key in candidates
+                                         if key in headers))
+            if not present and e.parameter and all(map(adapter, e.names)):
+                lacking.append((e.module, e.attr))  # an adapter's
+            elif not present:
+                said = [repr(name) + (f" (in the files: {candidates[1]!r})"
+                                      if len(candidates) > 1 else "")
+                        for name, candidates in zip(e.names, names)]
+                missing.append(said[0] + "".join(f" (tied: or {n})" for n in said[1:]))
+            for key in present:
+                shape, dtype = headers[key]
+                if shape != e.shape:
+                    wrong.append(f"{key!r} is {list(shape)} in the files but {list(e.shape)} "
+                                 "in the model")
+                elif not exact_cast(_FILE_DTYPES.get(dtype), e.dtype):
+                    casts.append(f"{key!r} is {_dtype_name(_FILE_DTYPES.get(dtype), dtype)} in "
+                                 f"the files but {_dtype_name(e.dtype)} in the model")
             e.key = present[0] if present else None
             e.file = files.get(e.key)
-        extra = [repr(key) for key in sorted(shapes) if key not in known]
-        keys = [f"{len(names)} {'key' if len(names) == 1 else 'keys'} {what}: {_listed(names)}"
+        extra = [repr(key) for key in sorted(headers) if key not in known]
+        keys = [f"{len(names)} {'key' if len(names) == 1 else 'keys'} {what}: {listed(names)}"
                 for what, names in (("missing from the files", missing),
                                     ("in the files but not in the model", extra),
                                     ("of another shape", wrong)) if names]
@@ -156,10 +210,21 @@ class PretrainedWeights:
             problems.append("; ".join(keys) + ". The files' names must be the model's "
                             "state_dict() keys (a tied parameter needs one of its names): build "
                             "the model from the configuration the files were saved with")
+        if casts:
+            problems.append(
+                f"{len(casts)} {'key' if len(casts) == 1 else 'keys'} of a dtype that the "
+                f"model's does not hold exactly: {listed(casts)}. A value is copied into its "
+                "tensor's own dtype only where that holds every value of the file's (the same "
+                "dtype, a float into a wider float such as bf16 into fp32, an integer into a "
+                "wider integer), never between integers and floats nor into a narrower dtype: "
+                "build the model in the files' dtype (precision= sets the dtype it computes "
+                "in), or, if changing the values is what you mean, write the files again in "
+                "the model's dtype")
+        adapters = Adapters.of(model, lacking, problems)
         if problems:
             return None, f"{self!r} does not fit the model, so nothing was loaded: " + \
                 "; ".join(problems)
-        return Reading(self, model, entries, computed), None
+        return Reading(self, model, entries, computed, adapters), None
 
 
 @dataclass
@@ -168,11 +233,14 @@ class Reading:
     the name and file it is read from, and the modules whose own initialisation computes their
     non-persistent buffers (with the ancestor whose `_init_weights` does it; None: the module's
     `reset_parameters`). Modules are found by their path from `root`, the parameters themselves
-    being replaced as the model is given storage."""
+    being replaced as the model is given storage. `adapters`: the parameters no file has, a
+    PEFT model's adapters ([Note: a PEFT model reads the plain model's files] in
+    model/peft_names.py)."""
     weights: PretrainedWeights
     root: nn.Module
     entries: list[_Entry]
     computed: list[tuple[str, str | None]]
+    adapters: Adapters
     later: list[_Entry] | None = None  # what `load` found no room for
 
     @torch.no_grad()
@@ -183,6 +251,8 @@ class Reading:
         _compute(self.root, self.computed)
         self.later = []
         for e in self.entries:
+            if e.key is None:
+                continue  # an adapter's, in no file: drawn or kept
             t = self._tensor(e)
             if not has_room(t):
                 self.later.append(e)
@@ -208,6 +278,10 @@ class Reading:
             with safe_open(e.file, framework="pt") as f:
                 for piece in pieces[id(t)]:
                     piece.master.view(-1).copy_(self._read(f, e, piece.start, piece.end))
+
+    def share_kept(self, comm) -> None:
+        """Rank 0's values of the adapters that were not on meta, on every rank."""
+        self.adapters.share_kept(comm)
 
     def _read(self, f, e: _Entry, start: int, end: int) -> torch.Tensor:
         """`tensor.view(-1)[start:end]` of `e`, reading only the whole rows of dim 0 that hold
@@ -241,9 +315,10 @@ def _tensor_files(path: str) -> dict[str, str]:
         return {key: path for key in f.keys()}
 
 
-def _shapes(files: dict[str, str]) -> dict[str, tuple]:
-    """Each tensor's shape, from the files' headers (no tensor data is read)."""
-    shapes = {}
+def _headers(files: dict[str, str]) -> dict[str, tuple[tuple, str]]:
+    """Each tensor's shape and dtype (safetensors' name for it), from the files' headers (no
+    tensor data is read)."""
+    headers = {}
     for file in sorted(set(files.values())):
         with safe_open(file, framework="pt") as f:
             held = set(f.keys())
@@ -251,8 +326,30 @@ def _shapes(files: dict[str, str]) -> dict[str, tuple]:
                 if key not in held:
                     raise ValueError(f"the index names {key!r} in {os.path.basename(file)}, "
                                      "which does not hold it")
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
+                piece = f.get_slice(key)
+                headers[key] = (tuple(piece.get_shape()), piece.get_dtype())
+    return headers
+
+
+def exact_cast(src: torch.dtype | None, dst: torch.dtype) -> bool:
+    """Whether every value of dtype `src` is a value of `dst`: the same dtype, or one of the
+    same kind (float, integer (bool with them), complex) that promotes to `dst` (bf16 and fp16
+    to fp32, int8 to int32, bool to int8; float8 by its range and precision). None: a dtype
+    torch does not have."""
+    if src is None or src == dst:
+        return src is not None
+    kind = [(d.is_complex, d.is_floating_point) for d in (src, dst)]
+    if kind[0] != kind[1]:
+        return False
+    try:
+        return torch.promote_types(src, dst) == dst
+    except RuntimeError:  # torch does not promote float8 types
+        a, b = torch.finfo(src), torch.finfo(dst)
+        return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
+
+
+def _dtype_name(dtype: torch.dtype | None, file_name: str = "") -> str:
+    return str(dtype).removeprefix("torch.") if dtype is not None else file_name
 
 
 def _entries(model: nn.Module, problems: list[str]) -> list[_Entry]:
@@ -274,7 +371,7 @@ def _entries(model: nn.Module, problems: list[str]) -> list[_Entry]:
         elif id(t) in entries:
             entries[id(t)].names.append(name)
         else:
-            entries[id(t)] = _Entry([name], *where[id(t)], tuple(t.shape))
+            entries[id(t)] = _Entry([name], *where[id(t)], tuple(t.shape), t.dtype)
     return list(entries.values())
 
 
@@ -289,7 +386,7 @@ def _computed(model: nn.Module, problems: list[str]) -> list[tuple[str, str | No
             if callable(getattr(module, "reset_parameters", None)):
                 out[path] = None
                 continue
-            owner = next((a for a in _ancestors(path)
+            owner = next((a for a in ancestors(path)
                           if callable(getattr(model.get_submodule(a), "_init_weights", None))),
                          None)
             if owner is None:
@@ -344,16 +441,5 @@ def _agree(problem: str | None, comm) -> None:
     raise ValueError(f"on rank {rank}: {first}")
 
 
-def _ancestors(path: str) -> list[str]:
-    """`path` itself, then each module above it, up to the root ("")."""
-    parts = path.split(".") if path else []
-    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
-
-
 def _join(path: str, attr: str) -> str:
     return f"{path}.{attr}" if path else attr
-
-
-def _listed(names: list[str], most: int = 8) -> str:
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
