@@ -7,12 +7,14 @@ under PhalanxStrategy with ddp, zero2 and zero3, in the same job: the weights af
 `self.log(..., sync_dist=True)` logged in the training, validation and test loops, and the
 learning rate the scheduler left must agree to float64 round-off. The runs accumulate
 (`accumulate_grad_batches=2`) and clip (`gradient_clip_val`, small enough to clip: a run
-without it ends elsewhere, checked too).
+without it ends elsewhere, checked too). And torch's LR scheduler warns of no step out of order
+where the scheduler is built before phalanx prepares the optimizer (Lightning's order).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -137,3 +139,45 @@ def test_trainer_matches_ddp_strategy_in_float64(tmp_path):
         assert _max_difference(transformer, runs["transformer-zero3"]["weights"]) < 1e-12
     # every rank holds the same model
     assert _max_difference(ranks[0]["zero3"]["weights"], ranks[1]["zero3"]["weights"]) == 0
+
+
+def _scheduler_warnings() -> dict:
+    """What torch's LR scheduler warns about the order of the steps, where the scheduler is built
+    before phalanx prepares the optimizer: in `configure_optimizers` (BoringModel's StepLR)
+    under the Trainer, before `fabric.setup(model, optimizer, scheduler=...)` and before
+    `fabric.setup_optimizers` under Fabric. Each run takes 2 optimizer steps and 2 scheduler
+    steps."""
+    said = {}
+    for kind in ("lightning-ddp", *KINDS):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(kind), max_epochs=2,
+                      limit_train_batches=1, limit_val_batches=0, enable_checkpointing=False,
+                      **QUIET).fit(BoringModel())
+            for order in ("setup", "setup_module first"):
+                fabric = L.Fabric(accelerator="cpu", devices=2,
+                                  strategy="ddp" if kind == "lightning-ddp" else _strategy(kind))
+                fabric.launch()
+                model = torch.nn.Linear(4, 2)
+                if order == "setup_module first":
+                    model = fabric.setup_module(model)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+                if order == "setup":
+                    model, optimizer, scheduler = fabric.setup(model, optimizer,
+                                                               scheduler=scheduler)
+                else:
+                    optimizer = fabric.setup_optimizers(optimizer)
+                for _ in range(2):
+                    fabric.backward(model(torch.randn(3, 4)).sum())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    scheduler.step()
+        said[kind] = [str(w.message) for w in seen
+                      if "lr_scheduler" in str(w.message) or "scheduler init" in str(w.message)]
+    return said
+
+
+def test_no_scheduler_warning_when_the_scheduler_comes_before_prepare():
+    for said in run_ranks(_scheduler_warnings, world_size=2, timeout=300):
+        assert said == {kind: [] for kind in ("lightning-ddp", *KINDS)}, said

@@ -6,7 +6,9 @@ precision="64-true", under ddp, zero2 and zero3, ends with the weights of the sa
 Lightning's DDPStrategy to float64 round-off; a run saved and loaded midway ends there too, and
 px.load reads Fabric's checkpoint. (Fabric's "64-true" hands the model's outputs back in the
 default dtype, float32, so both agree with one plain float64 process to float32's round-off
-only: checked too, at that tolerance.)
+only: checked too, at that tolerance.) The order Fabric documents for FSDP
+(`fabric.setup_module`, the optimizer and its scheduler over the set-up model's parameters, then
+`fabric.setup_optimizers`) ends there too.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _setup(kind: str):
     return fabric, model, optimizer
 
 
-def _train(fabric, model, optimizer, steps) -> list:
+def _train(fabric, model, optimizer, steps, scheduler=None) -> list:
     losses = []
     for step in steps:
         x, y = _batch(step)
@@ -80,6 +82,8 @@ def _train(fabric, model, optimizer, steps) -> list:
         fabric.clip_gradients(model, optimizer, max_norm=CLIP)
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return losses
 
 
@@ -125,6 +129,65 @@ def test_fabric_matches_ddp_strategy_in_float64(tmp_path):
         assert _max_difference(out["resumed"], base) < 1e-12
 
 
+# -- the order Fabric documents for FSDP ------------------------------------------------------
+def _setup_module_first(kind: str):
+    """`fabric.setup_module`, then the optimizer over the set-up model's parameters and a
+    scheduler over the optimizer, then `fabric.setup_optimizers`."""
+    strategy = "ddp" if kind == "lightning-ddp" else PhalanxStrategy(kind)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="64-true")
+    fabric.launch()
+    model = fabric.setup_module(_model())
+    names = [name for name, _ in model.named_parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    optimizer = fabric.setup_optimizers(optimizer)
+    assert [name for name, _ in model.named_parameters()] == names
+    return fabric, model, optimizer, scheduler
+
+
+def _setup_module_first_job(directory: str) -> dict:
+    out = {}
+    for kind in ("lightning-ddp", "ddp", "zero2", "zero3"):
+        fabric, model, optimizer, scheduler = _setup_module_first(kind)
+        out[kind + "_losses"] = _train(fabric, model, optimizer, range(STEPS), scheduler)
+        out[kind] = {k: v.clone() for k, v in model.state_dict().items()}
+        out[kind + "_lr"] = optimizer.param_groups[0]["lr"]
+    out["names"] = [name for name, _ in model.named_parameters()]
+    out["names after setup"] = [name for name, _ in _setup("zero3")[1].named_parameters()]
+    fabric.save(f"{directory}/zero3", {"model": model, "optimizer": optimizer})
+    plain = _model()
+    px.load(f"{directory}/zero3", model=plain)
+    out["px_loaded"] = {k: v.clone() for k, v in plain.state_dict().items()}
+    # a model used before any optimizer is set up is prepared alone, which zero2 refuses
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=PhalanxStrategy("zero2"),
+                      precision="64-true")
+    fabric.launch()
+    alone = fabric.setup_module(_model())
+    try:
+        alone(_batch(0)[0])
+    except ValueError as exc:
+        out["used first"] = str(exc)
+    return out
+
+
+def test_setup_module_then_setup_optimizers_matches_ddp_strategy(tmp_path):
+    ranks = run_ranks(_setup_module_first_job, world_size=2, args=(str(tmp_path),), timeout=300)
+    for out in ranks:
+        base = out["lightning-ddp"]
+        assert out["lightning-ddp_lr"] == pytest.approx(0.1 * 0.5**3)  # StepLR: 6 steps
+        for kind in ("ddp", "zero2", "zero3"):
+            assert _max_difference(out[kind], base) < 1e-12, kind
+            assert out[kind + "_losses"] == pytest.approx(out["lightning-ddp_losses"],
+                                                          rel=1e-12), kind
+            assert out[kind + "_lr"] == out["lightning-ddp_lr"], kind
+        assert _max_difference(out["px_loaded"], out["zero3"]) == 0
+        # the parameters' names: as fabric.setup gives them (and unchanged by
+        # setup_optimizers: asserted in _setup_module_first)
+        assert out["names"] == out["names after setup"]
+        assert "needs the optimizer" in out["used first"]
+        assert "Set up its optimizer before its first use" in out["used first"]
+
+
 # -- what is refused, and how ---------------------------------------------------------------
 class TwoOptimizers(BoringModel):
     """A GAN's shape: two optimizers, stepped by hand (Lightning's manual optimization)."""
@@ -162,11 +225,20 @@ def _refusals() -> dict:
                                             gradient_clip_algorithm="value").fit(BoringModel()))
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=PhalanxStrategy("zero2"))
     fabric.launch()
+    catch("no model", lambda: fabric.setup_optimizers(
+        torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)))
     model = fabric.setup_module(torch.nn.Linear(4, 2))
-    catch("optimizer alone", lambda: fabric.setup_optimizers(
+    model(torch.randn(1, 4))  # used before an optimizer is set up: prepared alone
+    catch("optimizer after use", lambda: fabric.setup_optimizers(
         torch.optim.SGD(model.parameters(), lr=0.1)))
+    catch("second model", lambda: fabric.setup_module(torch.nn.Linear(4, 2)))
     catch("filter", lambda: fabric.save("unused", {"model": model},
                                         filter={"model": lambda k, v: True}))
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=PhalanxStrategy("zero2"))
+    fabric.launch()
+    model = fabric.setup_module(torch.nn.Linear(4, 2))
+    catch("setup_optimizers of two", lambda: fabric.setup_optimizers(
+        torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)))
     return said
 
 
@@ -177,7 +249,10 @@ def test_what_is_not_supported_is_refused_by_name():
     assert "Trainer(precision=...)" in said["precision"]
     assert "2 optimizers" in said["two optimizers"]
     assert "gradient_clip_algorithm='norm'" in said["clip by value"]
-    assert "setup_module_and_optimizers" in said["optimizer alone"]
+    assert "call fabric.setup_module(model) first" in said["no model"]
+    assert "before the model's first use" in said["optimizer after use"]
+    assert "a PhalanxStrategy of its own" in said["second model"]
+    assert "one optimizer with several param groups" in said["setup_optimizers of two"]
     assert "filter=" in said["filter"]
 
 

@@ -17,23 +17,42 @@ DDPStrategy (px.load alone would restore each rank's generators as they were at 
 strategy (DDPStrategy's `.ckpt`): its "state_dict" and "optimizer_states" are loaded through
 the prepared model's and optimizer's `load_state_dict`, which phalanx accepts in one
 process's format under every strategy.
+
+[Note: load_from_checkpoint of a checkpoint directory]
+`LightningModule.load_from_checkpoint(path)` (a classmethod: no Trainer, no strategy, often a
+process of its own) reads `path` through `pl_load` in `lightning.pytorch.core.saving`, which
+opens it as a file for `torch.load`: on a phalanx directory that raised IsADirectoryError.
+Lightning has no hook for another format there (its CheckpointIO plugins serve a Trainer's
+strategy, not this classmethod), so importing the integration puts `read_directories` in front
+of that function, in that module alone: a directory holding phalanx's manifest.json is read by
+`lightning_dictionary` in this process (every rank's shards joined, on the CPU), and anything
+else goes to Lightning's own reader unchanged. Considered and set aside: a function of ours to
+call instead leaves the Lightning call failing where users call it; a Trainer checkpoint
+written as one file would give up the format every rank writes its own share of.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import shutil
 
+import lightning
 import numpy as np
 import torch
 
 import phalanx as px
 
+from ...checkpoint import wait_for_saves
+from ...checkpoint.common import MODEL, STATE_FILE, under
+from ...checkpoint.reader import MANIFEST, CheckpointError, Reader, read_manifest, verify_files
 from .optimizer import prepared_optimizer
+from .pending import prepared_module
 
-__all__ = ["save_trainer", "load_trainer", "save_fabric", "load_fabric", "remove"]
+__all__ = ["save_trainer", "load_trainer", "save_fabric", "load_fabric", "remove",
+           "lightning_dictionary", "read_directories", "read_directories_in_lightning"]
 
 TRAINER_KEY = "lightning"
 FABRIC_KEY = "fabric"
@@ -89,8 +108,9 @@ def _split(state: dict) -> tuple:
     model_key = modules[0] if modules else None
     optim_key = optimizers[0] if optimizers else None
     rest = {k: v for k, v in state.items() if k not in (model_key, optim_key)}
+    model = prepared_module(state[model_key]) if model_key is not None else None
     optimizer = prepared_optimizer(state[optim_key]) if optim_key is not None else None
-    return (model_key, state.get(model_key), optim_key, optimizer, rest)
+    return (model_key, model, optim_key, optimizer, rest)
 
 
 def save_fabric(path, state: dict) -> None:
@@ -106,7 +126,7 @@ def load_fabric(path, state, strict: bool) -> dict:
     was saved but not asked for."""
     if isinstance(state, torch.nn.Module):
         with _generators_kept():
-            px.load(path, model=state, strict=strict)
+            px.load(path, model=prepared_module(state), strict=strict)
         return {}
     if not state:
         raise ValueError("PhalanxStrategy restores a checkpoint into the objects it was saved "
@@ -164,3 +184,63 @@ def remove(path, is_global_zero: bool, checkpoint_io) -> None:
         return
     if is_global_zero:
         checkpoint_io.remove_checkpoint(path)
+
+
+# -- LightningModule.load_from_checkpoint ----------------------------------------------------
+def lightning_dictionary(path, map_location=None, weights_only: bool | None = None) -> dict:
+    """What `load_from_checkpoint` reads from a Lightning `.ckpt` file, read from the phalanx
+    checkpoint directory `path` in this process alone (no process group): the model's full
+    weights under "state_dict", every rank's shards joined, on the CPU (or on map_location
+    where it names a device), and, where a Trainer wrote it, the other entries of the
+    Trainer's dictionary (hyper_parameters, the loops', callbacks' and schedulers' states),
+    unpickled as px.load unpickles them. `weights_only=True` unpickles nothing: the weights
+    alone, from the safetensors files (the hyper-parameters are then the module's defaults or
+    those given to load_from_checkpoint). See [Note: load_from_checkpoint of a checkpoint
+    directory]."""
+    wait_for_saves()  # a background save of this very checkpoint may still be running
+    path = os.path.abspath(os.fspath(path))
+    manifest = read_manifest(path)
+    problems = verify_files(path, manifest, sorted(manifest["files"]))
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    reader = Reader(path, manifest)
+    try:
+        weights = {name: reader.full(MODEL + name) for name in under(MODEL, manifest["tensors"])}
+    finally:
+        reader.close()
+    for alias, name in manifest.get("aliases", {}).items():  # tied weights, under both names
+        weights[alias] = weights[name].clone()
+    if isinstance(map_location, (str, torch.device)):
+        weights = {name: value.to(map_location) for name, value in weights.items()}
+    checkpoint = {}
+    if not weights_only:  # state.pt holds NumPy's generator state: no weights_only=True load
+        small = torch.load(os.path.join(path, STATE_FILE), map_location="cpu",
+                           weights_only=False)
+        checkpoint = dict(small["values"].get(TRAINER_KEY, {}))
+    checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
+    checkpoint["state_dict"] = weights
+    return checkpoint
+
+
+def read_directories(load):
+    """Lightning's checkpoint reader `load`, which also reads phalanx checkpoint directories."""
+
+    @functools.wraps(load)
+    def read(path_or_url, map_location=None, weights_only=None):
+        if isinstance(path_or_url, (str, os.PathLike)) and \
+                os.path.isfile(os.path.join(path_or_url, MANIFEST)):
+            return lightning_dictionary(path_or_url, map_location, weights_only)
+        return load(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    read.reads_phalanx_directories = True
+    return read
+
+
+def read_directories_in_lightning() -> None:
+    """Put `read_directories` in front of the reader of Lightning's `load_from_checkpoint`
+    (see [Note: load_from_checkpoint of a checkpoint directory]); once per process."""
+    from lightning.pytorch.core import saving
+
+    load = getattr(saving, "pl_load", None)
+    if load is not None and not getattr(load, "reads_phalanx_directories", False):
+        saving.pl_load = read_directories(load)

@@ -19,7 +19,8 @@ What the strategy does, in Lightning's order:
 - model and optimizer: `px.prepare(module, optimizer, strategy=..., precision=...)`, with
   the precision from Lightning's (precision.py) and `Trainer(sync_batchnorm=True)` as
   phalanx's `sync_batchnorm`; the Trainer's own loops, hooks, schedulers and logging run
-  unchanged around the prepared model;
+  unchanged around the prepared model; Fabric's `setup_module` then `setup_optimizers`
+  prepares at the second (pending.py);
 - accumulation (`accumulate_grad_batches`, `fabric.no_backward_sync`): `px.no_sync`;
   clipping: `px.clip_grad_norm_`;
 - checkpoints: `px.save` / `px.load` (checkpoints.py);
@@ -61,7 +62,9 @@ from ...strategies import strategy_name
 from . import checkpoints
 from .collectives import Collectives, broadcast_module
 from .optimizer import FabricOptimizer
+from .pending import PendingModule, prepared_module
 from .precision import fabric_plugin, phalanx_precision, trainer_plugin
+from .registry import register_names
 
 __all__ = ["PhalanxStrategy"]
 
@@ -82,9 +85,18 @@ class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
 
     One model and one optimizer: a LightningModule whose `configure_optimizers` returns
     several, or a Fabric state with several, is refused with its reason.
+
+    By name (registry.py), after `import phalanx.integrations.lightning`:
+    `Trainer(strategy="phalanx")` is PhalanxStrategy("ddp"), "phalanx_zero3" PhalanxStrategy(
+    "zero3"), and so on for every strategy.
     """
 
     strategy_name = "phalanx"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Lightning's hook for a strategy class's names (registry.py)."""
+        register_names(strategy_registry, cls)
 
     def __init__(self, strategy: str = "ddp", *, process_group_backend: str | None = None,
                  timeout: float | datetime.timedelta = 600.0, cluster_environment=None,
@@ -104,6 +116,7 @@ class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
         self._px_precision = "fp32"
         self._num_nodes = 1
         self._prepared = None  # the model px.prepare returned (one per strategy)
+        self._pending = None  # what fabric.setup_module returned (pending.py)
         self._backward_sync_control = _NoSync()
 
     # -- which front end, and the precision it brings ------------------------------------------
@@ -194,12 +207,15 @@ class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
                 "num_nodes=) to match the launcher (phalanx run -n N: devices=N)")
 
     # -- the model -----------------------------------------------------------------------------
+    def _refuse_a_second_model(self) -> None:
+        raise ValueError(
+            "this PhalanxStrategy has a model already (prepared, or set up by "
+            "fabric.setup_module), and phalanx prepares a model and its optimizer once: give "
+            "each Trainer.fit or Fabric.setup of a new model a PhalanxStrategy of its own")
+
     def _prepare(self, module, optimizer):
         if self._prepared is not None:
-            raise ValueError(
-                "this PhalanxStrategy has prepared a model already, and phalanx prepares a "
-                "model and its optimizer once: give each Trainer.fit or Fabric.setup of a new "
-                "model a PhalanxStrategy of its own")
+            self._refuse_a_second_model()
         sync_bn = self._px_options.get("sync_batchnorm", False) or \
             getattr(self, "_layer_sync", None) is not None
         options = {**self._px_options, "sync_batchnorm": sync_bn}
@@ -243,16 +259,33 @@ class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
         if len(optimizers) > 1:
             raise ValueError(f"fabric.setup was given {len(optimizers)} optimizers; "
                              "PhalanxStrategy prepares a model with one optimizer (px.prepare)")
+        if self._pending is not None:
+            self._refuse_a_second_model()
         optimizer = optimizers[0] if optimizers else None
         module = self._prepare(module, optimizer)
         # See [Note: Fabric's optimizer wrapper and zero_grad] in optimizer.py
         return module, [FabricOptimizer(optimizer)] if optimizer is not None else [], scheduler
 
     def setup_module(self, module):
-        return self._prepare(module, None)
+        """`fabric.setup_module(model)` (and `fabric.setup(model)`): prepared with the optimizer
+        that `fabric.setup_optimizers` sets up next. See [Note: Fabric's setup_module, then
+        setup_optimizers] in pending.py."""
+        if self._prepared is not None or self._pending is not None:
+            self._refuse_a_second_model()
+        self._pending = PendingModule(module, self._prepare)
+        return self._pending
 
     def setup_optimizer(self, optimizer):
-        raise NotImplementedError(self._err_msg_joint_setup_required())
+        """`fabric.setup_optimizers(optimizer)`: phalanx prepares the model set up by
+        `fabric.setup_module` with it, as `fabric.setup(model, optimizer)` would have."""
+        if self._pending is None:
+            raise ValueError(
+                "fabric.setup_optimizers(optimizer) under PhalanxStrategy prepares the model set "
+                "up by fabric.setup_module(model) with that optimizer, and no model was set up "
+                "alone: call fabric.setup_module(model) first (or fabric.setup(model, optimizer))")
+        self._pending.prepare_with(optimizer)
+        # See [Note: Fabric's optimizer wrapper and zero_grad] in optimizer.py
+        return FabricOptimizer(optimizer)
 
     @contextlib.contextmanager
     def block_backward_sync(self):
@@ -262,7 +295,7 @@ class PhalanxStrategy(Collectives, TrainerParallel, FabricParallel):
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
-        norm = px.clip_grad_norm_(module, max_norm, norm_type)
+        norm = px.clip_grad_norm_(prepared_module(module), max_norm, norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                                "non-finite, so they cannot be clipped")
@@ -368,7 +401,7 @@ class _NoSync:
     """Fabric's hook for `fabric.no_backward_sync(model)`: `px.no_sync`."""
 
     def no_backward_sync(self, module, enabled: bool):
-        return px.no_sync(module) if enabled else contextlib.nullcontext()
+        return px.no_sync(prepared_module(module)) if enabled else contextlib.nullcontext()
 
 
 def _args(args, kwargs, *names, defaults=None) -> list:
