@@ -100,11 +100,22 @@ class ModelState:
         return {name: (list(t.shape), self.dtype_of(name)) for name, t in self.tensors.items()}
 
     def writer_of(self) -> dict[str, int]:
-        """The rank that writes each tensor that every rank holds whole: largest first, each to
-        the rank that has written the fewest bytes so far (the same answer on every rank)."""
+        """The rank that writes each tensor that every rank holds whole. Buffers come from rank
+        0, all of them: each rank's copy changes in its own forwards (BatchNorm's statistics),
+        so a checkpoint whose running mean came from one rank and running variance from another
+        would match no rank; rank 0's are what every rank holds after a synchronised step
+        under `broadcast_buffers` (model/buffers.py). Parameters, equal on every rank, go
+        largest first, each to the rank that has written the fewest bytes so far (the same
+        answer on every rank)."""
         load = [0] * self.comm.world
         owner = {}
         whole = [n for n in self.tensors if not (self.sharded and n in self.pieces)]
+        parameters = {id(p) for p in self.module.parameters()}
+        for name in whole:
+            if id(self.tensors[name]) not in parameters:
+                owner[name] = 0
+                load[0] += self.tensors[name].numel() * self.tensors[name].element_size()
+        whole = [n for n in whole if n not in owner]
         for name in sorted(whole, key=lambda n: (-self.tensors[n].numel(), n)):
             rank = min(range(self.comm.world), key=lambda r: (load[r], r))
             owner[name] = rank

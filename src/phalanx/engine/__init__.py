@@ -87,17 +87,20 @@ class Engine(Protocol):
 def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
                  gather_options: dict | None = None, block_classes=None,
                  staleness: int = 0, replicas=None, compression=None,
-                 offload: str | None = None) -> Engine:
+                 offload: str | None = None, buffers=None) -> Engine:
     """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (zero3.py);
     block_classes: the classes whose instances are the repeated blocks (units.py);
     staleness: 1 applies each step's averaged gradients at the next step (delayed.py);
     replicas: shard_size's average across shard groups, `comm` being the group (hybrid.py);
     compression: a px.PowerSGD or None (powersgd.py);
-    offload: "optimizer", "params" or None, the places of policy.py (offload.py)."""
+    offload: "optimizer", "params" or None, the places of policy.py (offload.py);
+    buffers: what keeps the buffers equal at the end of each backward that synchronises
+        (model/buffers.py), or None."""
     policy = placed(POLICIES[strategy], offload)
     engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,
                         gather_options=gather_options, block_classes=block_classes,
-                        staleness=staleness, replicas=replicas, compression=compression)
+                        staleness=staleness, replicas=replicas, compression=compression,
+                        buffers=buffers)
     if (policy.grads is SHARD and comm.world > 1) or precision.loss_scaler is not None \
             or staleness:
         route_torch_clip(engine)

@@ -57,8 +57,9 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
                  precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
                  block_classes: tuple[type, ...] | None = None, staleness: int = 0,
-                 replicas=None, compression=None):
+                 replicas=None, compression=None, buffers=None):
         self.comm = comm
+        self.buffers = buffers  # rank 0's buffers at each synchronised backward's end
         self.built_at = comm.regroups  # the Comm's group this layout is for (laid_out_for)
         self.replicas = replicas  # shard_size: the average across groups (hybrid.py)
         self.policy = policy
@@ -228,6 +229,8 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
             self._unsettled = []
             self.vote.failing = None
             return self.gatherer.take_checks() if self.gatherer is not None else None
+        if self.buffers is not None:  # [Note: buffers as torch DDP keeps them] (model/)
+            self.buffers.after_backward()
         if self.delayed is not None:
             return self.delayed.after_backward()
         if self.replicas is not None:

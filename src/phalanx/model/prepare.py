@@ -25,6 +25,7 @@ from .. import elastic, runtime
 from ..arguments import check_prepare
 from ..collectives import Comm
 from ..records import StepCounter
+from .buffers import BufferBroadcast
 from .consistency import broadcast_from_rank0, check_same_structure
 from ..engine import build_engine
 from .materialize import fill_shards, materialize, on_meta as on_meta_device
@@ -73,7 +74,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     output_dtype: under bf16/fp16, the dtype floating outputs are cast to (default
         torch.float32); None leaves them in the compute dtype.
     sync_batchnorm: BatchNorm statistics over all ranks (CPU and GPU).
-    broadcast_buffers: keep buffers equal to rank 0's before each forward with gradients.
+    broadcast_buffers: keep buffers equal to rank 0's, as torch DDP does: broadcast at the end
+        of each backward that synchronises, so every rank trains and evaluates with rank 0's
+        statistics, and an evaluation makes no collective.
     comm: the `phalanx.collectives.Comm` to communicate through (default: one over the job's
         process group); `Comm(group, prefer="reduce_scatter")` picks primitives by hand.
     check_replicas_every: every K optimizer steps, compare a checksum of the parameters
@@ -94,7 +97,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         is the host step's share.
     step_stats: time every optimizer step for `px.step_stats(model)`.
     init: fn(model) setting every parameter and buffer of a meta build (default: each module's
-        reset_parameters(), in order), or px.from_safetensors(path) for any model.
+        reset_parameters(), in order; a PEFT model's adapters after its base, as
+        get_peft_model draws them), or px.from_safetensors(path) for any model, a PEFT
+        model of the files' model included; a path (str or os.PathLike) means the latter.
     zero3 only:
     prefetch: how many roots ahead to gather while one computes (a root: a repeated block, or
         the module whose forward brackets a unit's uses), in the last forward's order and the
@@ -159,8 +164,11 @@ def _build(model, optimizer, options: PrepareOptions, comm, init):
     pretrained weights) on every rank alike, moved to this rank's device, BatchNorm made
     synchronized if asked, the optimizer's groups taken. Returns the model and a `_Built`."""
     on_meta = on_meta_device(model)
-    # init=px.from_safetensors(path): checked against the model on every rank (pretrained.py)
-    reading = init.plan(uncompiled(model), comm) if isinstance(init, PretrainedWeights) else None
+    # init=px.from_safetensors(path), or the path: checked against the model on every rank
+    # (pretrained.py)
+    weights = PretrainedWeights.of(init)
+    init = init if weights is None else weights
+    reading = weights.plan(uncompiled(model), comm) if weights is not None else None
     # zero3 draws (or reads) the values after the engine is built, keeping each rank's shards
     shards_only = on_meta and options.strategy == "zero3" and comm.world > 1 and (
         init is None or reading is not None)
@@ -170,6 +178,8 @@ def _build(model, optimizer, options: PrepareOptions, comm, init):
     elif reading is not None:  # every rank reads the whole model: no broadcast either
         reading.load()
     model.to(runtime.device())
+    if reading is not None:  # what no file has and was not drawn: rank 0's (a PEFT adapter)
+        reading.share_kept(comm)
     if options.sync_batchnorm:
         from .sync_batchnorm import convert_sync_batchnorm
         # under continue mode the job's group, whatever it is at each forward (elastic/)
@@ -211,7 +221,6 @@ def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built,
     if clock is not None and engine.host_link is not None:
         clock.extras.append(engine.host_link.report)  # offload: the host step's share
     wrapped = PreparedModule(model, engine, comm, policy,
-                             broadcast_buffers=options.broadcast_buffers and outer is None,
                              original_dtypes=original_dtypes, clock=clock,
                              device=runtime.device(), outer=outer, recipe=recipe,
                              optimizer=optimizer)
@@ -237,6 +246,7 @@ class Recipe:
     steps: StepCounter
     inner: bool = False  # DiLoCo: the engine runs over a world of one (model/diloco.py)
     offload: str | None = None  # engine/offload.py
+    broadcast_buffers: bool = True  # model/buffers.py
 
     @classmethod
     def of(cls, options: PrepareOptions, block_classes, shard_size, steps, comm) -> Recipe:
@@ -247,7 +257,8 @@ class Recipe:
                    options.gather if options.strategy == "zero3" else None, block_classes,
                    options.staleness, options.compression, shard_size, options.on_nonfinite,
                    options.check_replicas_every, steps, inner=options.diloco is not None,
-                   offload=options.offload)
+                   offload=options.offload,
+                   broadcast_buffers=options.broadcast_buffers and options.diloco is None)
 
 
 def attach_engine(model, optimizer, comm, recipe: Recipe):
@@ -259,7 +270,9 @@ def attach_engine(model, optimizer, comm, recipe: Recipe):
     engine = build_engine(model, optimizer, shard_comm, recipe.strategy, recipe.policy,
                           recipe.bucket_mb, recipe.gather_options, recipe.block_classes,
                           staleness=recipe.staleness, replicas=replicas,
-                          compression=recipe.compression, offload=recipe.offload)
+                          compression=recipe.compression, offload=recipe.offload,
+                          buffers=BufferBroadcast.of(model, comm)
+                          if recipe.broadcast_buffers else None)
     if recipe.on_nonfinite is not None:
         engine.nonfinite = NonFiniteWatch(recipe.on_nonfinite, engine.comm)  # DiLoCo: own
     engine.steps = recipe.steps

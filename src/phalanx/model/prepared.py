@@ -3,17 +3,17 @@
 Around the user's forward it moves the inputs to the model's device (as torch DDP does with
 `device_ids`: tensors anywhere in the arguments, nested in tuples, lists, dicts and dataclasses,
 without blocking the host; `px.data_loader` pins its batches on a GPU machine so the copy is
-asynchronous), keeps buffers equal across ranks (rank 0's, broadcast before each forward that
-records a graph, unless `broadcast_buffers=False`), applies the precision policy
+asynchronous), applies the precision policy
 (model/precision.py: inputs to the compute dtype, the forward under autocast to it, outputs to
 fp32), and returns every floating output through the output node of model/loss_scaling.py, which
 tells the engine that backward started and, under fp16, scales the gradient exactly once. Everything
 else (hooks, buckets, the optimizer) belongs to the engine it holds, called through the `Engine`
 protocol (engine/__init__.py).
 
-Buffers are broadcast on a forward with gradients enabled, whatever the module's train/eval
-mode (as DDP keys it): a rank that evaluates under `torch.no_grad()` broadcasts nothing and
-waits for nobody, and a rank left in eval mode by mistake still meets the others.
+Buffers are kept equal to rank 0's by the engine, at the end of each backward that
+synchronises, unless `broadcast_buffers=False` (see [Note: buffers as torch DDP keeps them] in
+model/buffers.py): a forward makes no collective for them, so a rank that evaluates under
+`torch.no_grad()` waits for nobody, with the statistics every rank has.
 
 `state_dict()` is the user's module's, without a `module.` prefix, and so is
 `px.unwrap(model).state_dict()`: the user's module answers through a state_dict hook with what
@@ -52,7 +52,6 @@ import torch
 
 from .. import elastic
 from .._tree import map_tensors
-from .consistency import broadcast_tensors
 from .loss_scaling import OutputNode
 from .sync_batchnorm import SyncBatchNorm
 
@@ -68,7 +67,7 @@ def to_device(inputs, device: torch.device):
 
 class PreparedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, engine, comm, precision, *,
-                 broadcast_buffers: bool = True, original_dtypes: dict | None = None,
+                 original_dtypes: dict | None = None,
                  clock=None, device: torch.device | None = None, outer=None, recipe=None,
                  optimizer=None):
         super().__init__()
@@ -81,8 +80,6 @@ class PreparedModule(torch.nn.Module):
         self._engine = engine
         self._comm = comm
         self._precision = precision
-        self._buffers_to_sync = list(module.buffers()) \
-            if broadcast_buffers and comm.world > 1 else []
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         self._storage = [self._where(p) for p in self._trainable]
         self._original_dtypes = original_dtypes or {}  # by the uncompiled module's names
@@ -152,8 +149,6 @@ class PreparedModule(torch.nn.Module):
         self._engine.before_forward(grad)
         if grad:
             self._check_trainable()
-            if self._buffers_to_sync:
-                broadcast_tensors(self._buffers_to_sync, self._comm, tag="buffers")
         try:
             return self._forward(began, grad, args, kwargs)
         except Exception as exc:  # the other ranks are in this step: see engine/vote.py
