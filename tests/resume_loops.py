@@ -24,6 +24,25 @@ def dataset():
                                           torch.randn(SAMPLES, 3, generator=g, dtype=torch.float64))
 
 
+class Augmented(torch.utils.data.Dataset):
+    """Random augmentation as a dataset's transform draws it, from each of the three generators
+    a loader worker holds: torch's, Python's `random` and NumPy's."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+        x, y = self.samples[i]
+        noise = 0.1 * torch.randn(x.shape, dtype=x.dtype) + 0.01 * random.random()
+        return x + noise + 0.01 * float(np.random.rand()), y
+
+
 def build(strategy, dropout, seed=0):
     """A model, its optimizer and loader, prepared; `seed` other than 0: other initial values
     (a resumed run whose values only the load can set)."""
@@ -81,10 +100,12 @@ def accelerate_loop(directory, resume_from):
 
 # -- the docs' loop: for epoch: set_epoch(epoch); for x, y in loader -----------------------------
 def _loader(kind):
-    """px.data_loader (with a loader worker: "workers"), or a plain torch DataLoader over
-    px.DistributedSampler ("torch")."""
+    """px.data_loader (with a loader worker: "workers"; with two, over a dataset that augments
+    at random: "augment"), or a plain torch DataLoader over px.DistributedSampler ("torch")."""
     if kind in ("px", "workers"):
         return px.data_loader(dataset(), PER_RANK, seed=5, num_workers=int(kind == "workers"))
+    if kind == "augment":
+        return px.data_loader(Augmented(dataset()), PER_RANK, seed=5, num_workers=2)
     sampler = px.DistributedSampler(dataset(), seed=5, batch_size=PER_RANK)
     return torch.utils.data.DataLoader(dataset(), batch_size=PER_RANK, sampler=sampler)
 

@@ -43,6 +43,7 @@ from ..arguments import check_data_loader
 from ..model.prepared import to_device
 from ..observe.step_report import add_data_wait
 from .sampler import DistributedSampler, check_batch_size, split_evenly
+from .seeding import KeyedSamples
 
 __all__ = ["data_loader", "DistributedLoader"]
 
@@ -117,16 +118,37 @@ class DistributedLoader(DataLoader):
         else:
             sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed,
                                          drop_last=drop_last, batch_size=batch_size)
-            super().__init__(dataset, batch_sampler=sampler.batches(),
+            # Workers make each sample with generators keyed by its place in the epoch
+            # ([Note: a sample's own generators] in seeding.py).
+            workers = loader_kwargs.get("num_workers", 0) > 0
+            samples = KeyedSamples(dataset) if workers else dataset
+            super().__init__(samples, batch_sampler=sampler.batches(keyed=workers),
                              collate_fn=EmptySafeCollate(collate_fn, dataset), **loader_kwargs)
             # DataLoader fills `sampler` with a placeholder when given a batch sampler; expose
             # ours instead, so the familiar `loader.sampler.set_epoch(epoch)` works.
             object.__setattr__(self, "sampler", sampler)
+            # and the user's dataset as `loader.dataset`: the workers get the keyed view of it
+            # (`_get_iterator`)
+            object.__setattr__(self, "dataset", dataset)
+            self._worker_samples = samples if workers else None
             self.distributed_sampler = sampler
         self.shuffle, self.seed = shuffle, seed
         self.device = torch.device(device) if device is not None else None
         self.drop_last_step = drop_last  # True: the incomplete last global batch is left out
         self._stream_taken = 0  # a stream's batches the loop has taken in the pass in progress
+
+    def _get_iterator(self):
+        """DataLoader's iterator (its workers started with the dataset they fetch from): the
+        keyed samples, where workers make them (see `__init__`)."""
+        samples = getattr(self, "_worker_samples", None)
+        if samples is None:
+            return super()._get_iterator()
+        user = self.dataset
+        object.__setattr__(self, "dataset", samples)
+        try:
+            return super()._get_iterator()
+        finally:
+            object.__setattr__(self, "dataset", user)
 
     def batches_left(self) -> int:
         """Batches this rank has still to take in the epoch in progress, the same on every

@@ -62,6 +62,7 @@ from torch.utils.data import Sampler
 from .. import elastic, runtime
 from .ledger import Ledger
 from .replay import Replays
+from .seeding import sample_seed
 
 __all__ = ["DistributedSampler", "split_evenly", "check_batch_size"]
 
@@ -257,9 +258,12 @@ class DistributedSampler(Replays, Sampler[int]):
             yield from batch
         self._pass_finished()
 
-    def batches(self):
-        """A batch sampler over this sampler: yields this rank's list of indices per step."""
-        return _BatchView(self)
+    def batches(self, keyed: bool = False):
+        """A batch sampler over this sampler: yields this rank's list of indices per step;
+        `keyed`, of (index, the sample's seed) pairs: what `px.data_loader` hands its workers,
+        which seed each sample's generators from its key."""
+        # See [Note: a sample's own generators] in seeding.py
+        return _BatchView(self, keyed)
 
     # -- progress, reported by the loader ---------------------------------------------------
     def _batch_consumed(self, at: tuple | None = None) -> None:
@@ -385,11 +389,20 @@ class _BatchView(Sampler[list]):
     It does not count progress itself: the loader does, as batches reach the training loop.
     """
 
-    def __init__(self, sampler: DistributedSampler):
+    def __init__(self, sampler: DistributedSampler, keyed: bool = False):
         self.sampler = sampler
+        self.keyed = keyed
 
     def __iter__(self):
-        return self.sampler._pass()
+        sampler = self.sampler
+        for batch in sampler._pass():
+            if not self.keyed:
+                yield batch
+                continue
+            epoch, pos, size = sampler._yielding  # this batch: its place in the global order
+            lo, _ = split_evenly(size, sampler.world_size, sampler.rank)
+            yield [(index, sample_seed(sampler.seed, epoch, pos + lo + j))
+                   for j, index in enumerate(batch)]
 
     def __len__(self) -> int:
         return self.sampler._epoch_steps()  # the epoch's, as a DataLoader's len() is
