@@ -33,11 +33,14 @@ class Store:
 
 
 def test_an_error_of_its_own_is_reported_once_and_watching_goes_on(capfd):
-    watch = HangWatch(Store(ValueError("a bug")), rank=0, world=2, threshold=60, poll=0.01)
+    store = Store(ValueError("a bug"))
+    watch = HangWatch(store, rank=0, world=2, threshold=60, poll=0.01)
     try:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60  # an event with a bound, not a clock: the fourth look
+        while store.calls <= 3 and watch._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert watch._thread.is_alive()
-        assert watch.store.calls > 3  # it kept ticking after the errors
+        assert store.calls > 3  # it kept ticking after the errors
     finally:
         watch.stop()
     err = capfd.readouterr().err
@@ -74,3 +77,27 @@ def test_comms_made_while_the_watcher_reads_are_safe():
         stop.set()
         reader.join()
     assert not errors, errors[:1]
+
+
+def test_a_store_that_does_not_answer_is_given_up_on_and_taken_back():
+    """[Note: a store that does not answer] in src/phalanx/faults/store_calls.py: a look at a
+    store whose server is frozen raises StoreSilent after the patience, the next one says how
+    long it has been silent, and once the store answers again so do the looks."""
+    from phalanx.faults.store_calls import BoundedStore, StoreSilent
+
+    thawed = threading.Event()
+
+    class Frozen:
+        def check(self, keys):
+            thawed.wait()
+            return True
+
+    store = BoundedStore(Frozen(), patience=0.05)
+    with pytest.raises(StoreSilent) as first:
+        store.check(["flag"])
+    with pytest.raises(StoreSilent) as second:
+        store.check(["flag"])
+    assert second.value.seconds > first.value.seconds >= 0.05
+    thawed.set()
+    store.patience = 60  # bounded by the thaw, not by a clock
+    assert store.check(["flag"]) is True

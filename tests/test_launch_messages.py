@@ -72,6 +72,23 @@ def test_a_frozen_rank_is_named_as_hung_not_as_killed(tmp_path):
     assert "stopped: rank 1" not in result.stderr
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_a_frozen_rank_zero_is_named_too(tmp_path, strategy):
+    """Rank 0 SIGSTOPped at step 3: its worker serves the job's store, whose client waits for
+    an answer with no bound, so rank 1's hang watcher froze in its first look at the store and
+    nothing was said until the probe gave up (220 s). Now rank 1 says what it knows once its
+    collective has waited past the threshold and the store has not answered, and the launcher
+    names rank 0 as hung ([Note: a store that does not answer] in faults/store_calls.py)."""
+    result, took = run_job(tmp_path, "freeze0", "-", strategy)
+    assert result.returncode == 1 and "DONE" not in result.stdout, result.stderr
+    lines = summary(result)
+    assert lines[0] == ("phalanx run: error: rank 0 hung: its process was frozen (stopped, as "
+                        "by SIGSTOP), and the launcher ended it"), result.stderr
+    assert re.match(r"  \| rank 1 exited with code 124: hang at step 3: rank 1 has waited "
+                    r"[0-9.]+ s in .*, and the job's store has not answered for \d+ s",
+                    lines[1]), result.stderr
+
+
 def test_a_frozen_worker_receives_the_launchers_signal_at_once():
     # torch's agent sends SIGTERM, then SIGKILL 30 s later to what is still there; a frozen
     # process receives neither until continued, so the launcher continues it.

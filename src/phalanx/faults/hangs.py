@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from .. import environment, leaving, records
 from .hang_report import HangReport, compose_report, ranks_text
+from .store_calls import BoundedStore, StoreSilent
 
 __all__ = ["HangWatch", "HANG_EXIT", "hang_threshold", "compose_report", "HangReport"]
 
@@ -93,13 +94,14 @@ class HangWatch:
     """The watcher thread of one rank (see the module's docstring)."""
 
     def __init__(self, store, rank: int, world: int, threshold: float, poll: float | None = None):
-        self.store = store
         self.rank, self.world = rank, world
         self.threshold = threshold
         self.poll = poll if poll is not None else min(1.0, threshold / 4)
+        # Every look at the store is bounded: see [Note: a store that does not answer]
+        self.store = BoundedStore(store, patience=max(2.0, 2 * self.poll))
         # A key space per job attempt and per px.init: under a launcher whose store outlives a
         # restart, the counter goes on, so an old attempt's flag is never read as a new one's.
-        attempt = (self.store.add(f"{_KEY}/joined", 1) - 1) // world
+        attempt = (store.add(f"{_KEY}/joined", 1) - 1) // world
         self.prefix = f"{_KEY}/{attempt}"
         self.members: dict[str, list[int]] = {}  # a group of some ranks only -> its ranks
         self.on_tick = None  # fn(name -> oldest collective in flight or None), every tick
@@ -151,7 +153,7 @@ class HangWatch:
             out[name] = recs
         return out
 
-    def _state(self) -> dict:
+    def _state(self, ask_store: bool = True) -> dict:
         now = time.perf_counter()
         groups = {}
         for name, recs in self._groups().items():
@@ -164,11 +166,25 @@ class HangWatch:
                 "ranks": self.members.get(name)}
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "step": records.current_step(), "groups": groups, "stack": _main_stack(),
-                "ended": leaving.how(self.rank)}
+                "ended": self._asked(lambda: leaving.how(self.rank)) if ask_store else None}
+
+    def _asked(self, fn, default=None):
+        """`fn()`, which reads the store through leaving.py's client, bounded as every look of
+        the watcher's is ([Note: a store that does not answer]); `default` if the store is
+        silent."""
+        try:
+            return self.store.call(fn)
+        except StoreSilent:
+            return default
 
     def _tick(self) -> None:
         flag = f"{self.prefix}/flag"
-        if not self.settled and self.store.check([flag]):
+        silent = 0.0  # seconds the store has not answered (store_calls.py)
+        try:
+            flagged = not self.settled and self.store.check([flag])
+        except StoreSilent as exc:
+            flagged, silent = False, exc.seconds
+        if flagged:
             self._answer_and_end(reporter=False)
             return
         now = time.perf_counter()
@@ -179,9 +195,18 @@ class HangWatch:
             return
         for name, oldest in oldest_in.items():
             waited = None if oldest is None else now - oldest.started
-            if waited is not None and (waited > self.threshold or (
-                    waited > EARLY_POLLS * self.poll and self._waits_on_an_ended_peer(name))):
-                first = self.store.add(flag, 1) == 1
+            if waited is None:
+                continue
+            if silent:  # nobody can be told through the store: past the threshold, say it alone
+                if waited > self.threshold:
+                    self._report_alone(name, oldest, waited, silent)
+                continue
+            if waited > self.threshold or (
+                    waited > EARLY_POLLS * self.poll and self._waits_on_an_ended_peer(name)):
+                try:
+                    first = self.store.add(flag, 1) == 1
+                except StoreSilent as exc:
+                    self._report_alone(name, oldest, waited, exc.seconds)
                 self._answer_and_end(reporter=first)
                 return
 
@@ -190,7 +215,27 @@ class HangWatch:
         there that has waited several polls (long past its completion on the peer, had the
         peer issued it) will never complete."""
         members = self.members.get(name) or range(self.world)
-        return bool(leaving.ended([r for r in members if r != self.rank]))
+        return bool(self._asked(lambda: leaving.ended([r for r in members if r != self.rank])))
+
+    def _report_alone(self, name: str, oldest, waited: float, silent: float) -> None:
+        """A collective has waited past the threshold and the job's store does not answer (see
+        [Note: a store that does not answer]): the other ranks cannot be asked for their
+        states, so this rank says what it knows, and ends. Its launcher then ends the others,
+        and names a worker it finds frozen (launch/cleanup.py)."""
+        group = "" if name == "world" else f" on group {name!r}"
+        tag = f" ({oldest.tag})" if oldest.tag else ""
+        state = self._state(ask_store=False)
+        lines = [f"hang at step {state['step']}: rank {self.rank} has waited {waited:.1f} s in "
+                 f"{oldest.kind} #{oldest.group_seq}{tag}{group}, and the job's store has not "
+                 f"answered for {silent:.0f} s, so the other ranks cannot be asked: the process "
+                 "that serves the store is frozen (stopped, as by SIGSTOP) or gone (under "
+                 "phalanx run --on-failure restart or stop it is rank 0's worker; under torchrun "
+                 "the agent)",
+                 f"  rank {self.rank} ({state['host']}, pid {state['pid']}): step "
+                 f"{state['step']}"]
+        lines += ["      " + frame for frame in state["stack"]]
+        lines.append(f"phalanx: rank {self.rank} ends with exit status {HANG_EXIT}")
+        _end("phalanx: " + "\n".join(lines))
 
     def _answer_and_end(self, reporter: bool) -> None:
         """Write this rank's state; the reporter composes and prints the report. Then end, or
