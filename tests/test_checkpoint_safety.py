@@ -7,8 +7,11 @@ that every rank got the error and that every file of the user's is still there, 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -203,3 +206,73 @@ def test_saving_the_module_inside_a_zero3_model_is_refused_naming_the_prepared_o
         assert len(errors) == 2
         assert all("pass the model px.prepare returned" in e for e in errors)
     assert px.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ok")
+
+
+def _save_as(path, uid):
+    """A save to `path` as user `uid` (None: as this process's): root writes anywhere, so a
+    test run by root saves as another user, as a job of that user would."""
+    model, opt = _prepared()
+    if uid is not None:
+        os.seteuid(uid)
+    try:
+        px.save(path, model=model, optimizer=opt)
+    except px.CheckpointError as exc:
+        return str(exc)
+    finally:
+        if uid is not None:
+            os.seteuid(0)
+    return None
+
+
+@pytest.mark.parametrize("where", ["under a file", "read-only"])
+def test_a_path_it_cannot_write_is_named_with_its_own_cause(tmp_path, where):
+    """A save under a regular file (ENOTDIR) or into a directory this user may not write
+    (EACCES) says so, and why; not that another process removed what it wrote (it once did)."""
+    uid = None
+    if where == "under a file":
+        (tmp_path / "a_file").write_text("notes\n")
+        parent = str(tmp_path / "a_file")
+        errno_words, cause = "[Errno 20] Not a directory", f"{parent} is a file, not a directory"
+    else:  # beside tmp_path: its parents are the test runner's alone, not another user's
+        parent = tempfile.mkdtemp(prefix="phalanx-test-read-only-")
+        os.chmod(parent, 0o555)
+        uid = 65534 if os.geteuid() == 0 else None  # nobody
+        errno_words, cause = "[Errno 13] Permission denied", f"cannot write in {parent}: "
+    try:
+        errors = run_ranks(_save_as, 2, args=(os.path.join(parent, "ckpt"), uid), timeout=120)
+        listed = os.listdir(parent) if os.path.isdir(parent) else None
+    finally:
+        if where == "read-only":
+            os.chmod(parent, 0o755)
+            shutil.rmtree(parent)
+    for rank, error in enumerate(errors):
+        assert error is not None and errno_words in error and cause in error, (rank, error)
+        assert "emptied" not in error and "another process" not in error, (rank, error)
+        assert "give it a path in a directory this user can write to" in error, (rank, error)
+    assert listed in (None, [])  # nothing written
+
+
+@pytest.mark.one_process
+def test_each_cause_of_a_failed_write_has_its_own_explanation(tmp_path):
+    """What a rank's failed write adds to the error, by cause: the directory not writable
+    (a read-only file system, here raised by hand), the disk full, the directory removed by
+    another process while the ranks wrote it, and anything else left as it came."""
+    from phalanx.checkpoint.saving import _failure, _Snapshot
+
+    path = str(tmp_path / "ckpt")
+    partial = f"{path}.partial-0123456789ab-{TOKEN}"
+    snap = _Snapshot(path, partial, None)
+    read_only = OSError(errno.EROFS, "Read-only file system", partial)
+    assert _failure(read_only, snap, made=False).endswith(
+        f"(cannot write in {tmp_path}: Read-only file system; give it a path in a directory "
+        "this user can write to; nothing of this save was kept)")
+    os.makedirs(partial)
+    full = OSError(errno.ENOSPC, "No space left on device", partial)
+    assert _failure(full, snap, made=True).endswith(
+        f"(no space left in {tmp_path}: free some, or save elsewhere; nothing of this save was "
+        "kept and the previous checkpoint stands)")
+    assert _failure(ValueError("odd"), snap, made=True) == "ValueError: odd"
+    os.rmdir(partial)
+    gone = FileNotFoundError(errno.ENOENT, "No such file or directory", partial)
+    assert "was removed or emptied while the ranks wrote it" in _failure(gone, snap, made=True)
+    assert "was removed" not in _failure(gone, snap, made=False)

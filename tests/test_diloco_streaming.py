@@ -2,6 +2,8 @@
 ranks on gloo, float64, against the one-process simulation of diloco_sim.py; its checkpoints
 at the same and at another world size; its step report; what it refuses."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -162,3 +164,71 @@ def test_what_streaming_refuses_is_refused_on_every_rank(tmp_path):
         assert len(messages) == 2, messages
         assert "4 trainable parameter(s)" in messages[0] and "fragments=4 or fewer" in messages[0]
         assert "the fragments= it was saved with" in messages[1]
+
+
+def _load_not_diloco(path):
+    """The checkpoint at `path` loaded into ddp with the optimizer, then into a plain module
+    (what px.export gets): the weights ddp got, and the warnings that name DiLoCo."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _model()
+        opt = _inner("sgd", model)
+        model, opt = px.prepare(model, opt, strategy="ddp")
+        px.load(path, model=model, optimizer=opt)
+        loaded = [p.detach().clone() for p in px.unwrap(model).parameters()]
+        px.load(path, model=_model())
+    return loaded, [str(w.message) for w in caught if "DiLoCo" in str(w.message)]
+
+
+def test_a_checkpoint_resumed_under_ddp_says_what_it_leaves_out(tmp_path):
+    """Saved on 2 ranks after step 4 (a fragment's average in flight, the outer momentum of
+    the fragment applied, error feedback) and resumed under ddp: every rank takes the synced
+    weights (float64, against the simulation), and rank 0 warns once, naming what ddp leaves
+    out and what keeps it; a plain module (evaluation, px.export) is not warned. A checkpoint
+    of a DiLoCo that is ddp (sync_every=1, outer lr 1, no momentum) leaves nothing out, and
+    nothing is said."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_part, 2, args=(path, STREAMING, 4), timeout=TIMEOUT)
+    results = run_ranks(_load_not_diloco, 2, args=(path,), timeout=TIMEOUT)
+    sim = Simulation(2, *STREAMING, "sgd").run(4)
+    assert sim.flight is not None
+    for rank, (loaded, _) in enumerate(results):
+        _assert_close(loaded, sim.synced, f"rank {rank} under ddp")
+    (warned,), rank1 = results[0][1], results[1][1]
+    assert rank1 == []
+    for words in ("not DiLoCo", "the weights of the last sync", "4 steps into a cycle of 6",
+                  "the outer momentum", "a fragment's average in flight",
+                  "each rank's error feedback", "load it into a model prepared with the "
+                  "px.DiLoCo it was saved with"):
+        assert words in warned, (words, warned)
+    plain = str(tmp_path / "plain")
+    run_ranks(_save_part, 2, args=(plain, (1, 1, 0, 0.0, None, 1.0, 0.0), 3), timeout=TIMEOUT)
+    assert [said for _, said in run_ranks(_load_not_diloco, 2, args=(plain,),
+                                          timeout=TIMEOUT)] == [[], []]
+
+
+def _resume_warned(path, config, first, steps):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded, _ = _resume_part(path, config, first, steps)
+    return loaded, [str(w.message) for w in caught if "DiLoCo" in str(w.message)]
+
+
+def test_a_save_at_the_end_of_a_cycle_resumed_at_another_world_size_warns(tmp_path):
+    """Streaming, saved after step 6 (the end of a cycle: the count at 0) on 2 ranks and
+    resumed on 3: each rank's weights held steps made since each fragment's sync (fragments 0
+    and 1 applied 3 and 1 steps before, fragment 2 in flight), which the resume from the
+    synced weights loses: rank 0 says so (it said nothing, the count being 0)."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_part, 2, args=(path, STREAMING, 6), timeout=TIMEOUT)
+    results = run_ranks(_resume_warned, 3, args=(path, STREAMING, 6, 0), timeout=TIMEOUT)
+    sim = Simulation(2, *STREAMING, "sgd").run(6)
+    assert sim.phase == 0
+    assert not all(torch.equal(w, s) for w, s in zip(sim.weights(0), sim.synced))
+    sim.resize(3)
+    for rank, (loaded, _) in enumerate(results):
+        _assert_close(loaded, sim.synced, f"rank {rank}")
+    (warned,) = results[0][1]
+    assert "saved 0 steps into a cycle of 6 at world size 2 (streaming)" in warned, warned
+    assert "the inner steps each rank made since are not in it" in warned, warned
+    assert results[1][1] == results[2][1] == []

@@ -48,12 +48,17 @@ def _mistakes(tmp_path) -> dict[str, tuple[list, dict, str]]:
                     "PHALANX_RUN_DIR='/proc/phalanx-test/run': cannot write in /proc"),
         "hang after": (["-n", "1"], {"PHALANX_HANG_AFTER": "0"},
                        "PHALANX_HANG_AFTER='0': a positive number of seconds"),
+        # the two that phalanx run sets for its workers are checked too, then replaced
+        "on failure": (["-n", "1"], {"PHALANX_ON_FAILURE": "sometimes"},
+                       "PHALANX_ON_FAILURE='sometimes': one of 'continue', 'restart', 'stop'"),
+        "joining": (["-n", "1"], {"PHALANX_JOINING": "x"},
+                    "PHALANX_JOINING='x': the replacement's number, 0 or more"),
     }
 
 
 # Three through the real command by default (each a new interpreter importing torch), every
 # one in the slow run; every one in-process below.
-FEW = ["too many workers", "log every 0", "log dir"]
+FEW = ["too many workers", "log every 0", "log dir", "on failure"]
 
 
 @pytest.mark.parametrize("which", ["few", pytest.param("all", marks=pytest.mark.slow)])

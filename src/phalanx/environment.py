@@ -32,7 +32,9 @@ class Variable:
     read_by: str          # the docs' "read by" column
     meaning: str          # the docs' "meaning" column (Markdown)
     parse: Callable[[str], object]  # the set, non-empty text -> its value; ValueError: the fix
-    launcher_sets: bool = False     # `phalanx run` sets it for its workers, whatever it was
+    # `phalanx run` sets it for its workers, whatever it was; a value set before is checked all
+    # the same (a typo is a typo), and its error says to leave it unset
+    launcher_sets: bool = False
 
 
 # -- parsers: each raises ValueError with what a good value looks like ------------------------
@@ -218,7 +220,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "set by `phalanx run --on-failure continue` in a replacement's environment: its "
              "number (1 for the first replacement of a rank); such a worker waits to be admitted "
              "at the others' next `px.save` instead of joining the launch.",
-             _whole(0, "the replacement's number", "1 (phalanx run sets it)"),
+             _whole(0, "the replacement's number", "1"),
              launcher_sets=True),
     Variable("PHALANX_DEBUG_ELASTIC", "`--on-failure continue`",
              "`1`: every worker prints one line on stderr per transition (a loss seen, a "
@@ -252,7 +254,8 @@ def problems(environ=None, skip=()) -> list[str]:
         try:
             parsed = value(name, environ)
         except ValueError as exc:
-            found.append(str(exc))
+            found.append(str(exc) + ("; phalanx run sets it for its workers: leave it unset"
+                                     if VARIABLES[name].launcher_sets else ""))
             continue
         if name == "PHALANX_TRACE" and parsed is True and _raw("PHALANX_RUN_DIR",
                                                                 environ) is None:

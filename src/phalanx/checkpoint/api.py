@@ -14,7 +14,7 @@ from ..data.sampler import DistributedSampler
 from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, set_rng_state, under
-from .diloco import load_outer
+from .diloco import load_outer, warn_left_out
 from .ownership import adopt, checkpoints_of, job_ids
 from .compression import load_compression
 from .reader import CheckpointError, Reader, newest_intact, read_manifest, verify_files
@@ -155,6 +155,8 @@ def load_checkpoint(path, model, optimizer, strict: bool, stateful: dict,
             optim_state.load(reader, small["optimizer"], names)
         if model_state is not None and model_state.outer is not None:
             load_outer(model_state, optim_state, reader, manifest, small)
+        elif model_state is not None:  # a DiLoCo checkpoint into another strategy: diloco.py
+            warn_left_out(model_state, optim_state, manifest, small)
         if model_state is not None:
             load_compression(model_state, reader, names)
     finally:

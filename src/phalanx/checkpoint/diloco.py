@@ -15,7 +15,8 @@ holds:
                                         applied yet, for that fragment's parameters (waited
                                         for at the save; the same on every rank);
   the position in the cycle of sync_every steps (`inner_steps`: the steps since the sync under
-  plain DiLoCo), in the small state.
+  plain DiLoCo) and the schedule (sync_every, fragments, delay, keep_local), in the small
+  state.
 The inner optimizer's state under `optim/` is, as under ddp, that of the rank that writes each
 parameter, for loads into a model that is not DiLoCo.
 
@@ -28,11 +29,18 @@ A load restores the synced weights and the outer momentum on every rank. Then:
     applied to the synced weights, every rank's weights are the synced ones, the count starts
     again at 0, rank r takes saved rank (r mod N)'s inner optimizer state (N: the world size
     of the save), and every rank the mean of the saved ranks' error feedback (what the
-    average still owes them). The inner steps made since the sync are lost (a warning says
-    how many); a save right after a sync loses none. Where the algorithm
-    does not depend on the world size (sync_every=1 with an inner SGD without state, the
-    pseudo-gradient then being the learning rate times the mean gradient) the resumed run
-    equals the uninterrupted one.
+    average still owes them). The inner steps made since the sync are lost, and a warning
+    says so: under plain DiLoCo how many (a save right after a sync loses none); under
+    streaming (fragments, a delay or keep_local) each rank's weights always hold steps made
+    since some fragment's sync. Where the algorithm does not depend on the world size
+    (sync_every=1 with an inner SGD without state, the pseudo-gradient then being the
+    learning rate times the mean gradient) the resumed run equals the uninterrupted one.
+A load into a model that is not DiLoCo (prepared under another strategy) takes the synced
+weights under model/ and the inner optimizer state under optim/, and nothing else: rank 0
+warns, naming what is left out (the inner steps since the sync, the outer momentum, an
+average in flight, the error feedback) and that a model prepared with the px.DiLoCo of the
+save keeps it. A plain module loaded without an optimizer (an evaluation; what px.export
+writes) takes the synced weights without a warning.
 """
 
 from __future__ import annotations
@@ -44,9 +52,63 @@ import torch
 from ..engine.optim import per_element
 from .state import Range
 
-__all__ = ["DILOCO", "outer_of", "outer_ranges", "load_outer", "param_of"]
+__all__ = ["DILOCO", "outer_of", "outer_ranges", "outer_small_state", "load_outer",
+           "warn_left_out", "param_of"]
 
-DILOCO = "model.diloco"  # where the small state keeps the count of inner steps
+DILOCO = "model.diloco"  # where the small state keeps the count of inner steps, the schedule
+
+
+def outer_small_state(outer) -> dict:
+    """What the small state keeps of the outer state (see the Note): the position in the cycle,
+    and the schedule, which says what a resume from the synced weights loses."""
+    config = outer.config
+    return {"inner_steps": outer.inner_steps, "sync_every": config.sync_every,
+            "fragments": config.fragments, "delay": config.delay,
+            "keep_local": float(config.keep_local)}
+
+
+def _streaming(saved: dict) -> bool:
+    """Whether the checkpoint's DiLoCo streams (fragments, a delay or keep_local): then each
+    rank's weights always hold inner steps made since some fragment's sync, where plain
+    DiLoCo's are the synced ones right after each sync. (A checkpoint of an older phalanx
+    records no schedule: plain.)"""
+    return saved.get("fragments", 1) != 1 or bool(saved.get("delay")) or \
+        bool(saved.get("keep_local"))
+
+
+def _steps_lost(saved: dict) -> str | None:
+    """The inner steps a resume from the synced weights loses, in words; None: none."""
+    steps = int(saved.get("inner_steps", 0))
+    if _streaming(saved):
+        return (f"the inner steps each rank made since each fragment's last sync (the save "
+                f"was {steps} steps into a cycle of {saved.get('sync_every')})")
+    return f"the {steps} inner step(s) each rank made since the last sync" if steps else None
+
+
+def warn_left_out(model_state, optim_state, manifest: dict, small: dict) -> None:
+    """After a DiLoCo checkpoint was loaded into a model that is not DiLoCo: on rank 0, a
+    warning naming what the load left out, if anything (see the Note)."""
+    saved = small.get("stateful", {}).get(DILOCO)
+    if saved is None or model_state.comm.rank != 0 or \
+            (model_state.prepared is None and optim_state is None):
+        return
+    tensors = manifest["tensors"]
+    lost = _steps_lost(saved)
+    left = [lost] if lost is not None else []
+    for suffix, what in (("/momentum_buffer", "the outer momentum"),
+                         ("/in_flight", "a fragment's average in flight (sent, not applied)")):
+        if any(k.startswith("diloco/outer/") and k.endswith(suffix) for k in tensors):
+            left.append(what)
+    if any(k.startswith("diloco/rank") and "/error/" in k for k in tensors):
+        left.append("each rank's error feedback")
+    if not left:
+        return
+    what = left[-1] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]
+    warnings.warn(f"px.load: this checkpoint was saved under px.DiLoCo (world size "
+                  f"{manifest['world_size']}) and the model it is loaded into is not DiLoCo: it "
+                  f"takes the weights of the last sync and leaves out {what}. To go on from "
+                  "where the run stopped, load it into a model prepared with the px.DiLoCo it "
+                  "was saved with, at the same world size", stacklevel=4)
 
 
 def outer_of(prepared):
@@ -124,13 +186,22 @@ def load_outer(model_state, optim_state, reader, manifest: dict, small: dict) ->
         for state_key, value in optim_state.optimizer.state.get(master, {}).items():
             if prefix + state_key in tensors and per_element(state_key, value, master.shape):
                 reader.read_into(prefix + state_key, 0, p.numel(), value)
-    steps = int(small.get("stateful", {}).get(DILOCO, {}).get("inner_steps", 0))
+    saved = small.get("stateful", {}).get(DILOCO, {})
+    steps = int(saved.get("inner_steps", 0))
     in_flight = _in_flight(outer, averages)
     if same and all(m is not None for m in mine):
         outer.restore(mine, steps, in_flight)
         return
     outer.restore(None, 0, in_flight)
-    if steps and rank == 0:
+    if rank != 0:
+        return
+    if _streaming(saved):
+        warnings.warn(f"px.load: this DiLoCo checkpoint was saved {steps} steps into a cycle "
+                      f"of {saved.get('sync_every')} at world size {saved_world} (streaming); "
+                      f"at world size {world} the run resumes from each fragment's last sync, "
+                      "and the inner steps each rank made since are not in it (resume at the "
+                      "same world size to lose none)", stacklevel=3)
+    elif steps:
         warnings.warn(f"px.load: this DiLoCo checkpoint was saved {steps} inner step(s) after a "
                       f"sync at world size {saved_world}; at world size {world} the run resumes "
                       "from that sync and those steps are not in it (save right after a sync, "

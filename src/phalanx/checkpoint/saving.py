@@ -17,6 +17,7 @@ running and raises its error, if it had one, on every rank.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -32,13 +33,14 @@ from .. import elastic, runtime
 from ..arguments import check_checkpoint_call
 from ..collectives import Comm
 from ..elastic.gate import step_lost
+from ..environment import why_not_writable_dir
 from ..model.prepare import prepared_or_none
 from ..process import state
 from ..runtime import default_comm
 from .common import (LOSS_SCALER, OPTIM, STATE_FILE, agree, is_stateful, model_key,
                      optim_parts, rng_state)
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
-from .diloco import DILOCO, outer_ranges, param_of
+from .diloco import DILOCO, outer_ranges, outer_small_state, param_of
 from .compression import compression_ranges
 from .files import file_digest, fsync_dir, write_tensors
 from .ownership import agree_on_job, job_ids, manifest_fields
@@ -207,7 +209,7 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             if scaler is not None:
                 small["stateful"][LOSS_SCALER] = copy.deepcopy(scaler.state_dict())
             if model_state.outer is not None:
-                small["stateful"][DILOCO] = {"inner_steps": model_state.outer.inner_steps}
+                small["stateful"][DILOCO] = outer_small_state(model_state.outer)
         if delayed is not None:
             small["delayed"] = delayed
         snap.small = small
@@ -234,14 +236,15 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
     """Every rank writes its file; rank 0 completes the checkpoint; every rank raises alike.
     False: nothing was written, a rank being lost meanwhile ([Note: a save in a lost step])."""
     own_file = f"rank{comm.rank:05d}.safetensors"
-    report, error = None, None
+    report, error, made = None, None, False
     try:
         os.makedirs(snap.partial, exist_ok=True)
+        made = True
         info = write_tensors(os.path.join(snap.partial, own_file), snap.tensors)
         report = {"file": own_file, "info": info, "index": snap.index, "whole": snap.whole,
                   "keys": snap.keys, "rng": snap.rng}
     except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
-        error = _failure(exc, snap)
+        error = _failure(exc, snap, made)
     snap.tensors = {}  # the copies are written: let them go
     try:
         agree(comm, error, f"px.save({snap.path!r}): writing the ranks' files", saving=True)
@@ -271,15 +274,32 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
     return not step_lost()
 
 
-def _failure(exc: Exception, snap: _Snapshot) -> str:
-    """The error of a rank's part of a save, saying so when the directory it writes into
-    was removed meanwhile (a bare FileNotFoundError once left the user guessing)."""
+def _failure(exc: Exception, snap: _Snapshot, made: bool = True) -> str:
+    """The error of a rank's part of a save, with its cause and fix where the error alone
+    leaves the user guessing: the directory the save writes into could not be made (`made`
+    False: under a file, read-only, not this user's), was removed by another process while
+    the ranks wrote it (a bare FileNotFoundError), or the disk is full."""
     error = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, FileNotFoundError) or not os.path.isdir(snap.partial):
-        error += (f" ({snap.partial}, where this save writes before the rename, was removed "
-                  "or emptied while the ranks wrote it: by another process, not by this job; "
-                  "nothing of this save was kept and the previous checkpoint stands)")
+    code = exc.errno if isinstance(exc, OSError) else None
+    parent = os.path.dirname(snap.path)
+    if made and (isinstance(exc, FileNotFoundError) or not os.path.isdir(snap.partial)):
+        return error + (f" ({snap.partial}, where this save writes before the rename, was "
+                        "removed or emptied while the ranks wrote it: by another process, not "
+                        "by this job; nothing of this save was kept and the previous checkpoint "
+                        "stands)")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return error + (f" (no space left in {parent}: free some, or save elsewhere; nothing "
+                        "of this save was kept and the previous checkpoint stands)")
+    if not made or code in _NOT_WRITABLE:
+        why = why_not_writable_dir(parent) or \
+            f"cannot write in {parent}: {getattr(exc, 'strerror', None) or exc}"
+        return error + (f" ({why}; give it a path in a directory this user can write to; "
+                        "nothing of this save was kept)")
     return error
+
+
+# what an OSError says of a directory a save cannot write in
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 
 def _complete(snap: _Snapshot, reports: list) -> None:

@@ -68,10 +68,14 @@ class DiLoCo:
     Loaded at another world size, it resumes from the last sync: every rank starts from the
     synced weights, rank r takes the inner optimizer state of saved rank r mod N (N: the world
     size of the save), and the inner steps made since the sync are lost, with a warning that
-    says how many (a save right after a sync loses none). Under streaming a fragment's
+    says how many (a save right after a sync loses none; under streaming some fragment always
+    holds steps made since its sync, and the warning says so). Under streaming a fragment's
     average that was sent but not applied yet is saved too: at the same world size it is
     applied when it is due, at another one at the load; each rank's error feedback is saved,
-    and at another world size every rank takes the mean of the saved ranks'.
+    and at another world size every rank takes the mean of the saved ranks'. Loaded into a
+    model prepared under another strategy (ddp), it gives the synced weights, and rank 0
+    warns, naming what that leaves out (the inner steps since the sync, the outer momentum,
+    an average in flight, the error feedback).
     """
     # The checkpoint's layout: [Note: a DiLoCo checkpoint] in checkpoint/diloco.py.
 

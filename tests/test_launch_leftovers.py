@@ -1,0 +1,99 @@
+"""`phalanx run`'s temporary directory (`$TMPDIR/phalanx-run-*`, the workers' logs) does not
+outlive its launcher for long: a launcher killed with SIGKILL cannot remove its own, and the
+next `phalanx run` on the machine does, while the directory of a launcher still running beside
+it is left alone (see [Note: the launcher's temporary directory] in launch/cli.py).
+
+Real launchers (`python -m phalanx run` in subprocesses, each with a timeout) under a TMPDIR of
+the test's own, a real SIGKILL; the test waits for events (a worker's pid file, a process's
+end), never for a length of time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# A worker that says it started (its pid) and waits for its go.
+WAITER = """\
+import os, sys, time
+where, name = sys.argv[1], sys.argv[2]
+with open(os.path.join(where, name + ".pid.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.rename(os.path.join(where, name + ".pid.tmp"), os.path.join(where, name + ".pid"))
+while not os.path.exists(os.path.join(where, "go-" + name)):
+    time.sleep(0.05)
+print("DONE", name, flush=True)
+"""
+TIMEOUT = 120  # seconds any one event may take (a launcher start imports torch)
+
+
+def _wait_for(condition, what: str):
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {TIMEOUT} s for {what}"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _run_dirs(tmp: Path) -> set[str]:
+    return {p.name for p in tmp.iterdir() if p.name.startswith("phalanx-run-")}
+
+
+def test_the_next_run_removes_a_killed_launchers_directory_not_a_live_ones(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    where = tmp_path / "events"
+    where.mkdir()
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env.update(TMPDIR=str(tmp), PHALANX_RUN_DIR=str(tmp_path / "runs"))
+
+    def launch(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-n", "1", str(script),
+                                 str(where), name], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    launchers, dirs = {}, {}
+    try:
+        for name in ("live", "killed"):  # one after the other, to know whose directory is whose
+            before = _run_dirs(tmp)
+            launchers[name] = launch(name)
+            _wait_for((where / f"{name}.pid").exists, f"the {name} job's worker")
+            (dirs[name],) = _run_dirs(tmp) - before
+        worker = int((where / "killed.pid").read_text())
+        launchers["killed"].kill()  # SIGKILL: the launcher's cleanup never runs
+        launchers["killed"].communicate(timeout=TIMEOUT)
+        assert launchers["killed"].returncode == -signal.SIGKILL
+        _wait_for(lambda: not _alive(worker), "the killed launcher's worker to end")
+        assert dirs["killed"] in _run_dirs(tmp)  # what the kill left behind
+
+        quick = tmp_path / "quick.py"
+        quick.write_text("print('QUICK', flush=True)\n")
+        result = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "1", str(quick)],
+                                cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=TIMEOUT, check=False)
+        assert result.returncode == 0 and "QUICK" in result.stdout, result.stderr
+        # the next run removed the dead launcher's directory, not the live one's, nor left its own
+        assert _run_dirs(tmp) == {dirs["live"]}
+
+        (where / "go-live").write_text("")
+        out, err = launchers["live"].communicate(timeout=TIMEOUT)
+        assert launchers["live"].returncode == 0 and "[rank0]: DONE live" in out, err
+        assert _run_dirs(tmp) == set()  # a launcher that ends removes its own
+    finally:
+        for job in launchers.values():
+            if job.poll() is None:
+                job.kill()
+                job.communicate()
