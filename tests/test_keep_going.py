@@ -311,3 +311,22 @@ def test_stop_ends_at_the_first_failure_and_refuses_restarts(tmp_path):
                      tmp_path / "ck", "--kill", "1@2")
     assert result.returncode == 1
     assert "phalanx run: error: rank 1 was killed by SIGKILL" in result.stderr
+
+
+@pytest.mark.parametrize("catch", [False, True], ids=["uncaught", "caught"])
+def test_an_exception_inside_optimizer_step_redoes_the_steps_after_it(tmp_path, catch):
+    """Rank 2's step pre-hook raises inside step 7's optimizer.step(), after its vote: the
+    others applied step 7 with its gradients. Uncaught, it ended its worker and the survivors
+    then skipped step 8, a healthy step (the job equalled neither skipping step 7 nor the
+    uninterrupted run); caught by the loop, it trained on with parameters the others' step had
+    left behind. Now the rank ends (caught: at its next call into the model, with StepFailed)
+    and the steps after 7 are redone by the others: the uninterrupted run, exactly."""
+    reference = _reference(tmp_path)
+    extra = ("--catch",) if catch else ()
+    weights, stdout, stderr = _job(tmp_path, "--raise", "2@7", "--raise-in", "step",
+                                   "--sleep", "0.05", *extra, restarts=0)
+    _close(weights, reference, stderr)
+    assert "skipped by" not in stderr, stderr
+    if catch:
+        assert "StepFailed: this rank's optimizer.step() at step 7 raised (RuntimeError: CUDA " \
+               "out of memory (simulated))" in stderr, stderr

@@ -16,7 +16,9 @@ restart) fails on purpose; its replacement, or the restarted worker, runs normal
 `--raise R@S`: rank R raises an out-of-memory error in step S's backward (or forward,
 `--raise-in forward`), which ends the worker, or which the loop catches (`--catch`: the step
 is dropped on every rank, and the failing rank goes on through the rest of the loop's body,
-its px.save included, as the others do). `--die-completing S`:
+its px.save included, as the others do). `--raise-in step`: in a step pre-hook of the
+optimizer (registered after px.prepare), inside optimizer.step(); caught, the rank's next call
+into its model raises StepFailed, which ends it. `--die-completing S`:
 rank 0 dies as it completes the checkpoint of step S, the others waiting for its word. `--skip
 S` leaves out the batch of step S (the reference for `--raise`). `--freeze R@S`: rank R stops
 its own process (SIGSTOP) before step S's forward, a frozen rank. `--timeout S`:
@@ -56,7 +58,7 @@ parser.add_argument("--skip", type=int, default=None)
 parser.add_argument("--no-resume", action="store_true")
 parser.add_argument("--save-every", type=int, default=1)
 parser.add_argument("--freeze", default="")
-parser.add_argument("--raise-in", choices=("forward", "backward"), default="backward")
+parser.add_argument("--raise-in", choices=("forward", "backward", "step"), default="backward")
 parser.add_argument("--catch", action="store_true")
 parser.add_argument("--samples", type=int, default=240)
 parser.add_argument("--ticks", action="store_true")
@@ -165,6 +167,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_de
 model, optimizer = px.prepare(model, optimizer, strategy=args.strategy,
                               precision=args.precision)
 loader = px.data_loader(data, batch_size=12 // int(os.environ.get("WORLD_SIZE", "1")))
+optimizer.register_step_pre_hook(lambda opt, a, k: boom("step"))
 start = 0
 if not args.no_resume:
     ckpt = px.latest_checkpoint(args.ckpt)
@@ -196,7 +199,11 @@ for epoch in range(start, args.epochs):
                 raise
             # the step is dropped on every rank (optimizer.step() below changes nothing); the
             # rest of the loop (its tick, its px.save) goes on here as on the other ranks
-        optimizer.step()
+        try:
+            optimizer.step()
+        except RuntimeError as exc:
+            if not (args.catch and "(simulated)" in str(exc)):
+                raise
         optimizer.zero_grad()
         if args.ticks:
             print(f"TICK rank={rank} pid={os.getpid()} life={life} attempt={attempt} "

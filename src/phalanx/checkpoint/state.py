@@ -58,6 +58,8 @@ class ModelState:
                 "model (px.unwrap(model)), whose parameters exist only while their unit "
                 "computes; pass the model px.prepare returned (px.save(path, model=model))")
         self.engine = self.prepared._engine if self.prepared is not None else None
+        if self.engine is not None:  # [Note: a step that raised in the optimizer] (engine/)
+            self.engine.vote.check_stepped()
         # the prepared model's Comm: the job's, also where the engine's is a world of one (DiLoCo)
         self.comm: Comm = self.prepared._comm if self.prepared is not None else default_comm()
         # DiLoCo's outer state (engine/diloco.py); see [Note: a DiLoCo checkpoint] in diloco.py

@@ -162,8 +162,14 @@ def raised(exc: BaseException) -> None:
         return
     from . import store as keys
 
+    # The step call it raised in: the one in flight, or, where it raised inside (or after)
+    # an optimizer.step() whose vote completed, that one (engine/vote.py's [Note: a step that
+    # raised in the optimizer]): the steps after it are then redone, not skipped (steps.py).
+    in_step = any(getattr(getattr(p._engine, "vote", None), "in_step", None) is not None
+                  for p in models())
     keys.write(m.store, f"raised/{m.me}.{m.life}",
-               {"call": steps.calls + 1, "message": f"{type(exc).__name__}: {exc}"[:300]})
+               {"call": steps.calls if in_step else steps.calls + 1,
+                "message": f"{type(exc).__name__}: {exc}"[:300]})
 
 
 def stop() -> None:

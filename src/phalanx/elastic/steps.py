@@ -25,9 +25,11 @@ same decision (`decide`):
   not committed, now split over the survivors (the sampler's one global order makes this the
   same samples), and training goes on on the new group.
 
-When the member that left had raised an exception (it said so in the store before it ended:
-an error in one rank's step, not a death), the steps after K are skipped instead of redone:
-their batches are not served again, as if the job had skipped them.
+When the member that left had raised an exception in a step after K (it said so in the store
+before it ended: an error in one rank's forward or backward, not a death), the steps after K
+are skipped instead of redone: their batches are not served again, as if the job had skipped
+them. One that raised inside the optimizer.step() of K itself, after K's vote, had its
+gradients averaged with everyone's in K: the steps after K are healthy, and are redone.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def decide(gen: int, reports: dict, gone: dict) -> Decision:
                 "bug: please report it with the console output")
     return Decision(gen, committed, max(rep["calls"] for _, rep in reports.values()),
                     sorted((rank, life) for rank, (life, _) in reports.items()), dict(gone),
-                    any("raised" in why for why in gone.values()), dict(reports))
+                    any(why["raised"].get("call", committed + 1) > committed
+                        for why in gone.values() if "raised" in why), dict(reports))
 
 
 class _Rewind:

@@ -293,8 +293,9 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         return flag
 
     def drop_grads(self) -> None:
-        """Forget this step's gradients: the next optimizer.step() changes nothing."""
-        self.zero_grad()
+        """Forget this step's gradients: the next optimizer.step() changes nothing. (Called
+        from inside a step or the vote: no catch-up of its own, unlike `zero_grad`.)"""
+        self._forget_reduced()
         for p in self.params:
             p.grad = None
 
@@ -367,6 +368,9 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         """Forget reduced gradients (the prepared model's and the adopted optimizer's
         zero_grad call this); the model's `.grad` are cleared by the caller."""
         self.vote.catch_up()
+        self._forget_reduced()
+
+    def _forget_reduced(self) -> None:
         for unit in self.units:
             unit.clear_reduced()
         self._overflow = None

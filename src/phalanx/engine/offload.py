@@ -203,7 +203,7 @@ def step_on_host(engine, ready: list, unscale: float, step_one) -> None:
     sizes = [u.reduced.numel() * torch.finfo(u.master_dtype).bits // 8 for u in ready]
     runs = [[ready[i] for i in run] for run in step_runs(sizes, engine.step_chunk_bytes)]
     landing = link.download([u.reduced for u in runs[0]], "grads0")
-    works = []
+    works, raised = [], None
     for i, run in enumerate(runs):
         grads = landing.wait()
         if i + 1 < len(runs):  # the next run's gradients land while this one steps
@@ -219,8 +219,12 @@ def step_on_host(engine, ready: list, unscale: float, step_one) -> None:
                 at += grads[j].numel()
         for unit, g in zip(run, grads):
             unit.set_piece_grads(g)
-        with host_kernels(optimizer):
-            step_one()
+        if raised is None:
+            try:
+                with host_kernels(optimizer):
+                    step_one()
+            except BaseException as exc:  # noqa: BLE001 - raised once the others are let go
+                raised = exc
         for unit in run:
             unit.set_piece_grads(None)
         link.host_step_s += time.perf_counter() - began
@@ -231,3 +235,5 @@ def step_on_host(engine, ready: list, unscale: float, step_one) -> None:
     for work in works:
         if work is not None:
             work.wait()
+    if raised is not None:  # see [Note: a step that raised in the optimizer] in vote.py
+        raise raised

@@ -94,10 +94,12 @@ class OptimizerAdapter:
         # The groups as the user built them: what a single process's state_dict indexes.
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         setattr(optimizer, _ADAPTER_ATTR, self)
-        # a step that raised on this rank is voted down before a step (vote.py)
-        self._catch_up = None if self.adopted else optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs: engine.vote.catch_up())
+        # a step that raised on this rank is voted down before a step (vote.py), and a step
+        # that raised in the optimizer is seen (vote.py's [Note: a step that raised in the
+        # optimizer]): the adopted step does both itself
         if not self.adopted:
+            self._user = {"step": optimizer.step}
+            optimizer.step = types.MethodType(_watched(engine.vote, optimizer.step), optimizer)
             return
         _check_elementwise(optimizer)
         # a state loaded before prepare, in the single-process format (see the Note)
@@ -159,13 +161,11 @@ class OptimizerAdapter:
         methods, no state (an engine rebuilt for another layout adopts it again and loads its
         state: elastic/, model/relayout.py)."""
         optimizer = self.optimizer
-        if self._catch_up is not None:
-            self._catch_up.remove()
+        for name, method in self._user.items():
+            optimizer.__dict__[name] = method
         if self.adopted:
             for group, params in zip(optimizer.param_groups, self.original):
                 group["params"] = list(params)
-            for name, method in self._user.items():
-                optimizer.__dict__[name] = method
             optimizer.state.clear()
         optimizer.__dict__.pop(_ADAPTER_ATTR, None)
 
@@ -187,13 +187,20 @@ class OptimizerAdapter:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.engine.vote.catch_up()
-        if self.engine.vote.dropped:  # see [Note: the step vote] in vote.py: nothing, anywhere
+        vote = self.engine.vote
+        vote.catch_up()
+        if vote.dropped:  # see [Note: the step vote] in vote.py: nothing, anywhere
             return loss
         if self.before_step is not None and not self.before_step():
             self.engine.drop_grads()  # the step is thrown away: it changes nothing
-        with self.holding_masters():
-            stepped = self.engine.step_units(self._user["step"])
+        vote.step_begins()  # see [Note: a step that raised in the optimizer] in vote.py
+        try:
+            with self.holding_masters():
+                stepped = self.engine.step_units(self._user["step"])
+        except BaseException as exc:
+            vote.step_raised = f"{type(exc).__name__}: {exc}"[:300]
+            raise
+        vote.step_ends()
         if not stepped and self.engine.loss_scaler is not None:
             self.zero_grad()  # overflowed gradients are of no use to a later step
         for fn in self.after_step:
@@ -305,6 +312,26 @@ class OptimizerAdapter:
             position += len(held)
         with self.holding_masters():
             self._user["load_state_dict"]({"state": state, "param_groups": groups})
+
+
+def _watched(vote, user_step):
+    """An optimizer's own step (ddp at full precision: not adopted) as the vote watches it:
+    first what the vote makes up, then the step, seen to return ([Note: a step that raised in
+    the optimizer] in vote.py). The step is torch's with its hooks, so a pre-hook that raises
+    is inside it. A scheduler built before px.prepare keeps its mark (see the adopted step)."""
+    def step(opt, *args, **kwargs):
+        vote.catch_up()
+        vote.step_begins()
+        try:
+            result = user_step(*args, **kwargs)
+        except BaseException as exc:
+            vote.step_raised = f"{type(exc).__name__}: {exc}"[:300]
+            raise
+        vote.step_ends()
+        return result
+    if getattr(user_step, "_wrapped_by_lr_sched", False):
+        step._wrapped_by_lr_sched = True
+    return step
 
 
 def held_groups(optimizer) -> list[list[torch.Tensor]]:

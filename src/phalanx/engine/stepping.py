@@ -81,7 +81,7 @@ class Stepping:
         if self.host_link is not None:  # the masters are on the host: offload.py
             step_on_host(self, ready, unscale, step_one)
             return True
-        works = []
+        works, raised = [], None
         for run in self._step_runs(ready, unscale):
             for unit in run:
                 unit.sync_master_from_cache()  # See [Note: the shard is the truth] in flat.py
@@ -89,7 +89,11 @@ class Stepping:
                 if grad.dtype != unit.master_dtype or unscale != 1.0:
                     grad = grad.to(unit.master_dtype).mul_(unscale)
                 unit.set_piece_grads(grad)
-            step_one()
+            if raised is None:
+                try:
+                    step_one()
+                except BaseException as exc:  # noqa: BLE001 - raised once the others are let go
+                    raised = exc
             for unit in run:
                 unit.set_piece_grads(None)
                 if not self.reshards:  # zero3 gathers at the next forward (zero3.py)
@@ -97,6 +101,8 @@ class Stepping:
         for work in works:
             if work is not None:
                 work.wait()
+        if raised is not None:  # the others are past this step's collectives: see
+            raise raised        # [Note: a step that raised in the optimizer] in vote.py
         return True
 
     def _step_runs(self, ready: list[FlatUnit], unscale: float) -> list[list[FlatUnit]]:

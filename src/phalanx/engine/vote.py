@@ -62,9 +62,23 @@ import warnings
 
 import torch
 
-__all__ = ["FAILED_AT", "StepVote"]
+__all__ = ["FAILED_AT", "StepVote", "StepFailed"]
 
 FAILED_AT = 1.5  # a reduced signal of at least this: some rank's step raised
+
+
+class StepFailed(RuntimeError):
+    """This rank's `optimizer.step()` raised while the other ranks applied theirs (see [Note:
+    a step that raised in the optimizer]); `step`: the optimizer steps taken before it."""
+
+    def __init__(self, step: int, what: str):
+        super().__init__(
+            f"this rank's optimizer.step() at step {step} raised ({what}), and the loop went on "
+            "past it; the other ranks applied that step, so this rank's parameters and optimizer "
+            "state are no longer theirs and it cannot go on. Let the exception end this rank "
+            "(under phalanx run --on-failure continue the others then go on without it and its "
+            "replacement joins with their state), or end the run and resume from a checkpoint")
+        self.step = step
 
 
 def _described(exc: BaseException | None) -> str:
@@ -85,6 +99,39 @@ class StepVote:
         self.dropped = False  # the last backward that communicated was voted down
         self.unavailable: str | None = None  # set by the prepared model (sync batchnorm)
         self._busy = False
+        # [Note: a step that raised in the optimizer]: the step in progress, until it returns
+        self.in_step: int | None = None
+        self.step_raised: str | None = None
+
+    def step_begins(self) -> None:
+        """An `optimizer.step()` begins (see [Note: a step that raised in the optimizer])."""
+        self.check_stepped()
+        self.in_step, self.step_raised = self.engine.steps.value, None
+
+    def step_ends(self) -> None:
+        self.in_step = None
+
+    def check_stepped(self) -> None:
+        """[Note: a step that raised in the optimizer]
+        The vote drops a step whose forward or backward raised on some rank: every rank is
+        still in the step's collectives then. An `optimizer.step()` that raises on one rank is
+        past them: under ddp the other ranks have applied the step by the time this one has
+        raised (the step makes no collective), and under zero1/zero2 they wait in its last
+        collectives, the publishing of each rank's updated shard (which the failing rank still
+        makes, with what it holds, before the exception leaves the step: engine/stepping.py).
+        Dropping the step everywhere would need every rank's state from before it, a copy of
+        the masters and optimizer state kept at every step; a healthy step pays nothing here.
+        So the failing rank cannot go on: its step is still `in_step` when the loop calls into
+        its model again (a forward, zero_grad, the next step, px.save, state_dict), which
+        raises `StepFailed` naming the exception, so a loop that caught it ends the rank
+        rather than train on with replicas that differ (silently, under ddp) or wait in a
+        collective the others are past (zero2: a hang report 200 s later that did not name the
+        exception). Uncaught, the exception ends the rank at once. Under `phalanx run
+        --on-failure continue` the others then go on without it: the step it raised in was
+        committed by every rank's vote, so the steps after it are redone, not skipped
+        (elastic/steps.py)."""
+        if self.in_step is not None:
+            raise StepFailed(self.in_step, self.step_raised or "an exception")
 
     def signal(self, base):
         """What this rank's bucket signal carries: `base` (the non-finite flag) plus the vote."""
@@ -110,6 +157,7 @@ class StepVote:
     def catch_up(self) -> None:
         """If this rank's last forward or backward raised, make the rest of its collectives,
         the vote in them (see the Note)."""
+        self.check_stepped()
         engine, reducer = self.engine, self.engine.reducer
         if self._busy or (self.raised is None and not reducer.in_progress()):
             return

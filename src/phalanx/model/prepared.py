@@ -247,6 +247,7 @@ class PreparedModule(torch.nn.Module):
         if any(sd.get(prefix + name) is p for name, p in named):
             return  # keep_vars=True: the live tensors, as torch gives them
         engine = self._engine
+        engine.vote.check_stepped()  # [Note: a step that raised in the optimizer] (engine/)
         values = engine.full_master_values() if engine.reshards or self._precision.low else {}
         for name, p in named:
             value = values.get(id(p))
