@@ -16,6 +16,8 @@ import sys
 import time
 import weakref
 
+import torch
+
 from .. import runtime
 
 __all__ = ["Events", "describe_departure"]
@@ -34,6 +36,29 @@ def describe_departure(why: dict) -> str:
     from ..launch.failures import how_it_ended
 
     return how_it_ended(int(why.get("exitcode", 1)))
+
+
+def _draws_differ() -> str:
+    """[Note: random draws after a recovery]
+    A rank draws dropout's masks (and any other randomness of its forward) from its own
+    generator, for its own part of each batch. A step redone by fewer ranks splits the batch
+    otherwise, and each survivor's generator has already advanced through the lost step: the
+    redone step's masks, and every draw after it, are not the uninterrupted run's. Making them
+    so would need masks drawn per sample (a generator keyed by the sample, as loader workers'
+    augmentation is: data/seeding.py), which torch's dropout does not do. So where a prepared
+    model holds a dropout layer that draws (p > 0, in training mode), the line that says a
+    step was redone or skipped says this too: the run goes on with the same samples and the
+    same averaged gradients' rule, but not with the same random draws."""
+    from . import models
+
+    drawing = sorted({type(m).__name__ for p in models() for m in p.module.modules()
+                      if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+                      and m.training})
+    if not drawing:
+        return ""
+    return (f"; the model's {', '.join(drawing)} draws after the loss differ from the "
+            "uninterrupted run's (each rank draws from its own generator for its part of "
+            "a batch, and the batch is split over fewer ranks now)")
 
 
 def _ranks(ranks) -> str:
@@ -97,7 +122,7 @@ class Events:
         since = f" from {os.path.basename(decision.checkpoint)}" if decision.checkpoint else ""
         line = (f"phalanx: {causes} at step {step}; step {step} {verb} "
                 f"by {len(decision.survivors)} rank{'s' if len(decision.survivors) != 1 else ''}"
-                f"{since}; training went on {seconds:.2f} s after the loss")
+                f"{since}; training went on {seconds:.2f} s after the loss{_draws_differ()}")
         self.record({"world": len(decision.survivors), "left": len(left), "step": step,
                      "seconds": seconds, "skipped": int(decision.skip), "ranks": left}, line)
 
