@@ -31,11 +31,14 @@ group it joined is gone and ends it as `px.shutdown()` would).
 
 At its end a rank writes its key, `phalanx/leaving/<attempt>/<rank>`, in the job's store, with
 how it ended ("px.shutdown", "failed", or how its script ended as a launcher's worker says:
-"the script called sys.exit(0)"), and counts itself in; the rank that completes the count
-writes `all`. A rank that has not failed then waits for `all`, its shard service answering
-meanwhile: a peer's key is written after its last read (reads are synchronous), so when every
-key is there nobody reads any more, and the groups can end with no peer still talking (what
-keeps gloo from aborting a peer at exit). The wait is a poll of one store key, not a
+"the script called sys.exit(0)"), and counts itself in (one atomic add). A rank that has not
+failed then waits until the count is the world, its shard service answering meanwhile: a
+peer's key is written after its last read (reads are synchronous), so when every rank is
+counted nobody reads any more, and the groups can end with no peer still talking (what keeps
+gloo from aborting a peer at exit). Nothing but each rank's own add is waited for (no key that
+one rank writes for all after its add, which an exception or a stall between the two would
+hold back), and a wait that outlasts the hang threshold says what it waits for, naming the
+ranks, so an end that stalls is never silent. The wait is a poll of one store key, not a
 collective: the hang watcher does not report it (a peer that is only slower is not a hang), but
 a peer stuck in a collective that this rank will never join is still reported (faults/hangs.py:
 the watcher keeps running until the wait is over), and soon: a collective that waits on a
@@ -77,15 +80,18 @@ _POLL_MIN, _POLL_MAX = 0.002, 0.1  # seconds between two looks at the store whil
 _script_end: dict = {}
 
 
-def start(store, rank: int, world: int, timeout: float, end) -> None:
+def start(store, rank: int, world: int, timeout: float, end, said_after: float) -> None:
     """`px.init` with peers: this rank's end will be announced in `store` and waited for
     there; `end` (`px.shutdown`) is what the end of a script, or torch's
-    `destroy_process_group()` for the whole job, calls. A key space per px.init: a store that
-    outlives a shutdown and a new init (or a launcher's restart) holds the old keys."""
+    `destroy_process_group()` for the whole job, calls; a wait at the end says what it waits
+    for once it has lasted `said_after` seconds (the hang report's threshold). A key space
+    per px.init: a store that outlives a shutdown and a new init (or a launcher's restart)
+    holds the old keys."""
     attempt = (store.add(f"{_KEY}/joined", 1) - 1) // world
     now = state.leaving
     now.__init__(store=store, rank=rank, world=world, timeout=timeout, end=end,
-                 prefix=f"{_KEY}/{attempt}", torch_destroy=now.torch_destroy)
+                 prefix=f"{_KEY}/{attempt}", torch_destroy=now.torch_destroy,
+                 said_after=said_after)
     call_at_exit(end)
     if now.torch_destroy is None:
         now.torch_destroy = c10d.destroy_process_group
@@ -206,7 +212,12 @@ def ended(ranks) -> list[int]:
 
 def leave(how_: str) -> None:
     """This rank has reached its end (see the Note): announce it, and unless it fails, wait
-    until every rank has, or the timeout passes. Once per `start`; a no-op without peers."""
+    until every rank has, or the timeout passes. Once per `start`; a no-op without peers.
+
+    What it waits for is the count every rank adds to (one atomic add of each), not a key
+    that one of them writes after its add: no rank's later write, which an exception or a
+    stall between the two could hold back, is needed for the others to go on. A wait that
+    outlasts the hang threshold says so (`_poll`), naming the ranks it waits for."""
     now = state.leaving
     if now.store is None or now.left:
         return
@@ -216,18 +227,17 @@ def leave(how_: str) -> None:
     try:
         said = "failed" if fails else _script_end.get("ending", how_)
         store.set(f"{prefix}/{now.rank}", said)
-        if store.add(f"{prefix}/count", 1) == world:
-            store.set(f"{prefix}/all", "1")
+        store.add(f"{prefix}/count", 1)
         if fails:  # it talks to nobody any more
             store.add(f"{prefix}/done", 1)
             return
     except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
         return
-    came = _poll(lambda: store.check([f"{prefix}/all"]))
-    now.all_came = came is True
+    came = _poll(lambda: store.add(f"{prefix}/count", 0) >= world,
+                 lambda: _waiting_for(_not_ended(world)))
     if came is False:
         rank, timeout = now.rank, now.timeout
-        missing = [r for r in range(world) if r != rank and how(r) is None]
+        missing = _not_ended(world)
         names = ", ".join(map(str, missing))
         who = f"rank {names} has" if len(missing) == 1 else f"ranks {names} have"
         print(f"phalanx: rank {rank} waited {timeout:.0f} s at its end for its peers to finish "
@@ -237,20 +247,36 @@ def leave(how_: str) -> None:
               "(px.init(timeout=) bounds this wait)", file=sys.stderr, flush=True)
 
 
+def _not_ended(world: int) -> list[int]:
+    return [r for r in range(world) if r != state.leaving.rank and how(r) is None]
+
+
+def _waiting_for(ranks: list[int]) -> str:
+    one = len(ranks) == 1
+    return (f"for {'rank' if one else 'ranks'} {', '.join(map(str, ranks))} to reach "
+            f"{'its' if one else 'their'} own end (px.shutdown(), destroy_process_group() or "
+            "the end of the script), answering for its shards meanwhile")
+
+
 def done() -> None:
-    """This rank's groups and shard services have ended. Rank 0, which may host the job's
-    store (`phalanx run` and torchrun's env:// put it there), stays until every rank has ended
-    its own, which talk to the store as they end (a store that goes first makes torch print
-    "Connection reset by peer" on each of them). Then torch's `destroy_process_group` is
-    torch's again; px.shutdown's reset of the process state (process.py) forgets the rest,
-    so the end of the script has nothing left to do."""
+    """This rank's groups and shard services have ended: it says so (whether or not every
+    peer came to its end: `leave`'s wait may have timed out). Rank 0, which may host the
+    job's store (`phalanx run` and torchrun's env:// put it there), stays until every rank
+    that reached its end has ended its own groups, which talk to the store as they end (a
+    store that goes first makes torch print "Connection reset by peer" on each of them); a
+    rank that never reached its end is not waited for again. Then torch's
+    `destroy_process_group` is torch's again; px.shutdown's reset of the process state
+    (process.py) forgets the rest, so the end of the script has nothing left to do."""
     now = state.leaving
     store, prefix = now.store, now.prefix
     try:
-        if now.all_came:
+        if store is not None and now.left:
             count = store.add(f"{prefix}/done", 1)
             if now.rank == 0 and count < now.world:
-                _poll(lambda: store.add(f"{prefix}/done", 0) >= now.world)
+                _poll(lambda: store.add(f"{prefix}/done", 0)
+                      >= store.add(f"{prefix}/count", 0),
+                      lambda: "for the ranks that reached their end to end their groups "
+                              "(the job's store may be served by this process)")
     except Exception:  # noqa: BLE001 - the store is gone
         pass
     original, now.torch_destroy = now.torch_destroy, None
@@ -260,10 +286,15 @@ def done() -> None:
                 module.destroy_process_group = original
 
 
-def _poll(ready) -> bool | None:
+def _poll(ready, waiting_for=None) -> bool | None:
     """Look at `ready()` until it is true (True), the timeout passes (False), or the store has
-    gone (None: its host has ended, and nobody reads any more)."""
-    deadline = time.monotonic() + state.leaving.timeout
+    gone (None: its host has ended, and nobody reads any more). Past the hang threshold
+    (faults/hangs.py: a third of the timeout by default) it says once what it waits for
+    (`waiting_for()`, text after "waits at its end"): an end that stalls is never silent."""
+    now = state.leaving
+    began = time.monotonic()
+    deadline = began + now.timeout
+    said_at = began + now.said_after
     poll = _POLL_MIN
     while True:
         try:
@@ -271,7 +302,18 @@ def _poll(ready) -> bool | None:
                 return True
         except Exception:  # noqa: BLE001
             return None
-        if time.monotonic() > deadline:
+        moment = time.monotonic()
+        if moment > deadline:
             return False
+        if waiting_for is not None and moment > said_at:
+            said_at = deadline + 1  # once
+            try:
+                what = waiting_for()
+            except Exception:  # noqa: BLE001 - the store is gone: the next look ends the wait
+                what = "for its peers"
+            print(f"phalanx: rank {now.rank} has waited {moment - began:.0f} s at its end "
+                  f"{what}; it waits up to px.init(timeout={now.timeout:.0f})",
+                  file=sys.stderr, flush=True)
         time.sleep(poll)
         poll = min(2 * poll, _POLL_MAX)
+

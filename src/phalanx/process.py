@@ -102,7 +102,7 @@ class Leaving:
     at_exit: object = None  # px.shutdown, for the end of the script to call
     torch_destroy: object = None  # torch's destroy_process_group while ours is installed
     left: bool = False
-    all_came: bool = False
+    said_after: float = 0.0  # seconds after which a wait at the end says what it waits for
     failing: bool = False
 
 

@@ -185,7 +185,10 @@ def _joined(timeout: datetime.timedelta, hang_after: float | None) -> None:
             store = dist.distributed_c10d._get_default_store()
         except (ValueError, RuntimeError, AttributeError):  # a group made without a store
             return
-        leaving.start(store, me.rank, me.world_size, timeout.total_seconds(), shutdown)
+        watch = me.hang_watch  # a wait at the end says what it waits for past its threshold
+        leaving.start(store, me.rank, me.world_size, timeout.total_seconds(), shutdown,
+                      said_after=watch.threshold if watch is not None
+                      else timeout.total_seconds() / 3)
 
 
 def _world_gone() -> bool:
