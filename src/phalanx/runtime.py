@@ -162,7 +162,7 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
             kwargs["device_id"] = me.device
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
+            store=_store_for_this_init(env, timeout),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
@@ -171,6 +171,32 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         me.owns_group = True
     me.initialized = True
     _joined(timeout, hang_after)
+
+
+# The launcher's store, for the process's life (px.shutdown does not forget it): see
+# `_store_for_this_init`. "store": the env:// store; "inits": the px.init calls made over it.
+_launch_store: dict = {}
+
+
+def _store_for_this_init(env, timeout: datetime.timedelta):
+    """[Note: one store, a key space per px.init]
+    The job's group is made over the launcher's store (env://: MASTER_ADDR and MASTER_PORT,
+    served by rank 0's process under `phalanx run` and torchrun's static rendezvous, by the
+    agent under its own store). A script may end its group and make another in the same
+    processes (torch's DDP tutorial's rounds: `destroy_process_group()`, then `px.init()`
+    again). torch then makes the store again on rank 0's port; a server of the first round
+    still alive in rank 0's process (torch's stores are multi-tenant: the second round reuses
+    it) answers the second round's ranks with the first round's keys, and gloo dialled a
+    listener that had closed, until the job's timeout (a second px.init under phalanx run hung
+    in 5 of 5 runs). So the store is made once per process, kept, and each px.init's group
+    lives under a prefix of its own: the rounds count alike on every rank (each rank runs the
+    same script)."""
+    if "store" not in _launch_store:
+        store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
+                                           timeout=timeout))
+        _launch_store.update(store=store, inits=0)
+    _launch_store["inits"] += 1
+    return dist.PrefixStore(f"phalanx/init{_launch_store['inits']}", _launch_store["store"])
 
 
 def _joined(timeout: datetime.timedelta, hang_after: float | None) -> None:

@@ -117,6 +117,7 @@ class HangWatch:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        self.store.close()
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:

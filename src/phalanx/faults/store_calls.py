@@ -43,9 +43,17 @@ class BoundedStore:
         self._pending = None  # (result box, done event, when it was asked) of the call in flight
         threading.Thread(target=self._serve, name="phalanx-hang-store", daemon=True).start()
 
+    def close(self) -> None:
+        """End the thread once it is free (a thread stuck on a frozen store stays, a daemon):
+        it holds the store, whose server a rank 0 may host, and a next px.init makes another."""
+        self._jobs.put(None)
+
     def _serve(self) -> None:
         while True:
-            fn, box, done = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, box, done = job
             try:
                 box.append((True, fn()))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
