@@ -1,7 +1,7 @@
 """What every test module shares: the helper modules, the slow cases, and a repeat loop.
 
-tests/ is on sys.path, so the shared helpers (parity.py, small_mlp.py, checkpoint_runs.py) are
-imported by name from the test modules.
+tests/ is on sys.path, so the shared helpers (parity.py, small_mlp.py, checkpoint_runs.py,
+load_clock.py: limits in seconds of an idle machine) are imported by name from the test modules.
 
 Slow cases (`pytest.mark.slow`, most often one `pytest.param(..., marks=pytest.mark.slow)` of a
 long matrix) are deselected unless PHALANX_SLOW=1 or the `-m` expression names `slow`:
