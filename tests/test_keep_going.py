@@ -34,14 +34,20 @@ _references: dict = {}
 
 def _reference(tmp_path, *extra) -> torch.Tensor:
     """The same training in a world of one (plain python), run once per extra arguments."""
+    return _reference_run(tmp_path, *extra)[0]
+
+
+def _reference_run(tmp_path, *extra) -> tuple[torch.Tensor, str]:
+    """`_reference`'s weights, and what the script printed."""
     key = tuple(map(str, extra))
     if key not in _references:
         out = tmp_path / f"reference{'-'.join(key)}.pt"
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-        subprocess.run([sys.executable, str(SCRIPT), str(out), str(tmp_path / "ref-ckpt"), *key],
-                       check=True, env=env, timeout=TIMEOUT, capture_output=True)
-        _references[key] = torch.load(out)
+        done = subprocess.run([sys.executable, str(SCRIPT), str(out), str(tmp_path / "ref-ckpt"),
+                               *key], check=True, env=env, timeout=TIMEOUT, capture_output=True,
+                              text=True)
+        _references[key] = (torch.load(out), done.stdout)
     return _references[key]
 
 
@@ -330,3 +336,211 @@ def test_an_exception_inside_optimizer_step_redoes_the_steps_after_it(tmp_path, 
     if catch:
         assert "StepFailed: this rank's optimizer.step() at step 7 raised (RuntimeError: CUDA " \
                "out of memory (simulated))" in stderr, stderr
+
+
+# -- an evaluation under continue mode ([Note: an evaluation redone] in elastic/gathers.py) ------
+EVALUATING = ("--epochs", 1, "--eval-every", 5)  # 20 steps, an evaluation after every 5th
+
+
+def _evaluations(stdout: str) -> dict:
+    """(rank, life, step) -> (samples, loss sum) of each EVAL line, the job's or (without the
+    launcher's prefixes) the reference's."""
+    found = {}
+    for fields in re.findall(r"^(?:\[rank\d+\]: )?EVAL (.*)$", stdout, re.M):
+        e = dict(field.split("=") for field in fields.split())
+        found[(e["rank"], e["life"], int(e["step"]))] = (int(e["n"]), float(e["sum"]))
+    return found
+
+
+def _evaluated_as(reference_stdout: str, stdout: str, survivors) -> None:
+    """Every evaluation of every worker holds the 30 samples once, with the uninterrupted
+    run's loss (float64, 1e-10), and each survivor made every one the reference made."""
+    expected = {step: value for (_, _, step), value in _evaluations(reference_stdout).items()}
+    assert expected and all(n == 30 for n, _ in expected.values()), reference_stdout
+    got = _evaluations(stdout)
+    for (rank, life, step), (n, total) in sorted(got.items()):
+        assert n == 30 and abs(total - expected[step][1]) < 1e-10, \
+            f"rank {rank} (life {life}) after step {step}: {n} samples, loss sum {total!r}, " \
+            f"the uninterrupted run {expected[step]}\n{stdout}"
+    for rank in survivors:
+        assert sorted(step for r, life, step in got if r == rank and life == "0") == \
+            sorted(expected), stdout
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.slow),
+                                      "zero3"])
+def test_a_rank_killed_during_an_evaluation_has_the_batch_in_flight_redone(tmp_path, strategy):
+    """Rank 2 SIGKILLed before batch 2 of the evaluation after step 10 (forwards under no_grad,
+    px.gather_for_metrics of each batch's losses, 30 samples in 5 batches). The survivors' pass
+    returned 22 of the 30 samples with a loss of its own on each, the next pass 60 values (the
+    finished pass served again), and under zero3 they waited for the dead rank's shard until
+    the job's timeout. Now the batch in flight is gathered again by the two left: every
+    evaluation on every survivor holds each sample once with the uninterrupted run's loss, the
+    later ones at 2 ranks too, and the weights end as the uninterrupted run's."""
+    reference, printed = _reference_run(tmp_path, *EVALUATING)
+    weights, stdout, stderr = _job(tmp_path, *EVALUATING, "--kill-in-eval", "2@10@2",
+                                   "--strategy", strategy, restarts=0)
+    _close(weights, reference, stderr)
+    _evaluated_as(printed, stdout, survivors=("0", "1"))
+    since = " from step00010" if strategy != "ddp" else ""  # a sharded engine reloads
+    assert "phalanx: rank 2 was killed by SIGKILL during the evaluation after step 9; batch 2 " \
+           f"of the evaluation redone by 2 ranks{since}; the evaluation went on" in stderr, stderr
+    assert "results are incomplete" not in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill,strategy,replaced", [
+    ("0@10@4", "zero3", False),  # rank 0 (the line's speaker), the evaluation's last batch
+    ("1@10@0", "ddp", True),     # the first batch; a replacement joins at step 12's save
+], ids=["rank0-last-batch", "replacement"])
+def test_evaluations_stay_exact_around_a_rank_lost_in_one(tmp_path, kill, strategy, replaced):
+    args = (*EVALUATING, "--epochs", 2) if replaced else EVALUATING
+    reference, printed = _reference_run(tmp_path, *args)
+    joiner = ("--wait-for-joiner", 12) if replaced else ()
+    weights, stdout, stderr = _job(tmp_path, *args, *joiner, "--kill-in-eval", kill,
+                                   "--strategy", strategy, restarts=int(replaced))
+    _close(weights, reference, stderr)
+    lost, _, batch = kill.split("@")
+    _evaluated_as(printed, stdout, survivors=sorted({"0", "1", "2"} - {lost}))
+    assert f"rank {lost} was killed by SIGKILL during the evaluation after step 9; batch " \
+           f"{batch} of the evaluation redone by 2 ranks" in stderr, stderr
+    if replaced:  # the replacement evaluated with the others once it joined
+        assert re.search(rf"phalanx: rank {lost} joined at step \d+", stderr), stderr
+        assert any(life == "1" for _, life, _ in _evaluations(stdout)), stdout
+
+
+def test_an_evaluation_that_cannot_be_redone_says_so_and_training_stays_exact(tmp_path):
+    """The evaluation made at the top of the loop's body, the step's batch already taken: a
+    step is in flight, and its recovery is at its optimizer.step(). The evaluation the rank
+    was lost in is not redone, and every survivor says so rather than returning a part of it
+    as the whole; the step is redone, the weights end as the uninterrupted run's, and the
+    evaluations after it hold each sample once. (Their losses are not compared: the script
+    counts the redone step twice, so it evaluates one step earlier from then on.)"""
+    reference = _reference(tmp_path, *EVALUATING)
+    weights, stdout, stderr = _job(tmp_path, *EVALUATING, "--eval-where", "top",
+                                   "--kill-in-eval", "2@10@2", restarts=0)
+    _close(weights, reference, stderr)
+    assert "rank 2 was killed by SIGKILL at step 10; step 10 redone by 2 ranks" in stderr
+    for rank in ("0", "1"):
+        assert f"phalanx: rank {rank}: an evaluation's px.gather_for_metrics results are " \
+               "incomplete: a rank was lost while an optimizer step was in flight" in stderr
+    got = _evaluations(stdout)
+    assert {(rank, n < 30) for (rank, _, step), (n, _) in got.items() if step == 10} == \
+        {("0", True), ("1", True)}, stdout
+    assert all(n == 30 for (_, _, step), (n, _) in got.items() if step != 10), stdout
+    assert len([key for key in got if key[2] > 10]) == 4, stdout  # 2 more, on each survivor
+
+
+@pytest.mark.one_process
+def test_a_gather_whose_vote_completed_on_one_survivor_is_whole_on_every_one():
+    """The decision over the gathers ([Note: an evaluation redone]): rank 0 saw gather 7's
+    vote complete and lost gather 8; rank 1 lost gather 7's vote after entering it, so it holds
+    gather 7 whole and keeps it; both return nothing for gather 8 and redo its batch."""
+    from phalanx.elastic.gathers import decide_gathers
+    from phalanx.elastic.membership import MembershipError
+
+    def report(gathers, gathered, phase1=False, batch=None):
+        return {"gathers": gathers, "gathered": gathered, "gather_phase1": phase1,
+                "evaluation": batch}
+
+    assert decide_gathers({0: (0, report(8, 7, batch=3)),
+                           1: (0, report(7, 6, phase1=True, batch=2))}) == (7, 2)
+    assert decide_gathers({0: (0, report(5, 5)), 1: (0, report(5, 5))}) == (5, None)
+    with pytest.raises(MembershipError, match="disagree on the last px.gather_for_metrics"):
+        decide_gathers({0: (0, report(8, 7)), 1: (0, report(6, 6))})
+
+
+@pytest.mark.one_process
+def test_an_evaluations_sampler_goes_back_to_its_batch_in_flight_and_never_past_a_pass():
+    """A recovery sends an evaluation's sampler (no step ever took a batch of it) back to the
+    batch the loop holds, inside its pass; once its pass is over, nowhere: sent back to the
+    last committed step as a training sampler is, the next pass served the finished one again
+    (60 values for 30 samples). A step takes no batch of it even when it served last."""
+    from phalanx.data.ledger import Ledger, step_called
+
+    def sampler(n):
+        made = px.DistributedSampler(list(range(n)), batch_size=6, rank=0, world_size=1,
+                                     shuffle=False)
+        made.ledger = Ledger()  # as continue mode makes it
+        return made
+
+    train, evaluation = sampler(24), sampler(30)
+    evaluation.evaluating = True  # px.gather_for_metrics was given its loader
+    next(iter(train.batches()))
+    train._batch_consumed()
+    passing = iter(evaluation.batches())
+    for _ in range(3):  # batches 0, 1, 2 of the evaluation reach the loop
+        next(passing)
+        evaluation._batch_consumed()
+    step_called([train, evaluation])  # the evaluation served last: the step is train's
+    assert train.ledger.trained and not evaluation.ledger.trained
+    assert train.ledger.uncommitted and not evaluation.ledger.unstepped
+    evaluation.resume_after_loss(skip=False)  # lost in batch 2's gather
+    assert evaluation.restart and evaluation.batch_in_flight() == 2
+    assert next(iter(evaluation.batches())) == [12, 13, 14, 15, 16, 17]
+    for _ in list(evaluation.batches()):
+        evaluation._batch_consumed()
+    evaluation._pass_finished()
+    evaluation.restart = False
+    evaluation.resume_after_loss(skip=False)  # a loss after the pass: nothing to serve again
+    assert not evaluation.restart and (evaluation.epoch, evaluation.position()) == (1, 0)
+    assert sum(len(b) for b in evaluation.batches()) == 30
+
+
+@pytest.mark.one_process
+def test_a_gather_lost_returns_the_values_structure_with_no_samples():
+    from collections import namedtuple
+
+    from phalanx.data.evaluation import _nothing
+
+    Pair = namedtuple("Pair", "logits label")
+    value = {"pair": Pair(torch.ones(3, 5), torch.zeros(3, dtype=torch.long)),
+             "names": ["a", "b", "c"], "loss": torch.tensor(2.0)}
+    empty = _nothing(value)
+    assert empty["pair"].logits.shape == (0, 5) and empty["pair"].label.dtype == torch.long
+    assert empty["names"] == [] and empty["loss"].shape == (0,)
+    assert torch.cat([torch.ones(2, 5), empty["pair"].logits]).shape == (2, 5)
+
+
+@pytest.mark.slow
+def test_an_evaluation_before_a_lost_step_is_trained_again_is_refused(tmp_path):
+    """Rank 2 killed in step 9, the last before the evaluation: the survivors throw step 9
+    away at its optimizer.step() and train it again at the loop's next batch, after the
+    evaluation, which would see the weights of step 8. The training ledgers say what the model
+    lacks; the evaluation gathers nothing and every survivor says why; training ends exact and
+    the later evaluations hold each sample once."""
+    reference = _reference(tmp_path, *EVALUATING)
+    weights, stdout, stderr = _job(tmp_path, *EVALUATING, "--kill", "2@9", restarts=0)
+    _close(weights, reference, stderr)
+    assert "rank 2 was killed by SIGKILL at step 9; step 9 redone by 2 ranks" in stderr
+    for rank in ("0", "1"):
+        assert f"phalanx: rank {rank}: an evaluation's px.gather_for_metrics results are " \
+               "incomplete: it began before the model had trained again what a lost rank " \
+               "took with it (epoch 0: the loop took 120 samples in 10 optimizer steps, the " \
+               "model holds 108 samples in 9 optimizer steps" in stderr, stderr
+    got = _evaluations(stdout)
+    assert {rank for (rank, _, step), (n, _) in got.items() if step == 10 and n == 0} == \
+        {"0", "1"}, stdout
+    assert all(n == 30 for (_, _, step), (n, _) in got.items() if step != 10), stdout
+
+
+@pytest.mark.slow
+def test_an_evaluation_after_a_reload_from_an_older_checkpoint_is_refused(tmp_path):
+    """Under zero2 saving every 4 steps, rank 2 killed in the evaluation after step 10: the
+    survivors reload step 8's checkpoint (the lost shard is nowhere else), so the batches
+    after the loss would be computed with other weights than those before it. Each survivor
+    says so instead of redoing it; training redoes steps 8 and 9 and ends exact."""
+    reference = _reference(tmp_path, *EVALUATING)
+    weights, stdout, stderr = _job(tmp_path, *EVALUATING, "--strategy", "zero2",
+                                   "--save-every", 4, "--kill-in-eval", "2@10@2", restarts=0)
+    _close(weights, reference, stderr)
+    assert "rank 2 was killed by SIGKILL at step 10; step 10 redone by 2 ranks from step00008" \
+        in stderr, stderr
+    for rank in ("0", "1"):
+        assert f"phalanx: rank {rank}: an evaluation's px.gather_for_metrics results are " \
+               "incomplete: a rank was lost and the survivors reloaded step00008, saved " \
+               "before the last optimizer step" in stderr
+    got = _evaluations(stdout)
+    assert {rank for (rank, _, step), (n, _) in got.items() if step == 10 and n < 30} == \
+        {"0", "1"}, stdout
+    assert all(n == 30 for (_, _, step), (n, _) in got.items() if step != 10), stdout

@@ -8,6 +8,7 @@ purpose.
         [--die-in-save RANK@STEP] [--die-completing STEP] [--die-joining]
         [--die-admitting RANK] [--skip STEP] [--no-resume] [--save-every K]
         [--freeze RANK@STEP] [--samples N] [--ticks] [--timeout S] [--wait-for-joiner STEP]
+        [--eval-every K] [--kill-in-eval RANK@STEP@BATCH] [--eval-where end|top]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
 it evenly and any world size trains on the same samples; `--samples` of them (240: 20 steps an
@@ -30,6 +31,17 @@ weights (one flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L
 rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT rank=R kind=K step=S
 t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L attempt=A step=S world=W t=TIME` after
 each optimizer step (benchmarks/fault_soak.py reads them).
+
+`--eval-every K`: after every K-th step (after its save) the ranks evaluate, as a user would:
+forwards under torch.no_grad() over an evaluation set of 30 samples through px.data_loader(...,
+shuffle=False) (a global batch of 6: 5 batches), the per-sample losses of each batch gathered
+with px.gather_for_metrics; every worker then prints `EVAL rank=R life=L step=S n=N sum=X`,
+the samples its gathers held and their losses' sum (repr: every digit). `--kill-in-eval
+R@S@B`: rank R SIGKILLs itself before the forward of batch B of the evaluation after step S
+(S counts steps taken: `--eval-every 5` evaluates after S = 5, 10, ...). `--eval-where top`:
+the evaluation after step S is made at the top of the next iteration instead, with its batch
+already taken from the training loader (a step in flight: one that cannot be redone), and
+none after the last step.
 """
 
 import argparse
@@ -64,6 +76,9 @@ parser.add_argument("--samples", type=int, default=240)
 parser.add_argument("--ticks", action="store_true")
 parser.add_argument("--timeout", type=float, default=None)
 parser.add_argument("--wait-for-joiner", type=int, default=None)
+parser.add_argument("--eval-every", type=int, default=0)
+parser.add_argument("--kill-in-eval", default="")
+parser.add_argument("--eval-where", choices=("end", "top"), default="end")
 args = parser.parse_args()
 
 px.init(**({} if args.timeout is None else {"timeout": args.timeout}))
@@ -88,7 +103,7 @@ def die():
 
 
 kills, raises, saves = at(args.kill), at(args.raise_at), at(args.die_in_save)
-freezes = at(args.freeze)
+freezes, eval_kills = at(args.freeze), at(args.kill_in_eval)
 where = {"step": 0, "now": 0}  # steps taken (the loop's count), the step in progress
 if first and saves:  # killed while writing its file of that step's checkpoint
     import phalanx.checkpoint.saving as saving
@@ -167,7 +182,26 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_de
 model, optimizer = px.prepare(model, optimizer, strategy=args.strategy,
                               precision=args.precision)
 loader = px.data_loader(data, batch_size=12 // int(os.environ.get("WORLD_SIZE", "1")))
+eval_data = torch.utils.data.TensorDataset(torch.randn(30, 8, generator=g),
+                                           torch.randn(30, 1, generator=g))
+eval_loader = px.data_loader(eval_data, batch_size=6 // int(os.environ.get("WORLD_SIZE", "1")),
+                             shuffle=False)
 optimizer.register_step_pre_hook(lambda opt, a, k: boom("step"))
+
+
+def evaluate():
+    """Every sample's loss, gathered batch by batch: the count and the sum this rank holds."""
+    losses = []
+    with torch.no_grad():
+        for batch, (x, y) in enumerate(eval_loader):
+            if first and (rank, where["step"], batch) in eval_kills:
+                die()
+            losses.append(px.gather_for_metrics(((model(x) - y) ** 2).mean(dim=1), eval_loader))
+    losses = torch.cat(losses)
+    print(f"EVAL rank={rank} life={life} step={where['step']} n={losses.numel()} "
+          f"sum={losses.sum().item()!r}", flush=True)
+
+
 start = 0
 if not args.no_resume:
     ckpt = px.latest_checkpoint(args.ckpt)
@@ -178,6 +212,8 @@ for epoch in range(start, args.epochs):
     loader.sampler.set_epoch(epoch)
     for x, y in loader:
         step = where["now"] = where["step"]
+        if args.eval_where == "top" and args.eval_every and step and step % args.eval_every == 0:
+            evaluate()
         if first and (rank, step) in kills:
             die()
         if first and (rank, step) in freezes:
@@ -216,6 +252,8 @@ for epoch in range(start, args.epochs):
             px.save(os.path.join(args.ckpt, f"step{where['step']:05d}"), model=model,
                     optimizer=optimizer, sampler=loader.sampler, epoch=epoch,
                     step=where["step"], keep_last=2)
+        if args.eval_where == "end" and args.eval_every and where["step"] % args.eval_every == 0:
+            evaluate()
 # the full values, as one process holds them (under zero3 the parameters exist only while
 # their unit computes; state_dict() reads the peers' shards)
 weights = torch.cat([v.reshape(-1) for v in px.unwrap(model).state_dict().values()])

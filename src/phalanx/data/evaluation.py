@@ -21,6 +21,7 @@ import collections.abc as abc
 
 import torch
 
+from .. import elastic
 from ..collectives import Comm
 from ..runtime import default_comm
 from .gathering import gather_with
@@ -36,7 +37,13 @@ def gather_for_metrics(value, loader):
     rank), a list of per-sample objects (lists are concatenated), or a tuple / dict / named
     tuple of those, gathered field by field. The collectives go through the job's default
     `Comm` (the loader splits the data over the whole job), tagged "gather_for_metrics".
+
+    Under `phalanx run --on-failure continue` a gather during which a rank is lost returns the
+    value's structure with no samples in it (zero rows, an empty list), and the loader's next
+    batch is that batch again, split over the ranks left: what the loop gathered still holds
+    each sample once.
     """
+    # See [Note: an evaluation redone] in elastic/gathers.py
     if not isinstance(loader, DistributedLoader):
         raise TypeError(
             f"px.gather_for_metrics needs the loader made by px.data_loader(...), got "
@@ -46,7 +53,10 @@ def gather_for_metrics(value, loader):
         raise ValueError(
             "px.gather_for_metrics over a loader with drop_last=True would miss the last "
             "samples of the dataset: build the evaluation loader with drop_last=False")
-    return _gather_cat(value, default_comm())
+    comm = default_comm()
+    return elastic.gather_for_metrics(loader.distributed_sampler,
+                                      lambda: _gather_cat(value, comm),
+                                      lambda: _nothing(value), comm)
 
 
 def _gather(value, comm: Comm) -> list:
@@ -65,6 +75,26 @@ def _gather_cat(value, comm: Comm):
         return tuple(_gather_cat(v, comm) for v in value)
     if isinstance(value, list):
         return [item for part in _gather(value, comm) for item in part]
-    raise TypeError(
+    raise _not_gathered(value)
+
+
+def _nothing(value):
+    """What `_gather_cat` returns when no rank's values come: the same structure, no samples
+    (a tensor's zero rows; a 0-d tensor's stack of none; an empty list)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()[:0] if value.dim() else value.detach().reshape(1)[:0]
+    if isinstance(value, abc.Mapping):
+        return type(value)({k: _nothing(v) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_nothing(v) for v in value))
+    if isinstance(value, tuple):
+        return tuple(_nothing(v) for v in value)
+    if isinstance(value, list):
+        return []
+    raise _not_gathered(value)
+
+
+def _not_gathered(value) -> TypeError:
+    return TypeError(
         f"px.gather_for_metrics gathers tensors, lists, and tuples or dicts of them; got "
         f"{type(value).__name__} (for any other object use px.gather)")

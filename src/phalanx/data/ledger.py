@@ -27,9 +27,14 @@ into the next epoch inside the loop's pass would have the loop take that epoch t
 counts that balance.
 
 A step's batches are those the sampler that served last before `optimizer.step()` served since
-the step before: an evaluation loader's batches, served before the next training batch, belong
-to no step and are not counted. A load (`px.load`, a replacement's admission) starts both counts
-from the loaded state's.
+the step before, an evaluation's aside (a sampler whose loader `px.gather_for_metrics` was
+given: `evaluating`): an evaluation loader's batches, served between two training batches or
+between a training batch and its step, belong to no step and are not counted. A sampler none of
+whose batches ever came before a step (an evaluation's: `trained` stays False) is therefore
+never behind, and a recovery sends it back only inside the pass in progress, to the batch in
+flight, never across the end of a pass it finished (replay.py; [Note: an evaluation redone] in
+elastic/gathers.py). A load (`px.load`, a replacement's admission) starts both counts from the
+loaded state's.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class Ledger:
         self.back_to: list | None = None  # a reloaded checkpoint's counts, due at the resume
         self.astray: list[str] = []  # passes that ended in another epoch than they began in
         self.last = 0                # when this sampler last served a batch (_serial)
+        self.trained = False         # a step was called after a batch of its (or it was loaded)
 
     # -- what the loop and the steps do -------------------------------------------------------
     def served(self, epoch: int, samples: int, fresh: bool) -> None:
@@ -70,6 +76,7 @@ class Ledger:
         batches, self.unstepped = self.unstepped, []
         if not stepped or not batches:
             return
+        self.trained = True
         self.uncommitted.append(batches)
         fresh = [b for b in batches if b[2]]
         for epoch, samples, _ in fresh:
@@ -113,6 +120,7 @@ class Ledger:
         self.done = self._counts(rows or [])
         self.due = self._counts(rows or [])
         self.unstepped, self.uncommitted, self.back_to = [], [], None
+        self.trained = self.trained or bool(rows)
 
     @staticmethod
     def _counts(rows: list) -> dict:
@@ -137,9 +145,10 @@ def _counted(samples: int, steps: int) -> str:
 
 
 def step_called(samplers) -> None:
-    """`optimizer.step()` is called: it takes the batches of the sampler that served last."""
-    ledgers = [s.ledger for s in samplers if s.ledger is not None]
-    if ledgers:
-        latest = max(ledgers, key=lambda ledger: ledger.last)
-        for ledger in ledgers:
-            ledger.called(ledger is latest and latest.last > 0)
+    """`optimizer.step()` is called: it takes the batches of the sampler that served last, an
+    evaluation's aside (see the Note)."""
+    counted = [s for s in samplers if s.ledger is not None]
+    training = [s.ledger for s in counted if not getattr(s, "evaluating", False)]
+    latest = max(training, key=lambda ledger: ledger.last, default=None)
+    for s in counted:
+        s.ledger.called(s.ledger is latest and latest.last > 0)

@@ -164,12 +164,13 @@ class DistributedLoader(DataLoader):
         sampler, device = self.distributed_sampler, self.device
         if sampler is not None:
             sampler.restart = False
+            sampler.loop_pass_begins()  # no gather of this pass yet (elastic/gathers.py)
             epoch = sampler._loop_epoch()  # where this pass must end: [Note: a step redone]
         self._stream_taken = 0
         batches = super().__iter__()
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s
-            elastic.iteration_starts()
+            elastic.iteration_starts(batch=True)
             if sampler is not None and sampler.restart:  # see [Note: a step redone] in replay.py
                 sampler.restart = False
                 batches = super().__iter__()

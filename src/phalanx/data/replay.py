@@ -3,7 +3,8 @@ need: where the last committed step left the order, going back there (or to a sh
 checkpoint) after a rank is lost, leaving out the lost steps' batches when a replay reaches them,
 and the ledger that checks the result (ledger.py). elastic/steps.py drives it through `commit_step`,
 `rewind_to` and `resume_after_loss` (the protocol `Replayable` below), and `ledger.step_called` at
-every `optimizer.step()`.
+every `optimizer.step()`; elastic/gathers.py, through the `gather_*` methods, an evaluation's
+batch in flight ([Note: an evaluation redone] there).
 """
 
 from __future__ import annotations
@@ -31,13 +32,47 @@ class Replayable(Protocol):
     def resume_after_loss(self, skip: bool) -> None:
         """The lost steps are thrown away: the next pass starts where the last committed step
         left the order (with `skip`, where the lost steps left it), the loader starting its
-        iteration again."""
+        iteration again. An evaluation's sampler goes back to its batch in flight instead."""
+
+    def gather_key(self) -> tuple:
+        """A `px.gather_for_metrics` of this sampler's loader begins: its place, the same on
+        every rank (the batch the loop holds, and how many gathers of it came before)."""
+
+    def returned_whole(self, key: tuple) -> bool:
+        """Whether the gather at `key` returned every rank's values already (a redo then
+        returns nothing there)."""
+
+    def gathered_whole(self, key: tuple) -> None:
+        """The gather at `key` returned every rank's values."""
+
+    def batch_in_flight(self) -> int:
+        """The batch the loop holds, counted from 0 at the start of the epoch's order."""
+
+    def gather_lost(self, refused: str | None = None) -> None:
+        """A gather returned nothing: its batch is to be served again; `refused`: it will not
+        be, for that reason, nor will the rest of the pass be gathered."""
+
+    def refused(self) -> bool:
+        """Whether the pass's gathers return nothing from here on (see `gather_lost`)."""
+
+    def not_redone(self) -> str | None:
+        """Why a gather of the pass returned nothing and its batch was not served again (""
+        where no reason was given; None: none was lost, or every one was redone)."""
+
+    def behind_last_step(self) -> bool:
+        """Whether a sharded engine's reload sent training back before the last step every
+        rank committed (the steps since are redone at the resume)."""
+
+    def loop_pass_begins(self) -> None:
+        """A loader's iteration over this sampler begins (the loop's `for`, not a restart
+        after a loss): no gather of it has returned anything yet."""
 
 
 class Replays:
     """Mixed into `DistributedSampler` (sampler.py), whose state it reads and moves: `epoch`,
     `_start`, the pass in progress, `_committed`, `_redo_from`, `_left_out`, `_through`,
-    `_replay_until` and `ledger`."""
+    `_replay_until`, `ledger`, and for an evaluation's gathers `_current`, `_gathers_of_batch`,
+    `_whole`, `_redo_pending`, `_refused` and `evaluating`."""
 
     def _skipped(self, start: int, upto: int, epoch: int | None = None) -> int:
         """Samples of the epoch's order (this one's by default) from `start` to before `upto`
@@ -104,7 +139,16 @@ class Replays:
         last of the epoch whose pass is still in progress, and the place after it, the next
         epoch's start, is then where that pass ends, not one to serve the next epoch from
         (that served it twice: inside this pass, and again after the loop's `set_epoch`). The
-        ledger (ledger.py) checks that the redo served exactly what was thrown away."""
+        ledger (ledger.py) checks that the redo served exactly what was thrown away.
+
+        A sampler whose batches never came before a step (an evaluation's: `ledger.trained`)
+        holds nothing the model must have: it goes back only to its batch in flight, inside the
+        pass in progress, and not at all between passes (sent back to the last committed step,
+        it served a finished evaluation pass again inside the next: each sample twice). See
+        [Note: an evaluation redone] in elastic/gathers.py."""
+        if self.ledger is not None and not self.ledger.trained:
+            self._evaluation_resumes()
+            return
         lost_end = self._where()
         loop_epoch = self._loop_epoch()
         start = self._committed if self._redo_from is None else self._redo_from
@@ -131,6 +175,61 @@ class Replays:
         self._through = loop_epoch if start[0] < loop_epoch else None
         self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
         self.restart = True
+
+    # -- an evaluation's batch in flight ([Note: an evaluation redone] in elastic/gathers.py) --
+    def _evaluation_resumes(self) -> None:
+        """`resume_after_loss` of a sampler no step took a batch of: the pass in progress
+        serves its batch in flight again, split over the ranks there are now."""
+        self.ledger.thrown_away(False)
+        self._redo_pending = False
+        self._redo_from = None
+        if not self._in_pass:  # between passes: nothing of it is lost
+            return
+        at = self._current
+        if at is None or at[0] != self.epoch or at[1] < self._pass_start:
+            at = (self.epoch, self._pass_start)  # no batch of this pass reached the loop
+        self._committed = at
+        self._continuing = None
+        self.epoch, self._start = at
+        self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
+        self.restart = True
+
+    def loop_pass_begins(self) -> None:
+        self._whole.clear()
+        self._redo_pending, self._refused = False, None
+        self._current = None
+
+    def gather_key(self) -> tuple:
+        self.evaluating = True
+        epoch, pos = self._current if self._current is not None else (self.epoch,
+                                                                      self.position())
+        self._gathers_of_batch += 1
+        return (epoch, pos, self._gathers_of_batch - 1)
+
+    def returned_whole(self, key: tuple) -> bool:
+        return key in self._whole
+
+    def gathered_whole(self, key: tuple) -> None:
+        self._whole.add(key)
+
+    def gather_lost(self, refused: str | None = None) -> None:
+        self._redo_pending = True
+        self._refused = self._refused or refused
+
+    def refused(self) -> bool:
+        return self._refused is not None
+
+    def not_redone(self) -> str | None:
+        if self._refused is not None:
+            return self._refused
+        return "" if self._redo_pending else None
+
+    def behind_last_step(self) -> bool:
+        return self._redo_from is not None and self._redo_from != self._committed
+
+    def batch_in_flight(self) -> int:
+        pos = self._current[1] if self._current is not None else self.position()
+        return pos // self.global_batch_size
 
     def rewind_to(self, state: dict) -> None:
         """A sharded engine reloaded the checkpoint holding `state` after a loss: training goes

@@ -159,6 +159,13 @@ class DistributedSampler(Replays, Sampler[int]):
         self._replay_until = None  # (epoch, position) where the loop stood when it was sent back
         self.restart = False      # the loader must start its iteration again (a rewind)
         self._continuing = None   # (epoch, position, restore): see [Note: a pass continued]
+        # An evaluation's gathers (replay.py; [Note: an evaluation redone] in elastic/gathers.py)
+        self._current = None      # (epoch, position) of the batch the loop holds
+        self._gathers_of_batch = 0  # px.gather_for_metrics calls made for it so far
+        self._whole: set = set()  # the loop pass's gathers returned whole: (epoch, pos, k)
+        self._redo_pending = False  # a gather returned nothing and its batch is not redone yet
+        self._refused = None      # why this pass's gathers return nothing from here on
+        self.evaluating = False   # px.gather_for_metrics was given this sampler's loader
         gate = elastic.step_boundary()
         self.ledger = Ledger() if gate is not None else None  # See [Note: the ledger]
         if gate is not None:
@@ -269,6 +276,7 @@ class DistributedSampler(Replays, Sampler[int]):
     def _batch_consumed(self, at: tuple | None = None) -> None:
         if self.ledger is not None:
             self._served(at)  # See [Note: the ledger] in ledger.py
+            self._current, self._gathers_of_batch = (self.epoch, self.position()), 0
         self._steps_done += 1
 
     def _pass_finished(self) -> None:

@@ -14,6 +14,8 @@ file holds, so no import runs back up):
     membership.py  generations: who is in, forming a new group ([Note: generations])
     steps.py       the step boundary: the vote, the recovery decision, the redo
                    ([Note: the commit vote])
+    gathers.py     an evaluation's gathers voted on, its batch in flight redone
+                   ([Note: an evaluation redone])
     joining.py     a replacement: waiting, admission at a px.save, loading the live state
     events.py      one console line, a step-report event and a metrics row per change
     session.py     `start`: the above made for this process (phalanx/__init__ imports it)
@@ -31,8 +33,8 @@ from ..process import state
 from .gate import continuing, gate
 
 __all__ = ["continuing", "step_boundary", "current", "start", "finish", "stop", "raised",
-           "iteration_starts", "pass_ended", "watch_model", "models", "check_options",
-           "ON_FAILURE"]
+           "iteration_starts", "pass_ended", "gather_for_metrics", "watch_model", "models",
+           "check_options", "ON_FAILURE"]
 
 ON_FAILURE = "PHALANX_ON_FAILURE"
 
@@ -67,10 +69,6 @@ def check_options(strategy: str, precision: str, staleness: int, compression, di
         raise ValueError("phalanx run --on-failure continue: precision='fp16' is not supported "
                          "yet: the loss scale each rank sends depends on the number of ranks; "
                          "use precision='bf16'" + fix)
-    if shard_size is not None:
-        raise ValueError("phalanx run --on-failure continue: shard_size is not supported yet: "
-                         "the groups it makes must divide the ranks there are, which a failure "
-                         "changes; leave it out" + fix)
     if staleness or compression is not None:
         what = "staleness=1" if staleness else "compression=PowerSGD"
         raise ValueError(f"phalanx run --on-failure continue: {what} is not supported yet: its "
@@ -78,18 +76,31 @@ def check_options(strategy: str, precision: str, staleness: int, compression, di
                          "apart" + fix)
 
 
-def iteration_starts() -> bool:
-    """An iteration begins (a batch is fetched, or a forward with gradients starts): where
-    training goes on after a recovery (steps.py). True if it went on here."""
+def iteration_starts(batch: bool = False) -> bool:
+    """An iteration begins: `batch`, a `px.data_loader` fetches a batch; else a forward with
+    gradients starts (a training step is then in flight). Where training, or an evaluation,
+    goes on after a recovery (steps.py). True if it went on here."""
     steps = state.continuing.steps
-    return steps is not None and steps.iteration_starts()
+    return steps is not None and steps.iteration_starts(batch)
+
+
+def gather_for_metrics(sampler, gather, empty, comm):
+    """`px.gather_for_metrics` of a loader over `sampler` (None: a stream's): `gather()`, or
+    under continue mode, where a rank is lost, `empty()` and the batch served again ([Note:
+    an evaluation redone] in gathers.py)."""
+    steps = state.continuing.steps
+    if steps is None or not gate.active:
+        return gather()
+    return steps.gathers.gather(sampler, gather, empty, comm)
 
 
 def pass_ended(sampler) -> None:
     """A `px.data_loader` pass ran to its end: its sampler's ledger must balance, unless a
-    recovery is still under way ([Note: the ledger] in data/ledger.py)."""
+    recovery is still under way ([Note: the ledger] in data/ledger.py); an evaluation that lost
+    a batch it could not serve again says so (gathers.py)."""
     steps = state.continuing.steps
     if steps is not None and not state.continuing.failed:
+        steps.gathers.pass_ended(sampler)
         _checked(steps, [sampler], "at the end of a pass over the data")
 
 

@@ -4,6 +4,8 @@ next step's report (`px.step_stats`) and a row of `px.log` metrics.
     phalanx: rank 2 was killed by SIGKILL at step 37; step 37 redone by 3 ranks; training
         went on 0.84 s after the loss
     phalanx: rank 2 joined at step 40 (replacement 1): 4 ranks again; the others spent 0.61 s
+    phalanx: rank 2 was killed by SIGKILL during the evaluation after step 9; batch 3 of the
+        evaluation redone by 2 ranks; the evaluation went on 0.52 s after the loss
 
 The step report gets `membership/world`, `membership/left` or `membership/joined` (how
 many), `membership/step` and `membership/seconds`; `px.log` gets the same names at that step.
@@ -120,9 +122,15 @@ class Events:
         causes = ", ".join(f"rank {r} {describe_departure(decision.gone[r])}" for r in left)
         verb = "skipped" if decision.skip else "redone"
         since = f" from {os.path.basename(decision.checkpoint)}" if decision.checkpoint else ""
-        line = (f"phalanx: {causes} at step {step}; step {step} {verb} "
-                f"by {len(decision.survivors)} rank{'s' if len(decision.survivors) != 1 else ''}"
-                f"{since}; training went on {seconds:.2f} s after the loss{_draws_differ()}")
+        ranks = f"{len(decision.survivors)} rank{'s' if len(decision.survivors) != 1 else ''}"
+        if decision.evaluation is not None and decision.resume_after == step:  # gathers.py
+            after = f"after step {step - 1}" if step else "before step 0"
+            line = (f"phalanx: {causes} during the evaluation {after}; batch "
+                    f"{decision.evaluation} of the evaluation redone by {ranks}{since}; the "
+                    f"evaluation went on {seconds:.2f} s after the loss")
+        else:
+            line = (f"phalanx: {causes} at step {step}; step {step} {verb} by {ranks}{since}; "
+                    f"training went on {seconds:.2f} s after the loss{_draws_differ()}")
         self.record({"world": len(decision.survivors), "left": len(left), "step": step,
                      "seconds": seconds, "skipped": int(decision.skip), "ranks": left}, line)
 

@@ -30,6 +30,10 @@ before it ended: an error in one rank's forward or backward, not a death), the s
 are skipped instead of redone: their batches are not served again, as if the job had skipped
 them. One that raised inside the optimizer.step() of K itself, after K's vote, had its
 gradients averaged with everyone's in K: the steps after K are healthy, and are redone.
+
+A loss seen in an evaluation between two steps is recovered from where it is seen, in the
+evaluation's `px.gather_for_metrics`, and the evaluation's batch in flight is redone ([Note:
+an evaluation redone] in gathers.py); the reports and the decision carry its gathers too.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from ..data.ledger import step_called
 from ..data.replay import Replayable
 from . import joining, store as keys
 from .gate import gate
+from .gathers import Gathers, decide_gathers
 from .membership import Membership, MembershipError, debug
 
 __all__ = ["StepBoundary", "Decision", "decide", "POKE_AFTER", "LEFT_BEHIND"]
@@ -68,6 +73,8 @@ class Decision:
     lost_at: float = 0.0           # time.time() when this rank saw the loss
     formed_at: float = 0.0         # ... when the next group was formed
     step_times: list = field(default_factory=list)
+    gathered: int = 0              # the last px.gather_for_metrics every survivor holds whole
+    evaluation: int | None = None  # the evaluation batch redone (gathers.py), if one is
 
 
 def decide(gen: int, reports: dict, gone: dict) -> Decision:
@@ -82,10 +89,12 @@ def decide(gen: int, reports: dict, gone: dict) -> Decision:
                 f"phalanx: the members disagree on the last step all of them averaged (rank "
                 f"{rank} committed step {rep['last_voted']}, another {committed}); this is a "
                 "bug: please report it with the console output")
+    gathered, evaluation = decide_gathers(reports)
     return Decision(gen, committed, max(rep["calls"] for _, rep in reports.values()),
                     sorted((rank, life) for rank, (life, _) in reports.items()), dict(gone),
                     any(why["raised"].get("call", committed + 1) > committed
-                        for why in gone.values() if "raised" in why), dict(reports))
+                        for why in gone.values() if "raised" in why), dict(reports),
+                    gathered=gathered, evaluation=evaluation)
 
 
 class _Rewind:
@@ -120,6 +129,8 @@ class StepBoundary:
         self.events = None          # events.py's Events, once made
         self.last_save = None       # (path, model, optimizer, stateful) of the last px.save
         self.unsaved: dict = {}     # path -> [(sampler ref, its ledger)] of samplers not in it
+        self.stepping = False       # a forward with gradients since the last optimizer.step()
+        self.gathers = Gathers(self)  # px.gather_for_metrics: [Note: an evaluation redone]
 
     # -- the wire is cut ------------------------------------------------------------------------
     def lost(self, exc: BaseException) -> None:
@@ -140,6 +151,7 @@ class StepBoundary:
         drops its gradients so that the step changes nothing)."""
         self.calls += 1
         call = self.calls
+        self.stepping = False
         step_called(self.samplers)  # See [Note: the ledger] in data/ledger.py
         if not gate.cut and self.decision is None:
             self.voting = call
@@ -186,6 +198,15 @@ class StepBoundary:
                 decision.formed_at = time.time()
                 return decision
 
+    def recover_between_steps(self) -> Decision:
+        """A loss seen in an evaluation's gather while no step is in flight: the recovery
+        runs there, not at the next optimizer.step(), and the evaluation goes on at its
+        loader's next batch ([Note: an evaluation redone] in gathers.py)."""
+        self.decision = self.recover(self.calls)
+        if self.calls >= self.decision.resume_after:
+            self.resume_due = True
+        return self.decision
+
     def _decide(self, call: int) -> Decision:
         """Report to the store and wait for every member's report or departure; the decision
         (see [Note: the commit vote])."""
@@ -194,7 +215,8 @@ class StepBoundary:
         keys.write(m.store, f"gen{gen}/report/{m.me}",
                    {"calls": call, "last_voted": self.last_voted, "phase1": self.voting == call,
                     "cause": f"{type(self.cause).__name__}: {self.cause}"[:500],
-                    "saved": self.last_save[0] if self.last_save is not None else None})
+                    "saved": self.last_save[0] if self.last_save is not None else None,
+                    **self.gathers.report()})
         reports: dict = {}
         gone: dict = {}
 
@@ -350,10 +372,13 @@ class StepBoundary:
         os._exit(LEFT_BEHIND)
 
     # -- what the rest of phalanx calls (through elastic/__init__.py) ----------------------------
-    def iteration_starts(self) -> bool:
+    def iteration_starts(self, batch: bool) -> bool:
         if self.m.joining:  # training begins before any px.load took the others' state
             joining.cannot_join(self.m)
-        return self.resume_if_due()
+        resumed = self.resume_if_due()
+        if not batch:  # a forward with gradients: a step is in flight (gathers.py)
+            self.stepping = True
+        return resumed
 
     def finish(self) -> None:
         """See elastic.finish."""

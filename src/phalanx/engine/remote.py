@@ -28,7 +28,13 @@ take part: each rank runs a `ShardService` thread that serves its shards to a pe
   and its step while the peers stepped) cannot give the old values, and the asking rank gets
   an error saying when to call instead.
 - A peer that does not answer within the job's timeout (`px.init(timeout=)`): the asking rank
-  raises `PeerError` naming the peer and what it asked for.
+  raises `PeerError` naming the peer and what it asked for. Under `phalanx run --on-failure
+  continue` a peer that died never answers, and neither does a survivor that has given up
+  the group (its service ended with it): so the wait looks at the store every few
+  milliseconds and at the members every `_LOOK` seconds, and ends as soon as a member of the
+  generation is known gone (elastic/membership.py's `gone`), not at the timeout, with a
+  `PeerError` marked `gone`. A forward reading shards counts that as a loss of the step
+  (engine/state.py's `fetch_unit`).
 - While nobody asks, the thread is blocked in one wait on the store: nothing is sent, nothing
   is held, no CPU is used. `px.shutdown()` (which the end of a script calls) ends it once every
   peer has reached its own end, so a peer may read shards until then (leaving.py).
@@ -74,10 +80,21 @@ __all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
 _KEY = "phalanx/service"
 _STOP = b"stop"
 _IDLE_WAIT = datetime.timedelta(days=7)  # a wait that never times out while the job lives
+_LOOK = 0.05  # --on-failure continue: seconds between two looks at the members while waiting
 
 
 class PeerError(RuntimeError):
     """A peer did not answer a request for its shards, or answered that it could not."""
+
+    gone = False  # continue mode: a member of the generation left; the answer will not come
+
+
+def _gone(message: str) -> PeerError:
+    """A PeerError that says the generation lost a member (see [Note: reading a peer's
+    shards]): a forward under continue mode takes it as a loss of the step."""
+    error = PeerError(message)
+    error.gone = True
+    return error
 
 
 def _connect(store, timeout: float):
@@ -204,9 +221,11 @@ class ShardService:
         store = self._asking_store
         answer = f"{self.prefix}/{peer}/answer/{ticket}"
         try:
-            store.wait([answer], datetime.timedelta(seconds=self.timeout))
+            self._wait(answer, peer, what)
             header = pickle.loads(store.get(answer))
         except (RuntimeError, ValueError) as exc:
+            if getattr(exc, "gone", False):
+                raise
             raise PeerError(f"rank {peer} did not answer within {self.timeout:.0f} s when asked "
                             f"for {what} (its process may have ended, or be stuck outside "
                             f"Python; px.init(timeout=) sets the wait): "
@@ -220,9 +239,34 @@ class ShardService:
             try:
                 self.channel.recv([buf], peer, ticket % 2**20).wait()
             except (RuntimeError, AttributeError) as exc:  # AttributeError: stopped meanwhile
-                raise PeerError(f"rank {peer} went away while sending {what}: {exc}") from None
+                error = _gone if elastic.continuing() else PeerError
+                raise error(f"rank {peer} went away while sending {what}: {exc}") from None
             tensors.append(buf)
         return header, tensors
+
+    def _wait(self, key: str, peer: int, what: str) -> None:
+        """Until the answer `key` is in the store, within the timeout (a RuntimeError after
+        it); under continue mode a PeerError marked `gone` once a member is known gone (see
+        the Note)."""
+        store = self._asking_store
+        members = elastic.current()
+        if members is None:
+            store.wait([key], datetime.timedelta(seconds=self.timeout))
+            return
+        began = looked = time.monotonic()
+        pause = 0.0005
+        while not store.check([key]):  # a wait that times out in slices warns at each slice
+            now = time.monotonic()
+            if now - began > self.timeout:
+                raise RuntimeError(f"no answer within {self.timeout:.0f} s")
+            if now - looked > _LOOK:
+                looked = now
+                for rank, life in list(members.members):
+                    if members.gone(rank, life) is not None:
+                        raise _gone(f"rank {peer} cannot give {what}: launch rank {rank} "
+                                    "has left the job")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
 
     # -- serving --------------------------------------------------------------------------
     def _serve(self) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ..elastic.gate import continuing, lost, step_lost
 from .flat import FlatUnit, Piece
+from .remote import PeerError
 
 __all__ = ["EngineState"]
 
@@ -116,8 +118,17 @@ class EngineState:
         """Unit `unit`'s whole flat buffer of masters (padded; under zero3 its frozen segment
         too), on the CPU, in `dtype` (default the master dtype): this rank's slices from its
         own, the others' read from the peers without their taking part (see [Note: reading a
-        peer's shards] in remote.py)."""
-        out = torch.empty(unit.numel, dtype=dtype or unit.master_dtype)
+        peer's shards] in remote.py).
+
+        Under `phalanx run --on-failure continue`, in a forward (zero3's `fetch`: a forward
+        without gradients), a peer lost meanwhile is a loss of the step (elastic/gate.py), as
+        a collective's failure is: the peers' part of the buffer is then zeros, and so is
+        every later read of the step, which asks nobody. What the forward computes is thrown
+        away (an evaluation's gather of it returns nothing: [Note: an evaluation redone] in
+        elastic/gathers.py). Elsewhere (a state_dict) the lost peer raises `PeerError`."""
+        forward = continuing() and self.gatherer is not None and self.gatherer.in_forward
+        out = (torch.zeros if forward else torch.empty)(unit.numel,
+                                                        dtype=dtype or unit.master_dtype)
         segments = [(0, unit.hi - unit.lo)] if unit.params else []
         if unit.frozen:
             segments.append((unit.frozen_at, unit.fhi - unit.flo))
@@ -125,9 +136,17 @@ class EngineState:
             unit.sync_master_from_cache()
             for (at, shard), held in zip(segments, unit.held()):
                 out[at + self.rank * shard:at + (self.rank + 1) * shard].copy_(held)
+        if forward and step_lost():
+            return out
         peers = [peer for peer in range(self.world) if peer != self.rank]
-        answers = self.remote.ask(peers, self.remote_id, "master", unit.index, self.version,
-                                  f"its shard of unit {unit.index}")
+        try:
+            answers = self.remote.ask(peers, self.remote_id, "master", unit.index,
+                                      self.version, f"its shard of unit {unit.index}")
+        except PeerError as exc:
+            if not (forward and exc.gone):
+                raise
+            lost(exc)
+            return out
         for peer, (_, held) in zip(peers, answers):
             for (at, shard), values in zip(segments, held):
                 out[at + peer * shard:at + (peer + 1) * shard].copy_(values)
