@@ -544,3 +544,17 @@ def test_an_evaluation_after_a_reload_from_an_older_checkpoint_is_refused(tmp_pa
     assert {rank for (rank, _, step), (n, _) in got.items() if step == 10 and n < 30} == \
         {"0", "1"}, stdout
     assert all(n == 30 for (_, _, step), (n, _) in got.items() if step != 10), stdout
+
+
+@pytest.mark.parametrize("strategy", ["zero2", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_hybrid_sharding_goes_on_through_a_loss_and_back(tmp_path, strategy):
+    """shard_size=2 at 4 ranks (the layout of two nodes of two): rank 1 killed at step 3. The
+    survivors are 3, which groups of 2 do not divide, so they shard over all 3 ([Note: shard
+    groups after a loss] in engine/hybrid.py) from the newest checkpoint; the replacement joins
+    and the layout is groups of 2 again. Refused under continue before ("shard_size is not
+    supported yet"); now the uninterrupted run's result."""
+    reference = _reference(tmp_path)
+    weights, stdout, stderr = _job(tmp_path, "--kill", "1@3", "--sleep", "0.05", "--strategy",
+                                   strategy, "--shard-size", 2, n=4)
+    _close(weights, reference, stderr)
+    assert "redone by 3 ranks" in stderr and "joined at step" in stderr, stderr

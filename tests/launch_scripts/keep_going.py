@@ -8,6 +8,7 @@ purpose.
         [--die-in-save RANK@STEP] [--die-completing STEP] [--die-joining]
         [--die-admitting RANK] [--skip STEP] [--no-resume] [--save-every K]
         [--freeze RANK@STEP] [--samples N] [--ticks] [--timeout S] [--wait-for-joiner STEP]
+        [--shard-size K]
         [--eval-every K] [--kill-in-eval RANK@STEP@BATCH] [--eval-where end|top]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
@@ -57,6 +58,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("ckpt")
 parser.add_argument("--strategy", default="ddp")
+parser.add_argument("--shard-size", type=int, default=None)
 parser.add_argument("--precision", default="fp32")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--sleep", type=float, default=0.0)
@@ -179,7 +181,7 @@ data = torch.utils.data.TensorDataset(torch.randn(args.samples, 8, generator=g),
                                       torch.randn(args.samples, 1, generator=g))
 model = Net()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-model, optimizer = px.prepare(model, optimizer, strategy=args.strategy,
+model, optimizer = px.prepare(model, optimizer, strategy=args.strategy, shard_size=args.shard_size,
                               precision=args.precision)
 loader = px.data_loader(data, batch_size=12 // int(os.environ.get("WORLD_SIZE", "1")))
 eval_data = torch.utils.data.TensorDataset(torch.randn(30, 8, generator=g),

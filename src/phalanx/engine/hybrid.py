@@ -50,7 +50,7 @@ import torch
 from .. import groups
 from ..collectives import Comm
 
-__all__ = ["check_shard_size", "shard_groups", "Replicas", "REPLICAS"]
+__all__ = ["check_shard_size", "shard_size_in", "shard_groups", "Replicas", "REPLICAS"]
 
 REPLICAS = "hybrid:replicas"   # the replica group's name in records and step reports
 SHARDS = "hybrid:shards"
@@ -88,6 +88,22 @@ def check_shard_size(shard_size, strategy: str, world: int, staleness: int = 0) 
         raise ValueError("staleness=1 is not available with shard_size: the delayed average "
                          "runs over the whole world; use one or the other")
     return shard_size
+
+
+def shard_size_in(shard_size: int | None, world: int) -> int | None:
+    """[Note: shard groups after a loss]
+    `shard_size` was checked against the world `px.prepare` saw: it divides it. Under `phalanx
+    run --on-failure continue` the world then shrinks when a rank is lost and grows back when
+    its replacement joins, and the engine is built again for each world (model/relayout.py,
+    loading the newest checkpoint: elastic/steps.py). Groups of `shard_size` do not divide
+    every world, so a world they do not divide is laid out in groups of the smallest size at
+    least `shard_size` that divides it (all of its ranks at worst: no groups): no rank holds
+    more of the state than it did, and the layout comes back to `shard_size` when the world
+    does. (Groups then cross nodes until the replacement joins.)"""
+    if shard_size is None or shard_size >= world:
+        return None
+    size = next(d for d in range(shard_size, world + 1) if world % d == 0)
+    return None if size == world else size
 
 
 def shard_groups(comm: Comm, shard_size: int | None) -> tuple[Comm, "Replicas | None"]:

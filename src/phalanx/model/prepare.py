@@ -37,7 +37,7 @@ from ..faults.replica_check import ReplicaCheck
 from ..observe.step_report import StepClock, step_stats as _step_stats
 from ..engine import optimizer_state_dict as _optimizer_state_dict
 from ..engine.optim import optimizer_groups
-from ..engine.hybrid import shard_groups
+from ..engine.hybrid import shard_groups, shard_size_in
 from ..engine.units import resolve_block_classes
 from ..precisions import PRECISIONS
 from .precision import COMM_DTYPES, cast_model, make_precision
@@ -265,8 +265,10 @@ def attach_engine(model, optimizer, comm, recipe: Recipe):
     """Build `model`'s engine over `comm` and hang on it what watches its steps: the
     non-finite check, the step counter, continue mode's step boundary, the replica check."""
     # the whole world, or a group of it; a world of one under DiLoCo (model/diloco.py)
+    # a world that `shard_size` does not divide, under continue mode: see [Note: shard
+    # groups after a loss] in engine/hybrid.py
     shard_comm, replicas = shard_groups(inner_comm(comm) if recipe.inner else comm,
-                                        recipe.shard_size)
+                                        shard_size_in(recipe.shard_size, comm.world))
     engine = build_engine(model, optimizer, shard_comm, recipe.strategy, recipe.policy,
                           recipe.bucket_mb, recipe.gather_options, recipe.block_classes,
                           staleness=recipe.staleness, replicas=replicas,
