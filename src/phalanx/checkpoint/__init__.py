@@ -22,6 +22,9 @@ tensors that differ per rank under one key are taken as replicated and silently 
 issue 120356). Ranges of flattened tensors, named as above, are what the engine holds, need
 no planner, and read back with `safetensors.safe_open(...).get_slice`, which reads only the
 bytes asked for. The files are safetensors, so any tool can open them.
+
+DCP checkpoints (FSDP2's, torchtitan's) are read by `px.load` and written by
+`px.save(..., format="dcp")` beside this format, through DCP's own API: dcp.py.
 """
 
 from .api import export, export_checkpoint, latest_checkpoint, load

@@ -14,6 +14,7 @@ from ..data.sampler import DistributedSampler
 from ..runtime import default_comm
 from .delayed import load_delayed
 from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, set_rng_state, under
+from .dcp import is_dcp_checkpoint, load_dcp
 from .diloco import load_outer, warn_left_out
 from .ownership import adopt, checkpoints_of, job_ids
 from .compression import load_compression
@@ -84,6 +85,12 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     `CheckpointError` on every rank and leaves the model and optimizer untouched. With
     `strict=False` the tensors that match are loaded and the rest are named in a warning.
 
+    `path` may also be a torch.distributed.checkpoint (DCP) directory, as FSDP2 scripts and
+    torchtitan save (or `px.save(..., format="dcp")`): its model and optimizer state are loaded
+    through DCP's API, checked first as above. Such a checkpoint holds no RNG states, sampler
+    position or values: rank 0 warns that they are not restored, the stateful objects passed
+    are left as they are, and it returns {}.
+
     Under `phalanx run --on-failure continue`, in a replacement for a lost rank, it loads the
     checkpoint the others save next, with them, whatever `path` says: their live state, so it
     returns exactly the values they passed to that save and its sampler stands where theirs
@@ -102,6 +109,8 @@ def load_checkpoint(path, model, optimizer, strict: bool, stateful: dict,
                     restore_rng: bool = True) -> dict:
     """`px.load`'s work (see it); `restore_rng=False` leaves this rank's generators alone."""
     wait_for_saves()  # a background save of this very checkpoint may still be running
+    if is_dcp_checkpoint(path):  # FSDP2's or torchtitan's: see [Note: loading a DCP checkpoint]
+        return load_dcp(os.path.abspath(os.fspath(path)), model, optimizer, strict, stateful)
     model_state = ModelState(model) if model is not None else None
     comm = model_state.comm if model_state is not None else default_comm()
     path = os.path.abspath(os.fspath(path))

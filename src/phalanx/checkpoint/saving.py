@@ -39,6 +39,7 @@ from ..process import state
 from ..runtime import default_comm
 from .common import (LOSS_SCALER, OPTIM, STATE_FILE, agree, is_stateful, model_key,
                      optim_parts, rng_state)
+from .dcp import FORMATS, save_dcp
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
 from .diloco import DILOCO, outer_ranges, outer_small_state, param_of
 from .compression import compression_ranges
@@ -69,7 +70,7 @@ class _Snapshot:
 
 
 def save(path, model=None, optimizer=None, keep_last: int | None = None,
-         background: bool = False, **values) -> str:
+         background: bool = False, format: str = "phalanx", **values) -> str:
     """Save a checkpoint to the directory `path`; a collective: every rank calls it.
 
     Each rank writes what it holds (its shards, and its share of what every rank holds whole)
@@ -86,13 +87,23 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     training goes on (its collectives on a process group of their own); the next `px.save`,
     `px.load` or `px.shutdown()` waits for it and raises its error, if it had one, on every
     rank. Returns `path`.
+
+    With `format="dcp"` it writes a torch.distributed.checkpoint directory instead, as FSDP2
+    scripts do (`dcp.save` of the model's and the optimizer's state dicts, under the keys
+    "model" and "optimizer"), which FSDP2 loads with DCP's API and `px.load` loads: the model
+    and optimizer only, no RNG states, sampler position or values (they are refused), into a
+    new path (absent or an empty directory).
     """
     check_checkpoint_call("px.save", path, model, optimizer)
+    if format not in FORMATS:
+        raise ValueError(f"px.save(format={format!r}): the formats are {', '.join(FORMATS)}")
     prepared = prepared_or_none(model) if model is not None else None
     if prepared is not None:  # a step that raised on this rank is voted down first (engine/vote.py)
         prepared._engine.vote.catch_up()
     # See [Note: saving in the background] above.
     wait_for_saves()
+    if format == "dcp":  # See [Note: loading a DCP checkpoint] in dcp.py
+        return save_dcp(path, model, optimizer, keep_last, background, values)
     if step_lost():  # phalanx run --on-failure continue: see [Note: a save in a lost step]
         _skipped(path)
         return path

@@ -147,6 +147,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         # `lock` keeps a step from changing them while they are read.
         self.lock = threading.Lock()
         self.version = 0  # optimizer.step() calls, counted under `lock`
+        self.masters_version = 0  # ... those of them that moved the masters (stepping.py)
         self.remote = service_for(comm) if self.sharded else None
         self.remote_id = self.remote.register(self) if self.remote is not None else None
         if self.gatherer is not None and self.remote is not None:  # a forward on one rank alone

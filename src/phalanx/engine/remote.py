@@ -310,15 +310,19 @@ class ShardService:
         engine = self.engines[engine_id]()
         if engine is None:
             raise RuntimeError(f"no prepared model number {engine_id} on this rank")
-        while engine.version < step:  # see the Note: wait for this rank's step
+        # the masters are asked for at their own version: a step that moved none (a new
+        # optimizer's state made at learning rate 0, engine/stepping.py) does not count there
+        def version() -> int:
+            return engine.masters_version if kind == "master" else engine.version
+        while version() < step:  # see the Note: wait for this rank's step
             if time.monotonic() > deadline:
-                raise RuntimeError(f"this rank has taken {engine.version} optimizer steps and "
+                raise RuntimeError(f"this rank has taken {version()} optimizer steps and "
                                    f"did not reach step {step} within {self.timeout:.0f} s")
             time.sleep(0.001)
         with engine.lock:
-            if engine.version != step:
+            if version() != step:
                 raise RuntimeError(
-                    f"this rank has taken {engine.version} optimizer steps and the asking rank "
+                    f"this rank has taken {version()} optimizer steps and the asking rank "
                     f"{step}: ask between optimizer.step() and the next backward (a peer may "
                     "step while the asking rank is between its backward and its step)")
             return engine.serve(kind, arg)

@@ -141,7 +141,8 @@ class EngineState:
         peers = [peer for peer in range(self.world) if peer != self.rank]
         try:
             answers = self.remote.ask(peers, self.remote_id, "master", unit.index,
-                                      self.version, f"its shard of unit {unit.index}")
+                                      self.masters_version,
+                                      f"its shard of unit {unit.index}")
         except PeerError as exc:
             if not (forward and exc.gone):
                 raise

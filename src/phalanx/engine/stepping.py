@@ -33,6 +33,7 @@ class Stepping:
                 return self._step_units(step_one)
             finally:
                 self.version += 1
+                self.masters_version += 1
                 if self.delayed is not None:
                     self.delayed.stepped()
 
@@ -44,6 +45,14 @@ class Stepping:
         steps, and the parameters are refreshed from the masters (a collective where they are
         sharded, as the step always is)."""
         given = {id(p): p.grad for p in self.params if p.grad is not None}
+        # torch's distributed checkpoint functions make a new optimizer's state so: zero
+        # gradients at a learning rate of 0, which moves no master. Such a step is a new
+        # version of the optimizer's state but not of the masters, so a peer still reading
+        # this rank's masters at the version before (its model's state dict, which
+        # get_state_dict reads first) is answered ([Note: reading a peer's shards] in
+        # remote.py).
+        inert = all(g.get("lr", 1.0) == 0 for g in self.optim.optimizer.param_groups) and \
+            not any(bool(g.any()) for g in given.values())
         with self.lock:  # see [Note: reading a peer's shards] in remote.py
             try:
                 if not given:
@@ -62,6 +71,7 @@ class Stepping:
                 for unit in self.units:
                     unit.set_piece_grads(None)
                 self.version += 1
+                self.masters_version += not inert
         self.publish_masters()
         return True
 
