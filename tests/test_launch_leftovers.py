@@ -1,7 +1,8 @@
 """`phalanx run`'s temporary directory (`$TMPDIR/phalanx-run-*`, the workers' logs) does not
 outlive its launcher for long: a launcher killed with SIGKILL cannot remove its own, and the
 next `phalanx run` on the machine does, while the directory of a launcher still running beside
-it is left alone (see [Note: the launcher's temporary directory] in launch/cli.py).
+it is left alone (see [Note: a launcher's temporary directory] in launch/scratch.py); so
+do `px.spawn`'s (`$TMPDIR/phalanx-workers-*`).
 
 Real launchers (`python -m phalanx run` in subprocesses, each with a timeout) under a TMPDIR of
 the test's own, a real SIGKILL; the test waits for events (a worker's pid file, a process's
@@ -97,3 +98,51 @@ def test_the_next_run_removes_a_killed_launchers_directory_not_a_live_ones(tmp_p
             if job.poll() is None:
                 job.kill()
                 job.communicate()
+
+
+SPAWNER = """\
+import os, sys, time
+import phalanx as px
+
+def wait(where):
+    open(os.path.join(where, f"rank{px.rank()}.started"), "w").close()
+    while not os.path.exists(os.path.join(where, "go")):
+        time.sleep(0.05)
+
+px.spawn(wait, sys.argv[1], processes=1)
+"""
+
+
+def test_the_next_spawn_removes_a_killed_spawners_directory(tmp_path):
+    """A script whose px.spawn is SIGKILLed leaves `phalanx-workers-*`; the next px.spawn of
+    the same user removes it (its lock is free), and its own at its end."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    where = tmp_path / "events"
+    where.mkdir()
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env.update(TMPDIR=str(tmp))
+
+    def dirs() -> set[str]:
+        return {p.name for p in tmp.iterdir() if p.name.startswith("phalanx-workers-")}
+
+    parent = subprocess.Popen([sys.executable, str(script), str(where)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        _wait_for((where / "rank0.started").exists, "the spawned worker")
+        (left,) = dirs()
+        os.killpg(parent.pid, signal.SIGKILL)  # the spawner and its worker, no cleanup
+        parent.communicate(timeout=TIMEOUT)
+        assert left in dirs()
+        result = subprocess.run([sys.executable, "-c", "import phalanx as px; "
+                                 "print(px.spawn(lambda: 7, processes=1))"], env=env,
+                                capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        assert result.returncode == 0 and "7" in result.stdout, result.stderr
+        assert dirs() == set()  # the killed one's removed, and the new one's own at its end
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+            parent.communicate()

@@ -11,5 +11,7 @@ agent) and `px.spawn` (a function on N workers of this machine, from a notebook 
 #   rendezvous.py  torch's static rendezvous, with a fresh workers' store per attempt
 #   failures.py    turning failed workers into the one message the user reads
 #   worker.py      the worker's entry point: runs the user's script, records its failure
+#   scratch.py     a launcher's temporary directory, locked while it lives (the next removes
+#                  what a killed one left)
 #   spawn.py       `px.spawn`: workers of a function rather than a script, without the agent
 #                  (from a notebook too); the test harness (phalanx.testing) is built on it

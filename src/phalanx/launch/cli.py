@@ -46,19 +46,15 @@ launcher removes at its end; one that a killed launcher left is removed by the n
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import importlib.util
 import logging
 import os
-import shutil
 import socket
-import stat
 import sys
-import tempfile
 import time
 
 from phalanx import environment
+from phalanx.launch import scratch
 from phalanx.environment import why_not_writable_dir
 
 __all__ = ["add_arguments", "main", "check_arguments"]
@@ -164,8 +160,8 @@ def main(args: argparse.Namespace) -> int:
         raise CommandError(f"no master at {args.master_addr}:{port} after {args.join_timeout} s; "
                            "start node 0 with the same --master-addr and --master-port, or "
                            "raise --join-timeout")
-    # See [Note: the launcher's temporary directory] (_make_log_dir, below).
-    log_dir, lock = (args.log_dir, None) if args.log_dir else _make_log_dir()
+    # See [Note: a launcher's temporary directory] in scratch.py
+    log_dir, lock = (args.log_dir, None) if args.log_dir else scratch.make("phalanx-run-")
 
     def announce_restart(attempt: int, failed: dict, endings: dict) -> str:
         line = failures.restart_line(failed, log_dir, attempt, args.max_restarts + 1, endings)
@@ -196,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
         raise CommandError(_rendezvous_error(args, port, exc)) from None
     finally:
         if args.log_dir is None:
-            _remove_log_dir(log_dir, lock)
+            scratch.remove(log_dir, lock)
     return 0
 
 
@@ -315,88 +311,3 @@ def _rendezvous_error(args, port: int, exc: Exception) -> str:
                 "same --master-addr and --master-port, or raise --join-timeout")
     return (f"the rendezvous at {where} failed ({first_line}); start node 0 with the same "
             "--master-addr and --master-port, or raise --join-timeout")
-
-
-
-# -- the workers' logs: the launcher's temporary directory ------------------------------------
-_PREFIX = "phalanx-run-"
-_LOCK = "launcher.lock"
-
-
-def _make_log_dir() -> tuple[str, int | None]:
-    """Remove what killed launchers left, then make this launcher's directory and lock it:
-    (its path, the lock's file descriptor, kept open until `_remove_log_dir`; None where the
-    file system takes no lock, and then no other launcher ever removes the directory).
-
-    [Note: the launcher's temporary directory]
-    `phalanx run` keeps each worker's stdout, stderr and error file in `$TMPDIR/phalanx-run-*`
-    and removes it when it ends, also on Ctrl-C or SIGTERM. A launcher killed with SIGKILL (the
-    out-of-memory killer, a scheduler's hard kill) cannot, and its directory would stay until
-    the machine is cleaned. So the next `phalanx run` on the machine removes it before it makes
-    its own; it must never remove the directory of a launcher still running beside it (another
-    job of the same user), whose workers write there.
-
-    What tells the two apart is a lock, not a pid: each launcher holds an exclusive flock(2)
-    on `launcher.lock` in its directory for as long as it lives, and the kernel releases it
-    however the process ends, so a directory whose lock can be taken belongs to a launcher
-    that is gone. (A pid checked with kill(pid, 0) may belong to another process by then, and
-    a launcher in another container sharing the same /tmp has a pid this one cannot see.)
-    The lock file appears already locked: it is made under another name, locked, then renamed
-    into place, so a launcher starting at that moment never finds it unlocked. A directory
-    without `launcher.lock` (being made this instant, or left by an older phalanx) is left
-    alone, as is another user's. The file holds the launcher's pid and host name, for a
-    person who looks.
-    """
-    _remove_abandoned(tempfile.gettempdir())
-    path = tempfile.mkdtemp(prefix=_PREFIX)
-    return path, _lock(path)
-
-
-def _remove_log_dir(path: str, fd: int | None) -> None:
-    """The launcher's own directory, at its end, then its lock (held until the directory is
-    gone, so that no other launcher removes it meanwhile)."""
-    shutil.rmtree(path, ignore_errors=True)
-    if fd is not None:
-        os.close(fd)
-
-
-def _remove_abandoned(root: str) -> None:
-    """Remove each `phalanx-run-*` directory of this user in `root` whose launcher is gone
-    (see [Note: the launcher's temporary directory])."""
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(root, name)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue  # a link, a file, or another user's
-            fd = os.open(os.path.join(path, _LOCK), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # gone meanwhile, or no lock: being made, or an older phalanx's
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its launcher is running
-            os.close(fd)
-            continue
-        shutil.rmtree(path, ignore_errors=True)  # under the lock: no other launcher races
-        os.close(fd)
-
-
-def _lock(path: str) -> int | None:
-    """Take the lock of the directory `path`, made under another name and renamed into place
-    locked (see [Note: the launcher's temporary directory])."""
-    making = os.path.join(path, _LOCK + ".new")
-    fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a file system without locks: the directory is never another's to remove
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.remove(making)
-        return None
-    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-    os.rename(making, os.path.join(path, _LOCK))
-    return fd

@@ -46,16 +46,15 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
 
 from ..runtime import process_count
+from . import scratch
 from .processes import check_worker_limit
 
 __all__ = ["spawn", "SpawnError", "SpawnTimeout", "run_workers"]
@@ -241,7 +240,7 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
     ctx = mp.get_context(method)
     call = _by_value(fn, args, kwargs) if method != "fork" else None
     threads = threads or max(1, (os.cpu_count() or 1) // n)
-    tmp = tempfile.mkdtemp(prefix="phalanx-workers-")
+    tmp, lock = scratch.make("phalanx-workers-")  # [Note: a launcher's temporary directory]
     where = f"file://{os.path.join(tmp, 'store')}" if rendezvous == "file" else str(_free_port())
     procs, conns, stack_paths = [], [], []
     results, errors, done = [None] * n, {}, [False] * n
@@ -318,7 +317,7 @@ def run_workers(fn, n: int, args=(), kwargs=None, *, timeout: float | None = Non
             p.join(timeout=5)
         for c in conns:
             c.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        scratch.remove(tmp, lock)
 
     if errors:
         text = "\n".join(f"--- rank {r} failed:\n{errors[r][0]}" for r in _cause_first(errors))
