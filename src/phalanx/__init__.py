@@ -22,6 +22,7 @@ from .faults.replica_check import ReplicasDiffer
 from .launch.spawn import SpawnError, spawn
 from .engine.remote import PeerError
 from .collectives import JobEnded
+from .engine.vote import StepFailed
 from .engine.powersgd_config import PowerSGD
 from .elastic import session as _elastic_session  # noqa: F401 (continue mode's start: elastic/)
 
@@ -39,5 +40,5 @@ __all__ = [
     "spawn",
     "log", "progress",
     "CheckpointError", "SpawnError", "ReplicasDiffer", "NonFiniteError", "PeerError",  # to catch
-    "JobEnded",
+    "JobEnded", "StepFailed",
 ]

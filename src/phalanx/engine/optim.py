@@ -198,7 +198,7 @@ class OptimizerAdapter:
             with self.holding_masters():
                 stepped = self.engine.step_units(self._user["step"])
         except BaseException as exc:
-            vote.step_raised = f"{type(exc).__name__}: {exc}"[:300]
+            vote.step_left_by(exc)
             raise
         vote.step_ends()
         if not stepped and self.engine.loss_scaler is not None:
@@ -325,7 +325,7 @@ def _watched(vote, user_step):
         try:
             result = user_step(*args, **kwargs)
         except BaseException as exc:
-            vote.step_raised = f"{type(exc).__name__}: {exc}"[:300]
+            vote.step_left_by(exc)
             raise
         vote.step_ends()
         return result

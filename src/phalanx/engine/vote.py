@@ -111,6 +111,15 @@ class StepVote:
     def step_ends(self) -> None:
         self.in_step = None
 
+    def step_left_by(self, exc: BaseException) -> None:
+        """`optimizer.step()` is leaving by `exc`. One that every rank raises alike (a
+        non-finite loss under on_nonfinite='raise': the step was dropped everywhere) leaves the
+        replicas equal, so the loop may go on past it; any other is this rank's alone."""
+        if getattr(exc, "raised_on_every_rank", False):
+            self.in_step = None
+        else:
+            self.step_raised = f"{type(exc).__name__}: {exc}"[:300]
+
     def check_stepped(self) -> None:
         """[Note: a step that raised in the optimizer]
         The vote drops a step whose forward or backward raised on some rank: every rank is
@@ -129,9 +138,11 @@ class StepVote:
         exception). Uncaught, the exception ends the rank at once. Under `phalanx run
         --on-failure continue` the others then go on without it: the step it raised in was
         committed by every rank's vote, so the steps after it are redone, not skipped
-        (elastic/steps.py)."""
-        if self.in_step is not None:
-            raise StepFailed(self.in_step, self.step_raised or "an exception")
+        (elastic/steps.py). A call made while the step is still running (the forward and
+        backward of a closure the optimizer calls, as Lightning's loop passes one) is no
+        failure: only a step that has raised is one."""
+        if self.in_step is not None and self.step_raised is not None:
+            raise StepFailed(self.in_step, self.step_raised)
 
     def signal(self, base):
         """What this rank's bucket signal carries: `base` (the non-finite flag) plus the vote."""

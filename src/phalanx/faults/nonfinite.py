@@ -39,6 +39,10 @@ MODES = ("raise", "skip", "warn", None)
 class NonFiniteError(FloatingPointError):
     """A rank's loss (the gradient at a model output) was NaN or infinite."""
 
+    # every rank raises it, from the same agreed flags, and the step was dropped everywhere
+    # (engine/vote.py: a loop that catches it may go on)
+    raised_on_every_rank = True
+
 
 class NonFiniteWatch:
     def __init__(self, mode: str, comm):
