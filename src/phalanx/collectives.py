@@ -9,7 +9,8 @@ calls `torch.distributed` collectives. That gives three things one home:
   is an all-reduce whose owned slice is kept; on NCCL a reduce-scatter moves half the bytes.
   Likewise gloo's all-gather of a 50 MB fp32 buffer on 2 ranks took 70-150 ms where one
   broadcast per owner's shard took 12-35 ms (measured here), so on gloo an all-gather is done
-  as broadcasts from each shard's owner. Tests pick a primitive with `Comm(group, prefer=...)`.
+  as broadcasts from each shard's owner, except under `--on-failure continue` ([Note: an
+  all-gather a loss cannot tie]). Tests pick a primitive with `Comm(group, prefer=...)`.
 - the record (records.py): kind, sequence number, payload bytes, a tag naming what it serves
   (a bucket, a unit, a buffer broadcast), its group's name, its start and completion times.
   Completion is read from the work's future when it completes (gloo), or polled from the work
@@ -96,12 +97,37 @@ class Comm:
         records.register(self)
 
     def _choose_primitives(self) -> None:
-        """See the module docstring: by `prefer`, else by the backend."""
+        """See the module docstring: by `prefer`, else by the backend.
+
+        [Note: an all-gather a loss cannot tie]
+        Under `--on-failure continue` (elastic/) an all-gather on gloo is gloo's own, a ring,
+        not one broadcast per owner of a shard, for what each leaves behind when a rank dies.
+        A survivor destroys its end of the group at the loss ([Note: generations] in
+        elastic/membership.py), and gloo's destruction of a group first runs every collective
+        still queued on it and joins its worker threads; only then does it close the
+        connections, which is what makes a peer's receive from this rank fail. A broadcast
+        whose root fails on its send to the dead rank need not deliver to the other ranks (a
+        failed gloo collective drops what it has not sent), and an all-gather by broadcasts
+        has a root on every rank: each of two survivors can be left receiving the other's
+        shard, each then waits in its destruction for the other to close, and both hang there,
+        silently, until the collective timeout (600 s by default). Seen under zero3 whenever
+        several all-gathers were in flight at the loss (a unit holding frozen parameters is
+        two; a root entered late gathers its units at once: zero3_roots.py): PEFT's LoRA
+        shape killed before a forward, 5 of 5 jobs; a frozen base killed in its backward, 1
+        of 5 (tests/test_keep_going_frozen.py). In a ring each rank receives from the rank
+        before it and sends to the one after, so the neighbours of a dead rank fail at once
+        in every collective (their send or receive meets the closed connection), and every
+        other survivor waits only along the ring, towards one of them: nobody waits on a rank
+        that is waiting on it, and the destructions end one after the other. The price is the
+        ring's speed on gloo (the module docstring); NCCL's all-gather is its own anyway, and
+        `prefer="broadcast"` is honoured, ties and all.
+        """
         prefer, gloo = self.prefer, self.backend == "gloo"
         self.uses_reduce_scatter = ("reduce_scatter" in prefer
                                     or (not gloo and "all_reduce" not in prefer))
         self.gathers_by_broadcast = ("broadcast" in prefer
-                                     or (gloo and "all_gather" not in prefer))
+                                     or (gloo and "all_gather" not in prefer
+                                         and not continuing()))
 
     def apart(self, purpose: str, backend: str | None = None) -> "Comm":
         """A Comm over the same ranks, with the same choice of primitives, on a process group

@@ -147,7 +147,11 @@ class Membership:
         holder lets go first: each Comm (those of the job's group wait, without one, for the
         next generation's; those of groups made apart from it end with it), the step clocks
         (`on_drop`), the shard services (groups.py's end hooks). A group left alive here kept
-        a peer blocked in a collective on this rank until its hang report, 200 s later.
+        a peer blocked in a collective on this rank until its hang report, 200 s later. And
+        gloo's destruction itself first runs what is still queued on the group: nothing there
+        may wait on another survivor that is destroying its own end, or both wait there until
+        the collective timeout, silently (zero3's gathers did: [Note: an all-gather a loss
+        cannot tie] in collectives.py).
 
         A collective lost with the group never completes, and its Comm's records go with it
         to the next generation's group: each is stamped ended here, or the hang watcher read
