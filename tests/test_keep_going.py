@@ -338,6 +338,26 @@ def test_an_exception_inside_optimizer_step_redoes_the_steps_after_it(tmp_path, 
                "out of memory (simulated))" in stderr, stderr
 
 
+def test_a_rank_lost_in_the_last_step_of_zero3_ends_the_job_saying_why(tmp_path):
+    """Rank 2's optimizer.step() raises in the last step (of 20) and the loop catches it: the
+    others' px.save of that step writes nothing, the loop ends, and reading the model's state
+    needs rank 2's shards, which are nowhere but in a checkpoint the survivors would load at a
+    next step. The job ends with that said; the read once raised JobEnded, naming an end that
+    no rank had reached."""
+    token = f"keep-going-{random.Random().getrandbits(64):x}"
+    cmd = [sys.executable, "-m", "phalanx", "run", "-n", "3", "--on-failure", "continue",
+           "--max-restarts", "0", str(SCRIPT), str(tmp_path / "out.pt"),
+           str(tmp_path / f"ckpt-{token}"), "--strategy", "zero3", "--epochs", "1",
+           "--raise", "2@19", "--raise-in", "step", "--catch"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
+                            env=dict(os.environ, PHALANX_RUN_DIR=str(tmp_path / "run")))
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "shard of the model's state is nowhere but in a checkpoint" in result.stderr, \
+        result.stderr[-3000:]
+    assert "JobEnded" not in result.stderr, result.stderr[-3000:]
+    assert processes_running(str(tmp_path / f"ckpt-{token}")) == []
+
+
 # -- an evaluation under continue mode ([Note: an evaluation redone] in elastic/gathers.py) ------
 EVALUATING = ("--epochs", 1, "--eval-every", 5)  # 20 steps, an evaluation after every 5th
 

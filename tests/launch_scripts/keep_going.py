@@ -8,7 +8,7 @@ purpose.
         [--die-in-save RANK@STEP] [--die-completing STEP] [--die-joining]
         [--die-admitting RANK] [--skip STEP] [--no-resume] [--save-every K]
         [--freeze RANK@STEP] [--samples N] [--ticks] [--timeout S] [--wait-for-joiner STEP]
-        [--shard-size K]
+        [--shard-size K] [--frozen-layers a,b,c]
         [--eval-every K] [--kill-in-eval RANK@STEP@BATCH] [--eval-where end|top]
 
 float64; a global batch of 12 samples (4 per rank at 3 ranks), so 1, 2, 3, 4 and 6 ranks split
@@ -26,9 +26,10 @@ S` leaves out the batch of step S (the reference for `--raise`). `--freeze R@S`:
 its own process (SIGSTOP) before step S's forward, a frozen rank. `--timeout S`:
 `px.init(timeout=S)`. `--wait-for-joiner S`: before step S, while the job is short of a
 rank, every member waits until a replacement asks to join (the next px.save admits it), so a
-test that wants the replacement in waits for that event rather than for a clock. Rank 0 writes
-the final
-weights (one flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L` and `END
+test that wants the replacement in waits for that event rather than for a clock.
+`--frozen-layers L,...`: those of the model's Linear layers (a, b, c, input to output) are
+frozen (requires_grad off) before px.prepare; the optimizer is still given every parameter.
+Rank 0 writes the final weights (one flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L` and `END
 rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT rank=R kind=K step=S
 t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L attempt=A step=S world=W t=TIME` after
 each optimizer step (benchmarks/fault_soak.py reads them).
@@ -81,6 +82,7 @@ parser.add_argument("--wait-for-joiner", type=int, default=None)
 parser.add_argument("--eval-every", type=int, default=0)
 parser.add_argument("--kill-in-eval", default="")
 parser.add_argument("--eval-where", choices=("end", "top"), default="end")
+parser.add_argument("--frozen-layers", default="")
 args = parser.parse_args()
 
 px.init(**({} if args.timeout is None else {"timeout": args.timeout}))
@@ -180,6 +182,8 @@ g = torch.Generator().manual_seed(1)
 data = torch.utils.data.TensorDataset(torch.randn(args.samples, 8, generator=g),
                                       torch.randn(args.samples, 1, generator=g))
 model = Net()
+for name in filter(None, args.frozen_layers.split(",")):  # frozen before px.prepare
+    getattr(model, name).requires_grad_(False)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
 model, optimizer = px.prepare(model, optimizer, strategy=args.strategy, shard_size=args.shard_size,
                               precision=args.precision)

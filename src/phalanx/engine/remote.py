@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from .. import elastic, groups, records
 from ..collectives import JobEnded
+from ..elastic.gate import step_lost
 from ..process import state
 
 __all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
@@ -203,6 +204,16 @@ class ShardService:
         After this rank's end (`stop`, at px.shutdown() once every peer has reached its own
         end: leaving.py) nobody serves any more: `JobEnded` at once, where a request would
         wait for an answer that never comes."""
+        if self.stopped and step_lost():
+            from ..elastic.membership import MembershipError
+
+            raise MembershipError(
+                f"phalanx: this rank asked a peer for {what} after a rank was lost and before "
+                "the survivors recovered (phalanx run --on-failure continue): the lost rank's "
+                "shard of the model's state is nowhere but in a checkpoint, which the survivors "
+                "load at their next step, redoing the steps after it; past the loop's last "
+                "step there is none. The job ends here rather than give a state an "
+                "uninterrupted run would not have: resume from the newest checkpoint")
         if self.stopped:
             raise JobEnded(f"this rank asked a peer for {what} after every rank had reached "
                            "its end (px.shutdown() or torch's destroy_process_group()): the "
