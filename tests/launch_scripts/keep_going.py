@@ -29,8 +29,8 @@ rank, every member waits until a replacement asks to join (the next px.save admi
 test that wants the replacement in waits for that event rather than for a clock.
 `--frozen-layers L,...`: those of the model's Linear layers (a, b, c, input to output) are
 frozen (requires_grad off) before px.prepare; the optimizer is still given every parameter.
-Rank 0 writes the final weights (one flat tensor) to OUT. Every worker prints `START rank=R pid=P life=L` and `END
-rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT rank=R kind=K step=S
+Rank 0 writes the final weights (one flat tensor) to OUT. Every worker prints `START rank=R
+pid=P life=L` and `END rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT rank=R kind=K step=S
 t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L attempt=A step=S world=W t=TIME` after
 each optimizer step (benchmarks/fault_soak.py reads them).
 
