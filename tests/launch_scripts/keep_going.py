@@ -30,20 +30,20 @@ test that wants the replacement in waits for that event rather than for a clock.
 `--frozen-layers L,...`: those of the model's Linear layers (a, b, c, input to output) are
 frozen (requires_grad off) before px.prepare; the optimizer is still given every parameter.
 Rank 0 writes the final weights (one flat tensor) to OUT. Every worker prints `START rank=R
-pid=P life=L` and `END rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT rank=R kind=K step=S
-t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L attempt=A step=S world=W t=TIME` after
-each optimizer step (benchmarks/fault_soak.py reads them).
+pid=P life=L` and `END rank=R pid=P life=L world=W`; a fault on purpose is first a line `FAULT
+rank=R kind=K step=S t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L attempt=A step=S
+world=W t=TIME` after each optimizer step (benchmarks/fault_soak.py reads them).
 
 `--eval-every K`: after every K-th step (after its save) the ranks evaluate, as a user would:
-forwards under torch.no_grad() over an evaluation set of 30 samples through px.data_loader(...,
-shuffle=False) (a global batch of 6: 5 batches), the per-sample losses of each batch gathered
-with px.gather_for_metrics; every worker then prints `EVAL rank=R life=L step=S n=N sum=X`,
-the samples its gathers held and their losses' sum (repr: every digit). `--kill-in-eval
-R@S@B`: rank R SIGKILLs itself before the forward of batch B of the evaluation after step S
-(S counts steps taken: `--eval-every 5` evaluates after S = 5, 10, ...). `--eval-where top`:
-the evaluation after step S is made at the top of the next iteration instead, with its batch
-already taken from the training loader (a step in flight: one that cannot be redone), and
-none after the last step.
+forwards under torch.no_grad() over an evaluation set of 30 samples through px.data_loader(..., shuffle=False)
+(a global batch of 6: 5 batches), the per-sample losses of each batch gathered with
+px.gather_for_metrics; every worker then prints `EVAL rank=R life=L step=S n=N sum=X`, the
+samples its gathers held and their losses' sum (repr: every digit). `--kill-in-eval R@S@B`:
+rank R SIGKILLs itself before the forward of batch B of the evaluation after step S (S counts
+steps taken: `--eval-every 5` evaluates after S = 5, 10, ...). `--eval-where top`: the
+evaluation after step S is made at the top of the next iteration instead, with its batch
+already taken from the training loader (a step in flight: one that cannot be redone), and none
+after the last step.
 """
 
 import argparse
