@@ -35,9 +35,9 @@ rank=R kind=K step=S t=TIME`, and `--ticks` prints `TICK rank=R pid=P life=L att
 world=W t=TIME` after each optimizer step (benchmarks/fault_soak.py reads them).
 
 `--eval-every K`: after every K-th step (after its save) the ranks evaluate, as a user would:
-forwards under torch.no_grad() over an evaluation set of 30 samples through
-px.data_loader(..., shuffle=False) (a global batch of 6: 5 batches), the per-sample losses of each batch gathered with
-px.gather_for_metrics; every worker then prints `EVAL rank=R life=L step=S n=N sum=X`, the
+forwards under torch.no_grad() over an evaluation set of 30 samples through px.data_loader(...,
+shuffle=False) (a global batch of 6: 5 batches), the per-sample losses of each batch gathered
+with px.gather_for_metrics; every worker then prints `EVAL rank=R life=L step=S n=N sum=X`, the
 samples its gathers held and their losses' sum (repr: every digit). `--kill-in-eval R@S@B`:
 rank R SIGKILLs itself before the forward of batch B of the evaluation after step S (S counts
 steps taken: `--eval-every 5` evaluates after S = 5, 10, ...). `--eval-where top`: the
