@@ -130,6 +130,37 @@ def test_a_background_save_holds_the_state_of_the_call_while_training_goes_on(tm
         assert all(torch.equal(bg_optim[n][k], optim[n][k]) for n in optim for k in optim[n])
 
 
+def _two_background_saves(paths):
+    """A background save, K more steps, another: the second copies into the first's memory
+    (checkpoint/saving.py keeps it), and each holds the state of its own call."""
+    from phalanx.process import state
+
+    torch.manual_seed(0)
+    model = make_model(0)
+    model, opt = px.prepare(model, make_optimizer(model), strategy="zero2")
+    kept = []
+    for i, (background, sync) in enumerate(paths):
+        train_steps(model, opt, K, i * K, px.world_size(), px.rank())
+        px.save(sync, model=model, optimizer=opt, step=K)
+        px.save(background, model=model, optimizer=opt, background=True, step=K)
+        kept.append({k: v.data_ptr() for k, v in state.staged.items()})
+    px.shutdown()
+    return kept
+
+
+def test_a_second_background_save_reuses_the_first_ones_memory_and_holds_its_own_state(
+        tmp_path):
+    paths = [(str(tmp_path / f"background{i}"), str(tmp_path / f"sync{i}")) for i in range(2)]
+    for first, second in run_ranks(_two_background_saves, 2, args=(paths,)):
+        assert first and first == second  # the same tensors, at the same addresses
+    for background, sync in paths:
+        for (bg_params, bg_optim), (params, optim) in run_ranks(_load_both, 2,
+                                                                args=(background, sync)):
+            assert all(torch.equal(bg_params[k], params[k]) for k in params)
+            assert all(torch.equal(bg_optim[n][k], optim[n][k])
+                       for n in optim for k in optim[n])
+
+
 def _background_save_fails(path):
     model = make_model(0)
     model, _ = px.prepare(model, None, strategy="ddp")

@@ -149,6 +149,8 @@ class ProcessState:
     services: dict = field(default_factory=dict)
     # checkpoint/saving.py: background saves still being written
     saves: list = field(default_factory=list)
+    # checkpoint/saving.py: the last background save's copies, kept for the next one
+    staged: dict = field(default_factory=dict)
     # data/loss.py: count tensor (weakly) -> (its _version, the Comm, the reduced total)
     loss_totals: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
 
