@@ -75,7 +75,7 @@ def test_shutdown_resets_the_process_state_and_a_second_init_runs_the_same_job(
     results = run_ranks(_two_jobs, 2, args=(str(tmp_path),), timeout=120)
     for r in results:  # the job used every part but continue mode's
         assert set(r["in_use"]) == {"world", "groups", "records", "host", "leaving", "metrics",
-                                    "services", "saves", "loss_totals"}, r
+                                    "services", "saves", "staged", "loss_totals"}, r
         assert r["after_first"] == [] and r["after_second"] == [], r
         assert r["world"] == 2 and r["same"], r
     assert (tmp_path / "run" / "metrics.csv").read_text().count("loss") == 2
