@@ -68,8 +68,12 @@ FAILED_AT = 1.5  # a reduced signal of at least this: some rank's step raised
 
 
 class StepFailed(RuntimeError):
-    """This rank's `optimizer.step()` raised while the other ranks applied theirs (see [Note:
-    a step that raised in the optimizer]); `step`: the optimizer steps taken before it."""
+    """This rank's `optimizer.step()` raised while the other ranks applied theirs, and the
+    loop called into the model again: this rank's parameters and optimizer state are no longer
+    the others', so it cannot go on. Let the exception end the rank (under `phalanx run
+    --on-failure continue` the others go on and redo the steps after it). `step`: the
+    optimizer steps taken before it."""
+    # see [Note: a step that raised in the optimizer] below
 
     def __init__(self, step: int, what: str):
         super().__init__(
