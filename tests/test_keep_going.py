@@ -319,7 +319,8 @@ def test_stop_ends_at_the_first_failure_and_refuses_restarts(tmp_path):
     assert "phalanx run: error: rank 1 was killed by SIGKILL" in result.stderr
 
 
-@pytest.mark.parametrize("catch", [False, True], ids=["uncaught", "caught"])
+@pytest.mark.parametrize("catch", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["uncaught", "caught"])
 def test_an_exception_inside_optimizer_step_redoes_the_steps_after_it(tmp_path, catch):
     """Rank 2's step pre-hook raises inside step 7's optimizer.step(), after its vote: the
     others applied step 7 with its gradients. Uncaught, it ended its worker and the survivors
@@ -387,8 +388,8 @@ def _evaluated_as(reference_stdout: str, stdout: str, survivors) -> None:
             sorted(expected), stdout
 
 
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.slow),
-                                      "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow),
+                                      pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_a_rank_killed_during_an_evaluation_has_the_batch_in_flight_redone(tmp_path, strategy):
     """Rank 2 SIGKILLed before batch 2 of the evaluation after step 10 (forwards under no_grad,
     px.gather_for_metrics of each batch's losses, 30 samples in 5 batches). The survivors' pass

@@ -15,7 +15,7 @@ import pytest
 SCRIPT = Path(__file__).parent / "launch_scripts" / "keep_going_dropout.py"
 
 
-@pytest.mark.parametrize("p", [0.3, 0.0])
+@pytest.mark.parametrize("p", [0.3, pytest.param(0.0, marks=pytest.mark.slow)])
 def test_the_recovery_line_says_the_draws_differ_where_the_model_draws(tmp_path, p):
     result = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "3", "--on-failure",
                              "continue", "--max-restarts", "0", str(SCRIPT), str(tmp_path), str(p)],

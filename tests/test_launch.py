@@ -229,6 +229,7 @@ def test_a_native_abort_is_reported_by_the_line_that_names_its_cause():
     assert "phalanx/launch/" not in report
 
 
+@pytest.mark.slow  # 29 s
 def test_every_restart_is_announced_and_the_final_message_lists_the_attempts():
     # Item 12: restarts were silent, and the final message did not mention them.
     result = phalanx("run", "-n", 2, "--max-restarts", 1, SCRIPTS / "restart_once.py")

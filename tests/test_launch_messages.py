@@ -72,7 +72,8 @@ def test_a_frozen_rank_is_named_as_hung_not_as_killed(tmp_path):
     assert "stopped: rank 1" not in result.stderr
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.slow),
+                                      pytest.param("zero3", marks=pytest.mark.slow)])
 def test_a_frozen_rank_zero_is_named_too(tmp_path, strategy):
     """Rank 0 SIGSTOPped at step 3: its worker serves the job's store, whose client waits for
     an answer with no bound, so rank 1's hang watcher froze in its first look at the store and

@@ -193,6 +193,7 @@ def test_ranks_that_exit_keep_answering_until_rank_zero_is_done(tmp_path):
     assert left < timeout / 2, (left, timeout)
 
 
+@pytest.mark.slow  # 24 s
 def test_a_killed_peer_costs_the_timeout_and_a_failed_one_nothing(tmp_path):
     """Rank 1 is killed at its end and rank 2 raises there; rank 0, at its own end, waits for
     rank 1 alone, up to px.init(timeout=) (8 s of an idle machine), then says so and exits 0;
@@ -217,7 +218,7 @@ def test_a_killed_peer_costs_the_timeout_and_a_failed_one_nothing(tmp_path):
     assert left < timeout - 1, (left, timeout)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero3"])
 def test_the_tutorials_rounds_under_phalanx_run(strategy):
     """Six rounds of px.init, training and destroy_process_group() in the same two workers of
     `phalanx run` (whose rank 0 serves the launcher's store): a second px.init hung in 5 of 5

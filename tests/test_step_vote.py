@@ -213,7 +213,7 @@ def _lines(stdout: str, tag: str) -> list[dict]:
 
 @pytest.mark.parametrize("strategy,loop,where,mode", [
     ("ddp", "caught", "backward", "continue"),
-    ("zero2", "outer", "backward", "continue"),
+    pytest.param("zero2", "outer", "backward", "continue", marks=pytest.mark.slow),
     pytest.param("zero3", "caught", "forward", "continue", marks=pytest.mark.slow),
     pytest.param("zero1", "outer", "forward", "restart", marks=pytest.mark.slow)])
 def test_under_the_launcher_nobody_is_removed_and_the_batch_is_skipped(
