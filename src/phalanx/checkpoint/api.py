@@ -13,7 +13,7 @@ from ..arguments import check_checkpoint_call, check_model, check_path
 from ..data.sampler import DistributedSampler
 from ..runtime import default_comm
 from .delayed import load_delayed
-from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, set_rng_state, under
+from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, mismatches, set_rng_state, under
 from .dcp import is_dcp_checkpoint, load_dcp
 from .diloco import load_outer, warn_left_out
 from .ownership import adopt, checkpoints_of, job_ids
@@ -206,14 +206,7 @@ def _match(model_state: ModelState, manifest: dict) -> tuple[set[str], list[str]
         else:
             names.add(name)
     unexpected = sorted(set(saved) - set(wanted) - set(model_state.aliases))
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"not in the model: {', '.join(unexpected)}")
-    if reshaped:
-        problems.append(f"other shapes: {', '.join(reshaped)}")
-    return names, problems
+    return names, mismatches(missing, unexpected, reshaped)
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -259,6 +252,14 @@ def export_checkpoint(checkpoint, out) -> str:
     problem = why_not_export_target(os.path.abspath(os.fspath(out)))
     if problem is not None:
         raise CheckpointError(problem)
+    _write_atomically(os.path.abspath(os.fspath(out)), full_weights(checkpoint))
+    return os.fspath(out)
+
+
+def full_weights(checkpoint: str) -> dict:
+    """The model's full weights in the checkpoint directory `checkpoint`, every rank's shards
+    joined, read in this process alone (no process group), once every file has verified; a tied
+    weight under each of its names."""
     manifest = read_manifest(checkpoint)
     problems = verify_files(checkpoint, manifest, sorted(manifest["files"]))
     if problems:
@@ -268,10 +269,9 @@ def export_checkpoint(checkpoint, out) -> str:
         full = {name: reader.full(MODEL + name) for name in under(MODEL, manifest["tensors"])}
     finally:
         reader.close()
-    for alias, name in manifest.get("aliases", {}).items():
+    for alias, name in manifest.get("aliases", {}).items():  # tied weights, under both names
         full[alias] = full[name].clone()
-    _write_atomically(os.path.abspath(os.fspath(out)), full)
-    return os.fspath(out)
+    return full
 
 
 def _write_atomically(path: str, tensors: dict) -> None:

@@ -12,7 +12,8 @@ from ..elastic.gate import step_lost
 from .reader import CheckpointError
 
 __all__ = ["STATE_FILE", "LOSS_SCALER", "MODEL", "OPTIM", "POWERSGD", "model_key", "optim_key",
-           "optim_parts", "under", "is_stateful", "agree", "rng_state", "set_rng_state"]
+           "optim_parts", "under", "is_stateful", "agree", "rng_state", "set_rng_state",
+           "mismatches"]
 
 STATE_FILE = "state.pt"  # rank 0's small state: stateful objects, values, RNG, optimizer groups
 LOSS_SCALER = "model.loss_scaler"  # where a prepared fp16 model's loss scaler is kept
@@ -86,3 +87,15 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(cuda)
 
 
+
+
+def mismatches(missing: list[str], unexpected: list[str], reshaped: list[str]) -> list[str]:
+    """How a checkpoint's names differ from a model's, one phrase for each kind that occurs."""
+    found = []
+    if missing:
+        found.append(f"missing from the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        found.append(f"not in the model: {', '.join(unexpected)}")
+    if reshaped:
+        found.append(f"other shapes: {', '.join(reshaped)}")
+    return found

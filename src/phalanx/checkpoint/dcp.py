@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .common import agree
+from .common import agree, mismatches
 from .reader import MANIFEST, CheckpointError
 from .state import ModelState
 
@@ -217,13 +217,7 @@ def _model_at(path, state, paths, entries, flattened_at, strict, problems) -> tu
     reshaped = [f"{n} {tuple(saved[n].size)} -> {tuple(wanted[n][0])}" for n in wanted
                 if n in saved and list(saved[n].size) != list(wanted[n][0])]
     unexpected = sorted(set(saved) - known)
-    found = []
-    if missing:
-        found.append(f"missing from the checkpoint: {', '.join(missing)}")
-    if unexpected:
-        found.append(f"not in the model: {', '.join(unexpected)}")
-    if reshaped:
-        found.append(f"other shapes: {', '.join(reshaped)}")
+    found = mismatches(missing, unexpected, reshaped)
     if found and strict:
         raise CheckpointError(f"{path}: the DCP checkpoint does not match the model: "
                               + "; ".join(found) + ". Load with strict=False to load what "

@@ -46,8 +46,9 @@ import torch
 import phalanx as px
 
 from ...checkpoint import wait_for_saves
-from ...checkpoint.common import MODEL, STATE_FILE, under
-from ...checkpoint.reader import MANIFEST, CheckpointError, Reader, read_manifest, verify_files
+from ...checkpoint.api import full_weights
+from ...checkpoint.common import STATE_FILE
+from ...checkpoint.reader import MANIFEST
 from .optimizer import prepared_optimizer
 from .pending import prepared_module
 
@@ -199,17 +200,7 @@ def lightning_dictionary(path, map_location=None, weights_only: bool | None = No
     directory]."""
     wait_for_saves()  # a background save of this very checkpoint may still be running
     path = os.path.abspath(os.fspath(path))
-    manifest = read_manifest(path)
-    problems = verify_files(path, manifest, sorted(manifest["files"]))
-    if problems:
-        raise CheckpointError("; ".join(problems))
-    reader = Reader(path, manifest)
-    try:
-        weights = {name: reader.full(MODEL + name) for name in under(MODEL, manifest["tensors"])}
-    finally:
-        reader.close()
-    for alias, name in manifest.get("aliases", {}).items():  # tied weights, under both names
-        weights[alias] = weights[name].clone()
+    weights = full_weights(path)
     if isinstance(map_location, (str, torch.device)):
         weights = {name: value.to(map_location) for name, value in weights.items()}
     checkpoint = {}
