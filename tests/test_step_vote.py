@@ -126,6 +126,46 @@ def test_where_the_rest_of_a_step_cannot_be_made_the_failing_rank_is_told_why():
                        "dropped step would still change"}
 
 
+def _closure_forward_raises_on_rank1():
+    """Lightning's shape of loop: the forward and backward in a closure given to
+    optimizer.step(); rank 1's forward raises at step 1 and the loop catches it."""
+    at = {"step": 0}
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            if at["step"] == 1 and px.rank() == 1:
+                raise ValueError("a bad batch")
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Boom(), nn.ReLU(), nn.Linear(8, 1)).double()
+    model, opt = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 4, dtype=torch.float64)
+
+    def closure():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    caught = []
+    for step in range(3):
+        at["step"] = step
+        try:
+            opt.step(closure)
+        except ValueError as exc:
+            caught.append(str(exc))
+        opt.zero_grad()
+    return caught, [p.detach().clone() for p in px.unwrap(model).parameters()]
+
+
+def test_a_forward_that_raised_in_a_closure_is_voted_down_not_a_failed_step():
+    (caught0, params0), (caught1, params1) = run_ranks(_closure_forward_raises_on_rank1, 2,
+                                                       timeout=120)
+    assert caught0 == [] and caught1 == ["a bad batch"], (caught0, caught1)
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b)  # the replicas stayed the same
+
+
 def _step_raises_on_rank1(strategy, with_closure):
     """Rank 1's optimizer.step() raises at step 1, the loop catches it, and each rank then
     calls into its model: what each call meets. Plain: the step's pre-hook raises (inside

@@ -118,8 +118,11 @@ class StepVote:
     def step_left_by(self, exc: BaseException) -> None:
         """`optimizer.step()` is leaving by `exc`. One that every rank raises alike (a
         non-finite loss under on_nonfinite='raise': the step was dropped everywhere) leaves the
-        replicas equal, so the loop may go on past it; any other is this rank's alone."""
-        if getattr(exc, "raised_on_every_rank", False):
+        replicas equal, so the loop may go on past it; so does one from a forward or backward
+        run inside the step (a closure's), which the vote drops on every rank at this rank's
+        next call (`catch_up`); any other is this rank's alone."""
+        if getattr(exc, "raised_on_every_rank", False) or self.raised is not None \
+                or self.engine.reducer.in_progress():
             self.in_step = None
         else:
             self.step_raised = f"{type(exc).__name__}: {exc}"[:300]
