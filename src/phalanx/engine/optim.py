@@ -292,6 +292,18 @@ class OptimizerAdapter:
         saved_ids = [key for group in saved_groups for key in group["params"]]
         params = [q for group in self.original for q in group]
         saved_state = state_dict["state"]
+        if saved_state and all(isinstance(s, dict) and not s for s in saved_state.values()):
+            # torch's set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) rebuilds
+            # each parameter's entry from the names in optimizer.state[param], and this
+            # optimizer's state is keyed by its master pieces (see the Note at the top): every
+            # entry comes empty, and loading it would keep none of the saved state
+            raise ValueError(
+                "optimizer.load_state_dict: every parameter's entry of this state dict is empty, "
+                "as torch's set_optimizer_state_dict makes it from a flattened state dict "
+                "(StateDictOptions(flatten_optimizer_state_dict=True)) for an optimizer whose "
+                "state phalanx keeps on the master copies (zero1/zero2/zero3, mixed precision); "
+                "nothing would be loaded. Use the unflattened form (the default options) or "
+                "px.load")
         state, groups, position = {}, [], 0
         piece_index = {id(m): i for i, m in enumerate(m for g in self.held for m in g)}
         for index, p in enumerate(params):
