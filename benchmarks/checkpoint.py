@@ -37,10 +37,10 @@ read from memory, as they would right after a save. Bytes are what the directory
 the save.
 
 `--worlds`: one zero3 checkpoint of phalanx and one FSDP2 DCP checkpoint, saved at 2 ranks, are
-loaded at each world size in turn (fresh processes, `--repeat` loads each); per rank, the wall
-time and the CPU time (user + system, all threads) of the load, the slowest rank's, medians. On
-a machine with fewer cores than ranks the wall time grows with the processes sharing the cores;
-the CPU time is each rank's own work.
+loaded at each world size in turn (the phalanx one under zero3, and into zero2 and ddp) (fresh
+processes, `--repeat` loads each); per rank, the wall time and the CPU time (user + system, all
+threads) of the load, the slowest rank's, medians. On a machine with fewer cores than ranks the
+wall time grows with the processes sharing the cores; the CPU time is each rank's own work.
 """
 
 from __future__ import annotations
@@ -326,21 +326,23 @@ def save_both(blocks: int, base: str) -> None:
     dcp_save(model, opt, os.path.join(base, "dcp"), "sync", {})
 
 
-def phalanx_load(blocks: int, path: str, out: dict) -> None:
-    fresh, fresh_opt = px.prepare(*model_and_optimizer(blocks, stepped=False), strategy="zero3")
+def phalanx_load(blocks: int, path: str, out: dict, strategy: str = "zero3") -> None:
+    fresh, fresh_opt = px.prepare(*model_and_optimizer(blocks, stepped=False), strategy=strategy)
     out["load"] = timed(lambda: px.load(path, model=fresh, optimizer=fresh_opt), out, "load")
 
 
 def load_at(blocks: int, base: str, repeat: int) -> dict:
     torch.set_num_threads(1)
-    out = {"phalanx zero3": [], "FSDP2 + DCP": []}
+    out = {"phalanx zero3": [], "FSDP2 + DCP": [], "phalanx zero3 into zero2": [],
+           "phalanx zero3 into ddp": []}
     for r in range(repeat):
         for name in (out if r % 2 == 0 else reversed(list(out))):
             got = {}
             if name == "FSDP2 + DCP":
                 dcp_load(blocks, os.path.join(base, "dcp"), True, got)
             else:
-                phalanx_load(blocks, os.path.join(base, "phalanx"), got)
+                phalanx_load(blocks, os.path.join(base, "phalanx"), got,
+                             name.split()[-1] if "into" in name else "zero3")
             out[name].append(got)
             gc.collect()
             _trim()
@@ -403,9 +405,9 @@ def _table(results: dict) -> None:
 
 def _worlds_table(rows: dict) -> None:
     print("one 2-rank checkpoint loaded at each world size (fresh processes): seconds a rank")
-    print(f"{'competitor':16s} {'ranks':>5s} {'load s':>7s} {'load cpu s':>11s}")
+    print(f"{'competitor':24s} {'ranks':>5s} {'load s':>7s} {'load cpu s':>11s}")
     for (name, world), runs in sorted(rows.items()):
-        print(f"{name:16s} {world:5d} {_median(runs, 'load'):7.2f} "
+        print(f"{name:24s} {world:5d} {_median(runs, 'load'):7.2f} "
               f"{_median(runs, 'load cpu'):11.2f}")
 
 
