@@ -193,14 +193,9 @@ class OptimizerAdapter:
             return loss
         if self.before_step is not None and not self.before_step():
             self.engine.drop_grads()  # the step is thrown away: it changes nothing
-        vote.step_begins()  # see [Note: a step that raised in the optimizer] in vote.py
-        try:
-            with self.holding_masters():
-                stepped = self.engine.step_units(self._user["step"])
-        except BaseException as exc:
-            vote.step_left_by(exc)
-            raise
-        vote.step_ends()
+        # see [Note: a step that raised in the optimizer] in vote.py
+        with vote.stepping(), self.holding_masters():
+            stepped = self.engine.step_units(self._user["step"])
         if not stepped and self.engine.loss_scaler is not None:
             self.zero_grad()  # overflowed gradients are of no use to a later step
         for fn in self.after_step:
@@ -333,14 +328,8 @@ def _watched(vote, user_step):
     is inside it. A scheduler built before px.prepare keeps its mark (see the adopted step)."""
     def step(opt, *args, **kwargs):
         vote.catch_up()
-        vote.step_begins()
-        try:
-            result = user_step(*args, **kwargs)
-        except BaseException as exc:
-            vote.step_left_by(exc)
-            raise
-        vote.step_ends()
-        return result
+        with vote.stepping():
+            return user_step(*args, **kwargs)
     if getattr(user_step, "_wrapped_by_lr_sched", False):
         step._wrapped_by_lr_sched = True
     return step

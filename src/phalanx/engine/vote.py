@@ -57,6 +57,7 @@ it under `phalanx run --on-failure continue`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 
@@ -107,25 +108,26 @@ class StepVote:
         self.in_step: int | None = None
         self.step_raised: str | None = None
 
-    def step_begins(self) -> None:
-        """An `optimizer.step()` begins (see [Note: a step that raised in the optimizer])."""
+    @contextlib.contextmanager
+    def stepping(self):
+        """Around an `optimizer.step()` (see [Note: a step that raised in the optimizer]): the
+        step is in progress until it returns. One that leaves by an exception every rank raises
+        alike (a non-finite loss under on_nonfinite='raise': the step was dropped everywhere)
+        leaves the replicas equal, so the loop may go on past it; so does one from a forward or
+        backward run inside the step (a closure's), which the vote drops on every rank at this
+        rank's next call (`catch_up`); any other is this rank's alone."""
         self.check_stepped()
         self.in_step, self.step_raised = self.engine.steps.value, None
-
-    def step_ends(self) -> None:
+        try:
+            yield
+        except BaseException as exc:
+            if getattr(exc, "raised_on_every_rank", False) or self.raised is not None \
+                    or self.engine.reducer.in_progress():
+                self.in_step = None
+            else:
+                self.step_raised = f"{type(exc).__name__}: {exc}"[:300]
+            raise
         self.in_step = None
-
-    def step_left_by(self, exc: BaseException) -> None:
-        """`optimizer.step()` is leaving by `exc`. One that every rank raises alike (a
-        non-finite loss under on_nonfinite='raise': the step was dropped everywhere) leaves the
-        replicas equal, so the loop may go on past it; so does one from a forward or backward
-        run inside the step (a closure's), which the vote drops on every rank at this rank's
-        next call (`catch_up`); any other is this rank's alone."""
-        if getattr(exc, "raised_on_every_rank", False) or self.raised is not None \
-                or self.engine.reducer.in_progress():
-            self.in_step = None
-        else:
-            self.step_raised = f"{type(exc).__name__}: {exc}"[:300]
 
     def check_stepped(self) -> None:
         """[Note: a step that raised in the optimizer]
