@@ -51,15 +51,21 @@ def _run_dirs(tmp: Path) -> set[str]:
     return {p.name for p in tmp.iterdir() if p.name.startswith("phalanx-run-")}
 
 
-def test_the_next_run_removes_a_killed_launchers_directory_not_a_live_ones(tmp_path):
-    tmp = tmp_path / "tmp"
+def _scene(tmp_path, name: str, text: str):
+    """A TMPDIR of its own, a folder for the script's events, the script, and an environment
+    without PHALANX_ settings that points TMPDIR there: (tmp, where, script, env)."""
+    tmp, where, script = tmp_path / "tmp", tmp_path / "events", tmp_path / name
     tmp.mkdir()
-    where = tmp_path / "events"
     where.mkdir()
-    script = tmp_path / "waiter.py"
-    script.write_text(WAITER)
+    script.write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env.update(TMPDIR=str(tmp), PHALANX_RUN_DIR=str(tmp_path / "runs"))
+    env.update(TMPDIR=str(tmp))
+    return tmp, where, script, env
+
+
+def test_the_next_run_removes_a_killed_launchers_directory_not_a_live_ones(tmp_path):
+    tmp, where, script, env = _scene(tmp_path, "waiter.py", WAITER)
+    env.update(PHALANX_RUN_DIR=str(tmp_path / "runs"))
 
     def launch(name: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-n", "1", str(script),
@@ -116,14 +122,7 @@ px.spawn(wait, sys.argv[1], processes=1)
 def test_the_next_spawn_removes_a_killed_spawners_directory(tmp_path):
     """A script whose px.spawn is SIGKILLed leaves `phalanx-workers-*`; the next px.spawn of
     the same user removes it (its lock is free), and its own at its end."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    where = tmp_path / "events"
-    where.mkdir()
-    script = tmp_path / "spawner.py"
-    script.write_text(SPAWNER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env.update(TMPDIR=str(tmp))
+    tmp, where, script, env = _scene(tmp_path, "spawner.py", SPAWNER)
 
     def dirs() -> set[str]:
         return {p.name for p in tmp.iterdir() if p.name.startswith("phalanx-workers-")}
