@@ -52,8 +52,8 @@ import os
 import platform
 import resource
 import shutil
-import sys
 import statistics
+import sys
 import tempfile
 import time
 
@@ -62,8 +62,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import phalanx as px
-from phalanx.process import state
 from phalanx.testing import run_ranks
+from phalanx.world.process import state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peak_rss import _reset_peak, _status

@@ -117,8 +117,9 @@ def parity_fp32(dry):
 @check("parity-bf16-vs-fsdp2", dry=False)
 def parity_bf16(dry):
     """bf16 at world 1 against FSDP2 with the same policy (bf16 parameters, fp32 output)."""
-    import phalanx as px
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import phalanx as px
     deterministic()
     one_group("nccl")
     dev = device(dry)
@@ -147,8 +148,9 @@ def _two_rank_f64(strategy, dry):
     """4 steps of the TINY GPT in float64, global batch 8, each rank's rows in two
     accumulation halves (the first without communication), clipped: `strategy` None is the
     one-process reference."""
-    import phalanx as px
     from gpt import tokens
+
+    import phalanx as px
     distributed = strategy is not None
     torch.manual_seed(100 + (px.rank() if distributed else 0))  # rank 0's values broadcast
     model, config = gpt("tiny", True, dtype=torch.float64)
@@ -249,7 +251,7 @@ def syncs(dry):
     import warnings
 
     import phalanx as px
-    from phalanx import host
+    from phalanx.comm import host
     dev = device(dry)
     worst, worst_warned = 0, 0
     for strategy in STRATEGIES:
@@ -293,9 +295,10 @@ def _timed(step, n=20, warmup=5, cuda=True):
 def step_time(dry):
     """GPT-2 124M, bf16, batch 8 x 1024, world 1: phalanx against a hand loop (bf16 parameters,
     fp32 masters) and FSDP2 (the same policy); fp32 phalanx against plain PyTorch."""
-    import phalanx as px
     from gpt import tokens
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import phalanx as px
     one_group("nccl")
     dev = device(dry)
     x, y = tokens(gpt("gpt2", dry)[1], 8, seed=0, device=dev)
@@ -350,8 +353,9 @@ def step_time(dry):
 def memory(dry):
     """GPT-2 124M bf16 AdamW, world 1: allocated between steps against the formula 16 Psi
     (bf16 weights and gradients, fp32 masters and two moments), peak against px.plan."""
-    import phalanx as px
     from gpt import n_params
+
+    import phalanx as px
     dev = device(dry)
     model, config = gpt("gpt2", dry)
     psi = n_params(model)
@@ -381,8 +385,9 @@ def checkpoint(dry):
     losses as an uninterrupted run, bit for bit; the export loads into a plain model."""
     import tempfile
 
-    import phalanx as px
     from safetensors.torch import load_file
+
+    import phalanx as px
     deterministic()
     dev = device(dry)
     tmp = tempfile.mkdtemp()

@@ -19,8 +19,9 @@ def register_nccl_checks(check, verdict, gpt, two_rank_f64, max_rel, strategies,
         """A collective's completion is read from the device, not from NCCL's future (which
         completes at enqueue): after 50 ms of queued work, a 512 MB all-reduce's recorded time
         in flight against the CUDA events around both."""
-        from phalanx.collectives import Comm
         import torch.distributed as dist
+
+        from phalanx.comm.collectives import Comm
         one_group("nccl")
         comm = Comm(dist.group.WORLD)
         big = torch.ones(128 * 2**20, device="cuda")

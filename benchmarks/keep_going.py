@@ -48,7 +48,7 @@ def worker(args) -> None:
     import torch
 
     import phalanx as px
-    import phalanx.elastic as elastic
+    import phalanx.continuing as elastic
 
     sys.path.insert(0, str(HERE.parent))
     from ddp import make

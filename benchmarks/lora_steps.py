@@ -40,8 +40,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import phalanx as px
 from lora_memory import LLAMA, ROWS, TOKENS, lora_llama
+
+import phalanx as px
 from phalanx.testing import run_ranks
 
 TASKS, PRECISIONS, SYSTEMS = ("LoRA", "full"), ("fp32", "bf16"), ("zero3", "FSDP2")

@@ -29,12 +29,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from ddp import batch_for, loss_for, make
+
 import phalanx as px
-from phalanx import process
 from phalanx.faults import nonfinite
 from phalanx.observe import step_report
 from phalanx.testing import run_ranks
-from ddp import batch_for, loss_for, make
+from phalanx.world import process
 
 WATCHED = [(step_report.StepClock, ["forward_done", "backward_started", "_backward_done",
                                     "step_done"]),

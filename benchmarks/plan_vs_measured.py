@@ -11,7 +11,7 @@ CPU: for each model, strategy, precision and world size, real ranks (forked, glo
 each) build the model, `px.prepare` it, take one warm-up step, then take two measured steps. The
 memory a rank used is its peak resident set (VmHWM, reset after warm-up) minus its resident set
 before the model was built; the communication is the payload bytes the collectives layer
-counted (`phalanx.records.bytes_by_kind()`, summed over every live `Comm`), per step. Both
+counted (`phalanx.comm.records.bytes_by_kind()`, summed over every live `Comm`), per step. Both
 are compared with `px.plan(..., backend="gloo")` for the same setting: its total per device
 (model states, activations, engine buffers) and its payload per step.
 glibc is told to serve large allocations with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors
@@ -188,7 +188,7 @@ def _train(name, strategy, precision, data, tiny=False):
 
 
 def _measure_rank(name, strategy, precision, batch, seq, steps):
-    from phalanx.records import bytes_by_kind, reset_counts
+    from phalanx.comm.records import bytes_by_kind, reset_counts
     torch.manual_seed(px.rank())
     # The same layers at a tiny size first: the kernels' code is paged in and gloo's threads
     # and buffers are set up before the baseline is taken, so the difference is the model's.
@@ -210,7 +210,7 @@ def _measure_rank(name, strategy, precision, batch, seq, steps):
 
 
 def _plan_for(name, world, strategy, precision, batch, seq, gpu=False):
-    # px.prepare's precision names are the planner's (phalanx.precisions)
+    # px.prepare's precision names are the planner's (phalanx.spec.precisions)
     common = dict(gpus=world, strategy=strategy, precision=precision, optimizer="adamw",
                   backend="nccl" if gpu else "gloo", gpu_memory="1000GB",
                   offload=None if gpu else _offload(name))

@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from ddp import batch_for, loss_for, make
+
 import phalanx as px
 from phalanx.testing import run_ranks
-from ddp import batch_for, loss_for, make
 
 STRATEGIES = ("ddp", "zero1", "zero2")
 

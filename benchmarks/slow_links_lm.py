@@ -89,9 +89,9 @@ def competitors(px, only: list[str] | None = None) -> dict:
 
 def worker(rounds: int, steps: int, only: list[str] | None) -> None:
     import torch.distributed as dist
+    from gpt import GPT
 
     import phalanx as px
-    from gpt import GPT
 
     px.init()
     torch.set_num_threads(1)

@@ -47,11 +47,11 @@ def competitors(px, steps: int, only: list[str] | None = None) -> dict:
 
 
 def worker(steps: int, only: list[str] | None, optimizer: str) -> None:
+    import slow_links_lm as lm
     import torch.distributed as dist
+    from gpt import GPT
 
     import phalanx as px
-    import slow_links_lm as lm
-    from gpt import GPT
 
     px.init()
     torch.set_num_threads(1)

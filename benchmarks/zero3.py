@@ -29,10 +29,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import phalanx as px
-from phalanx.testing import run_ranks
 from ddp import batch_for, loss_for, make
 from peak_rss import _reset_peak, _status
+
+import phalanx as px
+from phalanx.testing import run_ranks
 
 NAMES = ("phalanx zero3", "zero3 no prefetch", "FSDP2", "phalanx zero2")
 

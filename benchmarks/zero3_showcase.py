@@ -25,9 +25,10 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from peak_rss import _status
+
 import phalanx as px
 from phalanx.testing import run_ranks
-from peak_rss import _status
 
 
 class Wide(nn.Module):

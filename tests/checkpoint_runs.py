@@ -12,7 +12,6 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.testing import engine_of
 
-
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4 ranks
 K = 3
 

@@ -17,12 +17,12 @@ PHALANX_REPEAT=N runs every selected test N times, its ids ending in `repeat1` .
 hunt a flaky test: `PHALANX_REPEAT=20 pytest -q -x tests/test_hangs.py`.
 """
 
+import _posixsubprocess
 import os
 import re
 import subprocess
 import sys
 
-import _posixsubprocess
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))

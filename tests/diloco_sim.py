@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 
 import torch
+from test_diloco import _inner, _local_step, _model
 
 import phalanx as px
-from test_diloco import _inner, _local_step, _model
 
 CHUNK = 128
 LEVELS = {"int8": 127, "int4": 7}

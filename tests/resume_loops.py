@@ -11,9 +11,9 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from checkpoint_runs import state_of
 
 import phalanx as px
-from checkpoint_runs import state_of
 
 SAMPLES, PER_RANK, EPOCHS = 40, 2, 2
 

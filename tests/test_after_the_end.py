@@ -1,7 +1,7 @@
 """What a rank reads after the job's end raises at once, saying why.
 
 Once every rank has called torch's `destroy_process_group()` (or `px.shutdown()`), the ranks
-that held the other shards have ended ([Note: a rank's end] in src/phalanx/leaving.py). A rank
+that held the other shards have ended ([Note: a rank's end] in src/phalanx/world/leaving.py). A rank
 that then reads sharded state (zero2's `optimizer.state_dict()`, zero3's
 `px.unwrap(model).state_dict()` or a forward) waited for an answer that never came, forever;
 a training step under ddp went on with collectives that did nothing, as if the rank were the

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from small_mlp import ROWS, batch, rank_rows, rel_err
 from torch.nn.parallel import DistributedDataParallel
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from small_mlp import ROWS, batch, rank_rows, rel_err
 
 WORLD, STEPS, INJECT = 2, 9, 6
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]

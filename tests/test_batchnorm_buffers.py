@@ -13,17 +13,16 @@ differ by rank), in float64, against torch DDP in the same processes.
 
 from __future__ import annotations
 
-
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import CNN
 from torch.nn.parallel import DistributedDataParallel
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from parity import CNN
 
 STEPS = 4
 

@@ -11,11 +11,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoint_runs import (
+    GLOBAL_BATCH,
+    K,
+    TiedLM,
+    make_batch,
+    make_model,
+    make_optimizer,
+    state_of,
+    train_steps,
+)
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from checkpoint_runs import (GLOBAL_BATCH, K, TiedLM, make_batch, make_model, make_optimizer,
-                             state_of, train_steps)
 
 
 def _first_half(path, strategy, precision):

@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
+from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
 
 STRATEGY = "zero2"
 

@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from checkpoint_runs import K, TiedLM, make_batch, make_model, make_optimizer, train_steps
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from checkpoint_runs import K, TiedLM, make_batch, make_model, make_optimizer, train_steps
 
 
 # -- bf16 masters, export ----------------------------------------------------------------------

@@ -3,9 +3,9 @@ Accelerate's checkpointing loop, which finds its epoch from `len(loader)`, and t
 loop with dropout, saved anywhere in an epoch (tests/resume_loops.py holds the loops)."""
 
 import torch
+from resume_loops import EPOCHS, PER_RANK, SAMPLES, accelerate_loop, epoch_loop
 
 from phalanx.testing import run_ranks
-from resume_loops import EPOCHS, PER_RANK, SAMPLES, accelerate_loop, epoch_loop
 
 STEPS_PER_EPOCH = SAMPLES // (2 * PER_RANK)  # 10
 

@@ -11,10 +11,10 @@ import threading
 
 import pytest
 import torch
+from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
 
 import phalanx as px
 from phalanx.testing import RanksFailed, run_ranks
-from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
 
 
 # -- crash safety, keep_last, latest_checkpoint -------------------------------------------------
@@ -133,7 +133,7 @@ def test_a_background_save_holds_the_state_of_the_call_while_training_goes_on(tm
 def _two_background_saves(paths):
     """A background save, K more steps, another: the second copies into the first's memory
     (checkpoint/saving.py keeps it), and each holds the state of its own call."""
-    from phalanx.process import state
+    from phalanx.world.process import state
 
     torch.manual_seed(0)
     model = make_model(0)

@@ -9,9 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx import runtime
-from phalanx.collectives import Comm
+from phalanx.comm.collectives import Comm
 from phalanx.testing import run_ranks
+from phalanx.world import runtime
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "phalanx"
 

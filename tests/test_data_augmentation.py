@@ -10,10 +10,10 @@ case (a save mid-epoch with 2 workers, bit for bit) is in test_checkpoint_resume
 from __future__ import annotations
 
 import torch
+from resume_loops import Augmented, dataset
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from resume_loops import Augmented, dataset
 
 GLOBAL_BATCH = 4
 

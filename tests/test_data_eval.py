@@ -169,9 +169,9 @@ def _new_records(comm, fn, *args, **kwargs):
 def _ranks_through_the_comm():
     from torch import nn
 
-    from phalanx.collectives import Comm
-    from phalanx.runtime import default_comm
+    from phalanx.comm.collectives import Comm
     from phalanx.model.sync_batchnorm import convert_sync_batchnorm
+    from phalanx.world.runtime import default_comm
 
     comm, r, seen = default_comm(), px.rank(), {}
     seen["gather"] = _new_records(comm, px.gather, torch.ones(r + 1, 3))[1]

@@ -24,14 +24,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from parity import one_thread
+from small_mlp import batch, mlp, rel_err
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict,
-    set_state_dict)
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from parity import one_thread
-from small_mlp import batch, mlp, rel_err
 
 GLOBAL_ROWS, BREAK, STEPS = 12, 3, 6
 TOL = 1e-12

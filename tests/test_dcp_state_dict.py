@@ -14,14 +14,20 @@ prefixed with `module.` (engine/optim.py, model/prepared.py).
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from parity import one_thread
+from small_mlp import ROWS, batch, mlp, rank_rows, rel_err
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict,
-    set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from parity import one_thread
-from small_mlp import ROWS, batch, mlp, rank_rows, rel_err
 
 WORLD, STEPS, BREAK = 2, 6, 3
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]

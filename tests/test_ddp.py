@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
+from parity import assert_params_close, make_data, make_model, tolerance, train
 
 import phalanx as px
 from phalanx.testing import RanksFailed, run_ranks
-from parity import assert_params_close, make_data, make_model, tolerance, train
 
 COMBOS = [(model, opt, accum)
           for model in ("mlp", "transformer", "branchy")

@@ -6,13 +6,13 @@ import warnings
 
 import pytest
 import torch
+from diloco_sim import FRAGMENTS, Simulation, diloco, rank_run
+from test_diloco import _inner, _local_step, _model
 
 import phalanx as px
-from diloco_sim import FRAGMENTS, Simulation, diloco, rank_run
 from phalanx.engine.diloco import fragment_of
 from phalanx.engine.diloco_wire import quantized_bytes
 from phalanx.testing import run_ranks
-from test_diloco import _inner, _local_step, _model
 
 TIMEOUT = 120
 # (H, P, D, keep_local, comm_dtype): every option, 9 steps each (two cycles and a step past)

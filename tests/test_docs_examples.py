@@ -65,6 +65,7 @@ epochs = 2
 # process before the shell example runs.
 def _make_checkpoint():
     import torch
+
     import phalanx as px
 
     model = torch.nn.Linear(4, 2)
@@ -74,7 +75,9 @@ def _make_checkpoint():
 
 def _make_run():
     import os
+
     import torch
+
     import phalanx as px
 
     os.environ["PHALANX_RUN_DIR"] = "runs/example"

@@ -2,7 +2,7 @@
 `dist.destroy_process_group()` under zero2 and zero3 (`phalanx run -n 2`), four at a time,
 beside CPU hogs (load well above the 2 cores). Reported hanging at load 15-18 (3 of 3); not
 reproduced here in about 450 such jobs, before or after the end's waits were made to depend on
-each rank's own add and to say what they wait for (src/phalanx/leaving.py); this keeps the
+each rank's own add and to say what they wait for (src/phalanx/world/leaving.py); this keeps the
 claim checked. Slow tier: about 3 minutes."""
 
 from __future__ import annotations

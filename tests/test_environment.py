@@ -1,4 +1,4 @@
-"""The PHALANX_* variables: one table (src/phalanx/environment.py) that the docs page repeats,
+"""The PHALANX_* variables: one table (src/phalanx/world/environment.py) that the docs page repeats,
 each variable checked at the start by `px.init` on every rank and by `phalanx run` (the latter
 in test_launch_checks.py), with an error that names it, its value and what it takes.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import phalanx as px
-from phalanx import environment
 from phalanx.observe import metrics
+from phalanx.world import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "environment.md"
@@ -29,7 +29,7 @@ def test_the_docs_table_is_the_modules_table():
     section = text[text.index("## Read by phalanx"):text.index("Read by the test suite")]
     rows = [line for line in section.splitlines() if line.startswith("| `PHALANX_")]
     assert rows == environment.markdown_rows(), (
-        "docs/reference/environment.md's table differs from src/phalanx/environment.py; "
+        "docs/reference/environment.md's table differs from src/phalanx/world/environment.py; "
         "paste in:\n" + "\n".join(environment.markdown_rows()))
 
 
@@ -91,7 +91,8 @@ def test_the_variables_are_read_through_the_table_only():
     reads = [f"{path.relative_to(source)}:{line}: {name}"
              for path in sorted(source.rglob("*.py")) if path.name != "environment.py"
              for line, name in _environ_reads(ast.parse(path.read_text()))]
-    assert reads == [], "read these through phalanx.environment.value(name):\n" + "\n".join(reads)
+    assert reads == [], ("read these through phalanx.world.environment.value(name):\n"
+                         + "\n".join(reads))
 
 
 def _not_a_dir(tmp_path) -> str:
@@ -183,7 +184,7 @@ def test_px_init_checks_the_variables_before_joining(monkeypatch):
     monkeypatch.setenv("PHALANX_LOG_EVERY", "abc")  # px.log read it only after training
     with pytest.raises(ValueError, match=r"^PHALANX_LOG_EVERY='abc': a whole number of steps"):
         px.init()
-    assert not px.process.state.world.initialized
+    assert not px.world.process.state.world.initialized
 
 
 @pytest.mark.one_process

@@ -10,7 +10,7 @@ import types
 import torch.distributed as dist
 
 import phalanx as px
-from phalanx import groups
+from phalanx.comm import groups
 from phalanx.launch.spawn import run_workers
 from phalanx.testing import engine_of
 
@@ -69,4 +69,4 @@ def test_the_groups_phalanx_made_are_bounded_by_the_jobs_timeout_and_end_at_shut
         # zero3's gathers and the shard service's channel (engine/remote.py); torch's
         # default: 1800
         assert timeouts == [600.0, 600.0] and left == 0 and not initialized and channel_ended
-        assert routed == ["phalanx.leaving", "torch.distributed.distributed_c10d"]
+        assert routed == ["phalanx.world.leaving", "torch.distributed.distributed_c10d"]

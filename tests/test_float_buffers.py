@@ -10,11 +10,11 @@ trains under autocast trains here: 2 ranks under every strategy against one proc
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from parity import one_thread
+from small_mlp import rel_err
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from parity import one_thread
-from small_mlp import rel_err
 
 VOCAB, DIM, HEADS, BLOCK, ROWS, STEPS = 32, 16, 2, 8, 4, 4
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]

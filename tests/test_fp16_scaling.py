@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from parity import one_thread
 
 import phalanx as px
 from phalanx.model.loss_scaling import DynamicLossScaler
 from phalanx.testing import run_ranks
-from parity import one_thread
 
 VOCAB, DIM, SEQ, ROWS, CAP, STEPS, LR = 64, 32, 16, 4, 30.0, 10, 1e-3
 WORLD = 2

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from test_from_safetensors import BATCH, default_dtype
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from test_from_safetensors import BATCH, default_dtype
 
 pytest.importorskip("transformers", reason="transformers is not installed (CI does not install "
                     "it): pip install transformers")

@@ -5,7 +5,7 @@ The jobs are real `phalanx run`s of tests/launch_scripts/keep_going.py (float64,
 px.save after every step) with rank 1 stopping its own process before a chosen step, and
 PHALANX_HANG_AFTER=3, so the hang report comes after 3 s of waiting. Under `continue` the
 report's rank is removed (its agent ends it) and the others go on as after a kill
-([Note: a member that hangs] in elastic/membership.py): the weights end as the uninterrupted
+([Note: a member that hangs] in continuing/membership.py): the weights end as the uninterrupted
 run's. A job that cannot go on, and the other modes, end with one message; a launcher that is
 itself killed takes its workers with it ([Note: no worker outlives its launcher]).
 """
@@ -23,9 +23,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from test_keep_going import (SCRIPT, TIMEOUT, _close, _job, _lines, _reference,
-                             _survivors_kept_their_processes)
+from test_keep_going import (
+    SCRIPT,
+    TIMEOUT,
+    _close,
+    _job,
+    _lines,
+    _reference,
+    _survivors_kept_their_processes,
+)
 from test_launch import processes_running
 
 MISBEHAVE = Path(__file__).parent / "launch_scripts" / "misbehave.py"

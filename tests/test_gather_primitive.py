@@ -12,12 +12,12 @@ preference stopped reaching the engine, besides failing on any wrong value.
 """
 
 import pytest
+from test_parity64 import DTYPE, assert_close, assert_state_dicts_equal, reference, train_on_rank
 
-from phalanx import collectives, runtime
-from phalanx.collectives import Comm
+from phalanx.comm import collectives
+from phalanx.comm.collectives import Comm
 from phalanx.testing import run_ranks
-from test_parity64 import (DTYPE, assert_close, assert_state_dicts_equal, reference,
-                           train_on_rank)
+from phalanx.world import runtime
 
 WORLD = 2
 # (model, optimizer, accumulation micro-steps, clip): a frozen and an unused layer (mlp), an

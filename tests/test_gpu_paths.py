@@ -17,12 +17,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx import runtime
+from phalanx._tree import to_device
+from phalanx.comm.records import StepCounter
 from phalanx.launch import spawn as spawn_module
-from phalanx.model.prepared import to_device
 from phalanx.observe.step_report import StepClock
-from phalanx.records import StepCounter
 from phalanx.testing import run_ranks
+from phalanx.world import runtime
 
 
 @pytest.fixture
@@ -219,7 +219,7 @@ def test_the_step_report_leaves_the_users_peak_statistics_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 3 * 2**20)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 * 2**20)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 8 * 2**20)
-    clock = StepClock(px.runtime.default_comm(), torch.device("cuda", 0), StepCounter())
+    clock = StepClock(px.world.runtime.default_comm(), torch.device("cuda", 0), StepCounter())
     clock.steps.tick()
     clock.step_done()
     assert resets == []

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from phalanx import records
-from phalanx.collectives import Comm
+from phalanx.comm import records
+from phalanx.comm.collectives import Comm
 from phalanx.faults.hangs import HangWatch
 
 pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)

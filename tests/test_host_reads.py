@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx import host
+from phalanx.comm import host
 from phalanx.testing import run_ranks
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")

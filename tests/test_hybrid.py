@@ -11,12 +11,12 @@ gradient (the used-flags averaged across groups), and `never_used` by none.
 import contextlib
 
 import pytest
+import test_parity64 as p64
 import torch
 
 import phalanx as px
 from phalanx.engine.hybrid import check_shard_size
 from phalanx.testing import engine_of, run_ranks
-import test_parity64 as p64
 
 STEPS = p64.STEPS
 

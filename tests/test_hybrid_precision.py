@@ -4,13 +4,13 @@ At 4 ranks as 2 groups of 2 (engine/hybrid.py). The model, data and float64 refe
 test_parity64.py's; the meta build is test_zero3.py's.
 """
 
+import test_parity64 as p64
+import test_zero3 as tz3
 import torch
 import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.testing import engine_of, run_ranks
-import test_parity64 as p64
-import test_zero3 as tz3
 
 WORLD = 4
 

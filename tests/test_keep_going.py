@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_launch import phalanx, processes_running
 
 import phalanx as px
-
-from test_launch import phalanx, processes_running
 
 SCRIPT = Path(__file__).parent / "launch_scripts" / "keep_going.py"
 TIMEOUT = 240
@@ -359,7 +358,7 @@ def test_a_rank_lost_in_the_last_step_of_zero3_ends_the_job_saying_why(tmp_path)
     assert processes_running(str(tmp_path / f"ckpt-{token}")) == []
 
 
-# -- an evaluation under continue mode ([Note: an evaluation redone] in elastic/gathers.py) ------
+# -- an evaluation under continue mode ([Note: an evaluation redone] in continuing/gathers.py) --
 EVALUATING = ("--epochs", 1, "--eval-every", 5)  # 20 steps, an evaluation after every 5th
 
 
@@ -457,8 +456,8 @@ def test_a_gather_whose_vote_completed_on_one_survivor_is_whole_on_every_one():
     """The decision over the gathers ([Note: an evaluation redone]): rank 0 saw gather 7's
     vote complete and lost gather 8; rank 1 lost gather 7's vote after entering it, so it holds
     gather 7 whole and keeps it; both return nothing for gather 8 and redo its batch."""
-    from phalanx.elastic.gathers import decide_gathers
-    from phalanx.elastic.membership import MembershipError
+    from phalanx.continuing.gathers import decide_gathers
+    from phalanx.continuing.membership import MembershipError
 
     def report(gathers, gathered, phase1=False, batch=None):
         return {"gathers": gathers, "gathered": gathered, "gather_phase1": phase1,

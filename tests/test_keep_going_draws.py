@@ -1,5 +1,5 @@
 """A step redone after a loss says that random draws differ from then on, where the model draws
-(elastic/events.py's [Note: random draws after a recovery]): each rank draws dropout's masks
+(continuing/events.py's [Note: random draws after a recovery]): each rank draws dropout's masks
 from its own generator for its part of a batch, and the batch is split over fewer ranks now,
 so the run goes on with the same samples but not the same draws. It said only 'step 3 redone
 by 2 ranks' (a run with Dropout ended 0.075 from the uninterrupted one)."""

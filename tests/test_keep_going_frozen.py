@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_launch import processes_running
 
 SCRIPT = Path(__file__).parent / "launch_scripts" / "keep_going_frozen.py"
@@ -101,8 +100,8 @@ def test_under_continue_mode_a_gloo_all_gather_is_a_ring_unless_broadcasts_are_a
     """See [Note: an all-gather a loss cannot tie]: the choice the jobs above depend on."""
     import datetime
 
-    from phalanx.collectives import Comm
-    from phalanx.elastic.gate import gate
+    from phalanx.comm.collectives import Comm
+    from phalanx.comm.gate import gate
 
     store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.elastic.membership import MembershipError
-from phalanx.elastic.steps import decide
+from phalanx.continuing.membership import MembershipError
+from phalanx.continuing.steps import decide
 
 pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
 
@@ -89,7 +89,7 @@ def test_a_replay_from_an_older_checkpoint_leaves_out_the_skipped_batch_where_it
 def _membership(me, life, world=3):
     import datetime
 
-    from phalanx.elastic.membership import Membership
+    from phalanx.continuing.membership import Membership
 
     return Membership(torch.distributed.HashStore(), me, world, life, "gloo",
                       datetime.timedelta(seconds=30), torch.device("cpu"))
@@ -100,7 +100,7 @@ def test_a_replacement_nobody_can_admit_ends_as_the_job_did(last_end, completed)
     """Every member of the last generation gone before admitting rank 1's replacement: it ends
     well if one of them finished its training, else with an error, so that a job whose every
     worker failed does not end as completed (it once did, with every worker dead)."""
-    from phalanx.elastic import joining, store as keys
+    from phalanx.continuing import joining, store as keys
 
     m = _membership(1, 1)
     keys.write(m.store, "gen", 1)
@@ -122,8 +122,8 @@ def test_a_request_to_report_is_forgotten_when_the_next_generation_forms(tmp_pat
     """A member asked to report in generation g (its wait gave up there) must not give up the
     waits of generation g+1: it once lost the step again at the first collective of the new
     group, and every survivor ended on 'no member left the job'."""
-    from phalanx.collectives import Comm
-    from phalanx.elastic.gate import gate
+    from phalanx.comm.collectives import Comm
+    from phalanx.comm.gate import gate
 
     m = _membership(0, 0, world=1)
     gate.active, gate.poked = True, True
@@ -143,8 +143,8 @@ def test_an_object_gather_lost_halfway_gives_this_ranks_own_value_not_garbage(mo
     would. It once loaded unfilled bytes (UnpicklingError) and ended a survivor."""
     import datetime
 
-    from phalanx import collectives
-    from phalanx.elastic.gate import gate
+    from phalanx.comm import collectives
+    from phalanx.comm.gate import gate
 
     class Broken:
         def wait(self, timeout=None):
@@ -249,7 +249,7 @@ def test_the_ledger_makes_a_lost_batch_an_error_and_a_replay_balances_it():
     """One mechanism for every way a recovery could lose data: the loop's batches each count
     once (the first time it steps after one), the model's go back with it; a step thrown away
     and never served again is an error naming the epoch and both counts."""
-    from phalanx.elastic.steps import StepBoundary
+    from phalanx.continuing.steps import StepBoundary
 
     train = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
                                                world_size=1, shuffle=False))
@@ -304,7 +304,7 @@ def test_a_batch_not_served_again_after_a_loss_fails_the_ledger(how):
     px.data_loader begins its iteration again); a sharded engine goes back to a checkpoint
     that does not hold the sampler, which stays where it was. Either way a batch the model
     lost is not trained again, and the ledger says which epoch and how much."""
-    from phalanx.elastic.steps import StepBoundary
+    from phalanx.continuing.steps import StepBoundary
 
     sampler = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
                                                  world_size=1, shuffle=False))

@@ -293,7 +293,7 @@ def test_init_processes_without_a_script_points_to_spawn():
 
 
 def test_run_n_auto_starts_one_worker_per_two_cores_here():
-    from phalanx.runtime import auto_processes
+    from phalanx.world.runtime import auto_processes
 
     result = phalanx("run", "-n", "auto", SCRIPTS / "world.py")
     assert result.returncode == 0, result.stderr

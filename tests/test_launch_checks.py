@@ -16,10 +16,10 @@ import pytest
 
 import phalanx as px
 from phalanx import cli
-from phalanx.command_error import CommandError
 from phalanx.launch import cli as launch
-from phalanx.launch import processes
-from phalanx.launch.processes import WORKERS_PER_CORE, worker_limit
+from phalanx.spec.command_error import CommandError
+from phalanx.world import processes
+from phalanx.world.processes import WORKERS_PER_CORE, worker_limit
 
 
 def _mistakes(tmp_path) -> dict[str, tuple[list, dict, str]]:

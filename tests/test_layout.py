@@ -148,3 +148,75 @@ def test_a_one_process_test_cannot_start_a_process():
         multiprocessing.get_context("spawn").Process(target=print).start()
     with pytest.raises(AssertionError, match="marked one_process but starts a process"):
         os.fork()
+
+
+# The floors, bottom up: a room (a package, or a module where named) stands above what it
+# imports. An import of a room on a higher floor runs back up; the few there are, are named.
+FLOORS = [
+    ("phalanx._tree", "phalanx.spec"),
+    ("phalanx.world",),
+    ("phalanx.comm",),
+    ("phalanx.faults",),
+    ("phalanx.world.runtime",),
+    ("phalanx.engine",),
+    ("phalanx.planner",),
+    ("phalanx.observe",),
+    ("phalanx.model",),
+    ("phalanx.data",),
+    ("phalanx.checkpoint",),
+    ("phalanx.continuing",),
+    ("phalanx.launch", "phalanx.testing"),
+    ("phalanx", "phalanx.cli", "phalanx.demo", "phalanx.__main__"),
+    ("phalanx.integrations",),  # on the public names (`import phalanx`), which never import it
+]
+BACK_UP: set[tuple[str, str]] = set()   # (from room, to room) allowed to run back up a floor
+# Imports inside a function, where one is wanted: a command's start kept light (its sub-command
+# loads what it runs), and a px.spawn child importing phalanx after its environment is set.
+LAZY_OK = ("cli", "demo", "launch.spawn", "launch.cli", "planner.cli", "observe.report_cli",
+           "checkpoint.info_cli", "checkpoint.cli")
+
+
+def _room(module: str) -> tuple[str, int]:
+    best = max((r for floor in FLOORS for r in floor
+                if module == r or module.startswith(r + ".")), key=len)
+    return best, next(i for i, floor in enumerate(FLOORS) if best in floor)
+
+
+def floor_arrows() -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """([(module, imported, its room, the imported room)] running back up a floor, [lazy imports
+    of phalanx modules outside LAZY_OK, as 'module:line imported'])."""
+    modules = _modules()
+    up, lazy = [], []
+    for name, path in sorted(modules.items()):
+        room, floor = _room(name)
+        for dep in sorted(_imports(name, path, set(modules))):
+            dep_room, dep_floor = _room(dep)
+            if dep_floor > floor and (room, dep_room) not in BACK_UP:
+                up.append((name, dep, room, dep_room))
+        tree = ast.parse(open(path).read())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                inner = (node.level or (node.module or "").startswith("phalanx")
+                         if isinstance(node, ast.ImportFrom) else
+                         isinstance(node, ast.Import) and
+                         any(a.name.startswith("phalanx") for a in node.names))
+                if inner and not name.removeprefix("phalanx.").startswith(LAZY_OK):
+                    lazy.append(f"{name}:{node.lineno}")
+    return up, sorted(set(lazy))
+
+
+def test_no_import_runs_back_up_a_floor():
+    """docs/concepts/architecture.md draws these floors: a room imports only rooms on its own
+    floor or below, so that what a change touches is what stands above it."""
+    up, _ = floor_arrows()
+    assert not up, "imports running back up a floor:\n" + "\n".join(
+        f"  {a} ({ra}) -> {b} ({rb})" for a, b, ra, rb in up)
+
+
+def test_no_import_hides_inside_a_function():
+    """An import inside a function hides a dependency (and often a circle) from the reader and
+    from the interpreter: only a command's light start and a spawned child have them."""
+    _, lazy = floor_arrows()
+    assert not lazy, f"phalanx imports inside functions: {', '.join(lazy)}"

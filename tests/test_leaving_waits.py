@@ -1,4 +1,4 @@
-"""A rank's end never waits in silence (src/phalanx/leaving.py's [Note: a rank's end]).
+"""A rank's end never waits in silence (src/phalanx/world/leaving.py's [Note: a rank's end]).
 
 The wait at the end is for the count every rank adds to, not for a key one rank writes for all
 after its add; and past the hang threshold it says what it waits for, naming the ranks, before
@@ -12,8 +12,8 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from phalanx import leaving
-from phalanx.process import state
+from phalanx.world import leaving
+from phalanx.world.process import state
 
 pytestmark = pytest.mark.one_process
 

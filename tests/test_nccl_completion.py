@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx import collectives, records, runtime
-from phalanx.collectives import Comm, Handle
+from phalanx.comm import collectives, records
+from phalanx.comm.collectives import Comm, Handle
 from phalanx.faults import hangs
 from phalanx.testing import run_ranks
+from phalanx.world import runtime
 
 FAKE = object()  # the stand-in NCCL group
 

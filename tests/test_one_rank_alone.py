@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.testing import run_ranks, engine_of
+from phalanx.testing import engine_of, run_ranks
 
 VOCAB, DIM, CONTEXT, ROWS = 11, 16, 6, 12
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from parity import one_thread
+from small_mlp import ROWS, STRATEGIES, batch, rank_rows, rel_err
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from parity import one_thread
-from small_mlp import ROWS, STRATEGIES, batch, rank_rows, rel_err
 
 
 # -- optimizer state in a single process's format ---------------------------------------

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.testing import run_ranks
 from phalanx._tree import map_tensors
+from phalanx.testing import run_ranks
 
 
 @dataclass

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from naive_twin import NaiveDataParallel
+from parity import one_thread
 
 import phalanx as px
-from naive_twin import NaiveDataParallel
 from phalanx.testing import run_ranks
-from parity import one_thread
 
 DTYPE = torch.float64
 STEPS = 5

@@ -72,7 +72,7 @@ CASES = [("ddp", "fp32", False), ("ddp", "bf16", False), ("zero1", "fp32", False
 
 
 def _counted_payload(steps=2, accum=2):
-    from phalanx import records as collectives
+    from phalanx.comm import records as collectives
     results = []
     for strategy, precision, blocks in CASES:
         model = _model(blocks)

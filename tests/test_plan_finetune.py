@@ -10,7 +10,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.observe.report_cli import plan_for_run
-from phalanx.precisions import PRECISIONS, precision_spec
+from phalanx.spec.precisions import PRECISIONS, precision_spec
 from phalanx.testing import run_ranks
 
 # A Llama-style config small enough to count by hand: hidden 64, 2 layers, 4 heads of which 2

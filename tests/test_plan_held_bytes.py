@@ -84,7 +84,7 @@ class _Stemmed(torch.nn.Module):
 
 
 def _zero3_payload(precision, steps=2):
-    from phalanx import records
+    from phalanx.comm import records
 
     torch.manual_seed(0)
     model = _Stemmed()

@@ -9,7 +9,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.planner.memory import model_states, optimizer_state_elements
-from phalanx.precisions import PLANNER_PRECISIONS as PRECISIONS
+from phalanx.spec.precisions import PLANNER_PRECISIONS as PRECISIONS
 from phalanx.testing import run_ranks
 
 
@@ -339,8 +339,8 @@ def test_kept_buffers_and_step_gradient_match_the_engine(precision):
     model states plus its kept buffers, the fp32 gradient made inside the step is the plan's
     step working memory (SGD makes no temporaries of its own), and the optimizer is called
     once per planned unit by the flat engine, once in all by fp32 ddp."""
-    from phalanx.planner.layout import unit_sizes
     from phalanx.engine.units import step_run_bytes, step_runs
+    from phalanx.planner.layout import unit_sizes
     world, bucket_mb = 2, 0.01  # several units and runs: the pool and the runs matter
     strategies = ["ddp", "zero1", "zero2"]
     measured = run_ranks(lambda: [_engine_kept_and_step_bytes(s, precision, bucket_mb)

@@ -3,8 +3,13 @@
 import pytest
 
 from phalanx.planner.hardware import LINKS
-from phalanx.planner.sizes import (format_bytes, format_count, parse_bandwidth, parse_bytes,
-                                   parse_count)
+from phalanx.planner.sizes import (
+    format_bytes,
+    format_count,
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+)
 
 pytestmark = pytest.mark.one_process  # starts no process (tests/conftest.py)
 

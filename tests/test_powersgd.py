@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
 
 import phalanx as px
 from phalanx.testing import engine_of, run_ranks
-from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
 
 DTYPE = torch.float64
 ROWS = 12  # the global batch: divides by 1, 2 and 3 ranks

@@ -6,11 +6,10 @@ found by running real training code"; px.init's options are in test_runtime.py).
 import pytest
 import torch
 import torch.nn as nn
+from small_mlp import mlp
 
 import phalanx as px
 from phalanx.testing import RanksFailed, run_ranks
-from small_mlp import mlp
-
 
 # -- options that differ between ranks --------------------------------------------------
 MISMATCHES = {
@@ -103,7 +102,7 @@ def test_the_strategy_names_and_their_alias_are_one_list():
     same names, in any case, and "fsdp" is zero3 everywhere."""
     from phalanx.demo import STRATEGIES as DEMO
     from phalanx.planner.memory import STRATEGIES as PLANNED
-    from phalanx.strategies import STRATEGIES
+    from phalanx.spec.strategies import STRATEGIES
 
     assert DEMO == STRATEGIES and tuple(PLANNED) == STRATEGIES
     assert [_options(name).strategy for name in ("DDP", "zero1", "Zero2", "fsdp", "FSDP")] == \

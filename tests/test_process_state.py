@@ -10,15 +10,15 @@ import os
 
 import torch
 import torch.distributed as dist
+from small_mlp import ROWS, batch, mlp, rank_rows
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from small_mlp import ROWS, batch, mlp, rank_rows
 
 
 def _parts_in_use() -> list[str]:
     """The parts of the process state that differ from a new process's."""
-    from phalanx import process
+    from phalanx.world import process
 
     fresh = process.ProcessState()
     return [f.name for f in dataclasses.fields(fresh)

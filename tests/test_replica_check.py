@@ -5,10 +5,10 @@ is named, identical replicas pass, and the option takes only a number of optimiz
 import pytest
 import torch
 import torch.nn.functional as F
+from small_mlp import ROWS, STRATEGIES, batch, mlp, rank_rows
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from small_mlp import ROWS, STRATEGIES, batch, mlp, rank_rows
 
 
 # -- replicas that drift apart (issue "Survive failures": the checksum check) ----------------

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx import groups
-from phalanx.launch.env import LaunchEnv, _first_slurm_host, check_slurm_tasks, read_launch_env
+from phalanx.comm import groups
+from phalanx.world.launch_env import (
+    LaunchEnv,
+    _first_slurm_host,
+    check_slurm_tasks,
+    read_launch_env,
+)
 
 
 def test_torchrun_environment():
@@ -80,7 +85,7 @@ def test_init_names_a_bad_timeout(timeout, error, words):
     with pytest.raises(error, match=r"px\.init\(timeout=") as caught:
         px.init(timeout=timeout)
     assert words in str(caught.value)
-    assert not px.process.state.world.initialized  # the check comes before anything is joined
+    assert not px.world.process.state.world.initialized  # the check comes before anything is joined
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -8,7 +8,8 @@ service's went with them: "Group is not registered", and rank 0 waited in vain),
 `px.shutdown()` (a barrier, where a rank 0 slower than the hang threshold was reported as a
 hang), or exited (their shards gone: `PeerError ... Connection closed by peer`). Now a rank
 answers for its shards until every peer has reached its end, within the job's timeout
-([Note: a rank's end] in src/phalanx/leaving.py). Rank 0's files are compared with one process's
+([Note: a rank's end] in src/phalanx/world/leaving.py).
+Rank 0's files are compared with one process's
 in float64; the other ranks reach their end first, and rank 0 waits for that event before its
 last snapshot.
 
@@ -30,14 +31,13 @@ import time
 import uuid
 from pathlib import Path
 
+import load_clock
 import pytest
-
 import torch
 import torch.distributed as dist
-
-import load_clock
-import phalanx as px
 import tutorial_script
+
+import phalanx as px
 from phalanx.testing import run_ranks
 
 SCRIPT = Path(tutorial_script.__file__)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx as px
-from phalanx.runtime import auto_processes
 from phalanx.launch.spawn import SpawnError, SpawnTimeout
+from phalanx.world.runtime import auto_processes
 
 
 def _children() -> list[int]:

@@ -15,10 +15,10 @@ What each test pins:
 
 import pytest
 import torch
+from staleness_runs import prepared, reference, result, train
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from staleness_runs import prepared, reference, result, train
 
 STEPS = 5
 # float64: the one-process reference against the same update summed in another order differs

@@ -13,11 +13,11 @@ import subprocess
 import sys
 import time
 
+import load_clock
 import pytest
 import torch
 import torch.nn as nn
 
-import load_clock
 import phalanx as px
 from phalanx.testing import run_ranks
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import phalanx as px
-from phalanx.collectives import Comm
+from phalanx.comm.collectives import Comm
 from phalanx.model.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from phalanx.testing import RanksFailed, run_ranks
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from parity import assert_params_close
 from torch.utils.checkpoint import checkpoint
 
 import phalanx as px
-from phalanx import runtime
-from phalanx.collectives import Comm
+from phalanx.comm.collectives import Comm
 from phalanx.testing import run_ranks
-from parity import assert_params_close
+from phalanx.world import runtime
 
 STRATEGIES = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("ddp", "bf16")]
 
@@ -75,7 +75,7 @@ def test_backward_twice_without_no_sync_and_reentrant_checkpointing(strategy, pr
 
 
 def _loop_and_kinds(*args):
-    from phalanx import records as collectives
+    from phalanx.comm import records as collectives
     return _loop(*args), set(collectives.bytes_by_kind())
 
 

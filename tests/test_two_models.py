@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import phalanx as px
-from phalanx import records
+from phalanx.comm import records
 from phalanx.testing import engine_of, run_ranks
 
 

@@ -7,10 +7,10 @@ they must hold every bit. See model/prepared.py.
 """
 
 import torch
+from small_mlp import ROWS, batch, mlp
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from small_mlp import ROWS, batch, mlp
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 

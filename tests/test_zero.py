@@ -5,11 +5,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import assert_params_close, make_data, make_model, make_optimizer, tolerance, train
 
 import phalanx as px
 from phalanx.testing import RanksFailed, engine_of, run_ranks
-from parity import (assert_params_close, make_data, make_model, make_optimizer, tolerance,
-                    train)
 
 # The transformer's attention projection has elements whose gradient is a near-cancelling sum;
 # with AdamW and clipping, fp32 round-off in that sum alone moves it by ~3e-5 relative after 5

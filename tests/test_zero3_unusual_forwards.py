@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from parity import Chain
 from torch.utils.checkpoint import checkpoint
 
 import phalanx as px
 from phalanx.testing import engine_of, run_ranks
-from parity import Chain
 
 DTYPE = torch.float64
 

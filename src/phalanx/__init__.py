@@ -7,24 +7,39 @@
 The public names are those of the user contract; everything else lives in private modules.
 """
 
-from .runtime import barrier, device, init, is_main, local_rank, rank, shutdown, world_size
-from .model.prepare import (clip_grad_norm_, no_sync, optimizer_state_dict, prepare, step_stats,
-                      unwrap)
-from .model.diloco import DiLoCo
-from .model.pretrained import from_safetensors
-from .data import (DistributedSampler, data_loader, gather, gather_for_metrics, global_mean,
-                   map_batches)
-from .planner import plan
 from .checkpoint import CheckpointError, export, latest_checkpoint, load, save
-from .observe.metrics import log, progress
+from .comm import continuation as _continuation
+from .comm.collectives import JobEnded
+from .continuing import session as _continuing_session
+from .data import (
+                      DistributedSampler,
+                      data_loader,
+                      gather,
+                      gather_for_metrics,
+                      global_mean,
+                      map_batches,
+)
+from .engine.powersgd_config import PowerSGD
+from .engine.remote import PeerError
+from .engine.vote import StepFailed
 from .faults.nonfinite import NonFiniteError
 from .faults.replica_check import ReplicasDiffer
 from .launch.spawn import SpawnError, spawn
-from .engine.remote import PeerError
-from .collectives import JobEnded
-from .engine.vote import StepFailed
-from .engine.powersgd_config import PowerSGD
-from .elastic import session as _elastic_session  # noqa: F401 (continue mode's start: elastic/)
+from .model.diloco import DiLoCo
+from .model.prepare import (
+                      clip_grad_norm_,
+                      no_sync,
+                      optimizer_state_dict,
+                      prepare,
+                      step_stats,
+                      unwrap,
+)
+from .model.pretrained import from_safetensors
+from .observe.metrics import log, progress
+from .planner import plan
+from .world.runtime import barrier, device, init, is_main, local_rank, rank, shutdown, world_size
+
+_continuation.install(_continuing_session.start)  # px.init's way to continue mode (continuing/)
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["map_tensors"]
+__all__ = ["map_tensors", "to_device"]
 
 
 def map_tensors(fn, obj):
@@ -33,3 +33,10 @@ def map_tensors(fn, obj):
         return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name))
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
+
+
+def to_device(inputs, device: torch.device):
+    """`inputs` with every tensor in it on `device` (copied without blocking the host; those
+    already there are left as they are)."""
+    return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True),
+                       inputs)

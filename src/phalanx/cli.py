@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from .command_error import CommandError
+from .spec.command_error import CommandError
 
 # name -> (module, one-line help)
 COMMANDS = {

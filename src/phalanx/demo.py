@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import precisions as _precisions
-from .strategies import STRATEGIES
+from .spec import precisions as _precisions
+from .spec.strategies import STRATEGIES
 
 GLOBAL_BATCH = 64
 PRECISIONS = tuple(_precisions.PRECISIONS)  # the one vocabulary (precisions.py)

@@ -134,8 +134,8 @@ if life == 1 and args.die_joining:  # the replacement dies while loading the oth
 
     api.load_checkpoint = lambda *a, **k: die()
 if first and args.die_admitting == rank:  # dies while admitting a replacement
-    import phalanx.elastic as elastic
-    import phalanx.elastic.joining as joining
+    import phalanx.continuing as elastic
+    import phalanx.continuing.joining as joining
 
     sync = joining.sync_engines
 
@@ -226,8 +226,8 @@ for epoch in range(start, args.epochs):
             say_fault("freeze")
             os.kill(os.getpid(), signal.SIGSTOP)
         if step == args.wait_for_joiner and px.world_size() < int(os.environ["WORLD_SIZE"]):
-            from phalanx.elastic import current
-            from phalanx.elastic.joining import requests
+            from phalanx.continuing import current
+            from phalanx.continuing.joining import requests
 
             while not requests(current()):  # the job's timeout ends a wait that never ends
                 time.sleep(0.05)

@@ -8,16 +8,17 @@ import warnings
 
 import torch
 
-from .. import elastic, runtime
-from ..arguments import check_checkpoint_call, check_model, check_path
+from ..comm import continuation
 from ..data.sampler import DistributedSampler
-from ..runtime import default_comm
-from .delayed import load_delayed
+from ..spec.arguments import check_checkpoint_call, check_model, check_path
+from ..world import runtime
+from ..world.runtime import default_comm
 from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, mismatches, set_rng_state, under
+from .compression import load_compression
 from .dcp import is_dcp_checkpoint, load_dcp
+from .delayed import load_delayed
 from .diloco import load_outer, warn_left_out
 from .ownership import adopt, checkpoints_of, job_ids
-from .compression import load_compression
 from .reader import CheckpointError, Reader, newest_intact, read_manifest, verify_files
 from .removal import why_not_export_target
 from .saving import wait_for_saves
@@ -46,9 +47,9 @@ def latest_checkpoint(directory) -> str | None:
     that never saves never admits a replacement."""
     check_path("px.latest_checkpoint(directory)", directory, "a directory of checkpoints",
                "px.latest_checkpoint('checkpoints')")
-    m = elastic.current()
+    m = continuation.current()
     if m is not None and m.joining:
-        return elastic.step_boundary().admission_path()
+        return continuation.step_boundary().admission_path()
     directory = os.path.abspath(os.fspath(directory))
     chosen, skipped = newest_intact(directory)
     damage = "; ".join(f"{path}: {why}" for path, why in skipped)
@@ -97,10 +98,10 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     stand.
     """
     check_checkpoint_call("px.load", path, model, optimizer)
-    # How the replacement is admitted: [Note: joining at a save] in elastic/joining.py.
-    m = elastic.current()
+    # How the replacement is admitted: [Note: joining at a save] in continuing/joining.py.
+    m = continuation.current()
     if m is not None and m.joining:
-        return elastic.step_boundary().join(lambda at: load_checkpoint(
+        return continuation.step_boundary().join(lambda at: load_checkpoint(
             at, model, optimizer, strict, stateful, restore_rng=False))
     return load_checkpoint(path, model, optimizer, strict, stateful)
 

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phalanx.command_error import CommandError
+    from phalanx.spec.command_error import CommandError
 
     from .api import export_checkpoint
     from .reader import CheckpointError

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import torch
 
-from ..collectives import Comm
-from ..elastic.gate import step_lost
+from ..comm.collectives import Comm
+from ..comm.gate import step_lost
 from .reader import CheckpointError
 
 __all__ = ["STATE_FILE", "LOSS_SCALER", "MODEL", "OPTIM", "POWERSGD", "model_key", "optim_key",

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..world.runtime import default_comm
 from .common import agree, mismatches
 from .reader import MANIFEST, CheckpointError
 from .state import ModelState
@@ -72,10 +73,11 @@ class _Plan:
 def load_dcp(path: str, model, optimizer, strict: bool, stateful: dict) -> dict:
     """`px.load` of a DCP checkpoint (see the Note); a collective. Returns {}."""
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_state_dict)
-
-    from ..runtime import default_comm
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     what = f"px.load({path!r})"
     state = ModelState(model) if model is not None else None
@@ -362,8 +364,10 @@ def save_dcp(path, model, optimizer, keep_last, background, values) -> str:
     holds no RNG states, sampler position or values (see the Note), so those arguments are
     refused rather than dropped."""
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     refused = [f"{k}=" for k in values] + (["keep_last="] if keep_last is not None else []) \
         + (["background=True"] if background else [])

@@ -29,7 +29,7 @@ def _size(n: int) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phalanx.command_error import CommandError
+    from phalanx.spec.command_error import CommandError
 
     from .common import MODEL, OPTIM, optim_parts, under
     from .reader import CheckpointError, read_manifest, verify_files

@@ -35,26 +35,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import elastic, runtime
-from ..arguments import check_checkpoint_call
-from ..collectives import Comm
-from ..elastic.gate import step_lost
-from ..environment import why_not_writable_dir
+from ..comm import continuation
+from ..comm.collectives import Comm
+from ..comm.gate import step_lost
 from ..model.prepare import prepared_or_none
-from ..process import state
-from ..runtime import default_comm
-from .common import (LOSS_SCALER, OPTIM, STATE_FILE, agree, is_stateful, model_key,
-                     optim_parts, rng_state)
+from ..spec.arguments import check_checkpoint_call
+from ..world import runtime
+from ..world.environment import why_not_writable_dir
+from ..world.process import state
+from ..world.runtime import default_comm
+from .common import (
+    LOSS_SCALER,
+    OPTIM,
+    STATE_FILE,
+    agree,
+    is_stateful,
+    model_key,
+    optim_parts,
+    rng_state,
+)
+from .compression import compression_ranges
 from .dcp import FORMATS, save_dcp
 from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
 from .diloco import DILOCO, outer_ranges, outer_small_state, param_of
-from .compression import compression_ranges
 from .files import file_digest, fsync_dir, write_tensors
 from .ownership import agree_on_job, job_ids, manifest_fields
 from .reader import FORMAT, MANIFEST, CheckpointError
 from .removal import remove_older, why_not_replaceable
 from .state import ModelState, OptimizerState
-
 
 __all__ = ["save", "wait_for_saves"]
 
@@ -142,9 +150,9 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
                          "directory)")
     if seen[0][2] is not None:
         raise CheckpointError(f"px.save({path!r}) refused: {seen[0][2]}")
-    steps = elastic.step_boundary()
+    steps = continuation.step_boundary()
     stateful = {k: v for k, v in values.items() if is_stateful(v)}  # what a reload restores
-    # a replacement waiting to join is admitted once this save is complete (elastic/joining.py)
+    # a replacement waiting to join is admitted once this save is complete (continuing/joining.py)
     joining = steps.joiners_asking(comm) if steps is not None else []
     background = background and not joining
     snapshot, error = None, None
@@ -170,7 +178,7 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
     # gloo: the writes gather small Python objects; see groups.py
     writer = comm.apart("checkpoint:saves", backend="gloo")
     job = _Job(path)
-    if steps is not None:  # once written, where a sharded engine reloads from (elastic/)
+    if steps is not None:  # once written, where a sharded engine reloads from (continuing/)
         job.on_written = lambda: steps.saved(path, model, optimizer, stateful)
     thread = threading.Thread(target=job.run, args=(snapshot, writer), name="phalanx-save")
     job.thread = thread
@@ -397,7 +405,7 @@ def _complete(snap: _Snapshot, reports: list) -> None:
 def _skipped(path: str) -> None:
     """[Note: a save in a lost step]
     Under `phalanx run --on-failure continue`, a save called while the step in flight is lost
-    (a rank died: elastic/gate.py), or during which a rank is lost, writes nothing: the state
+    (a rank died: comm/gate.py), or during which a rank is lost, writes nothing: the state
     it would hold is that of a step the survivors throw away, and the others may never take
     part. Whatever it had written under its temporary name is removed (rank 0 completes a
     checkpoint only after every rank's part arrived), the previous checkpoint stays as it was,

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import Comm
-from ..runtime import default_comm
+from ..comm.collectives import Comm
 from ..engine.flat import Piece
 from ..engine.optim import adapter_of, held_groups, native_load_state_dict, per_element
 from ..model.prepare import prepared_or_none, uncompiled
+from ..world.runtime import default_comm
 from .common import model_key, optim_key
 
 __all__ = ["ModelState", "OptimizerState", "Range"]

@@ -21,9 +21,9 @@ import collections.abc as abc
 
 import torch
 
-from .. import elastic
-from ..collectives import Comm
-from ..runtime import default_comm
+from ..comm import continuation
+from ..comm.collectives import Comm
+from ..world.runtime import default_comm
 from .gathering import gather_with
 from .loader import DistributedLoader
 
@@ -43,7 +43,7 @@ def gather_for_metrics(value, loader):
     batch is that batch again, split over the ranks left: what the loop gathered still holds
     each sample once.
     """
-    # See [Note: an evaluation redone] in elastic/gathers.py
+    # See [Note: an evaluation redone] in continuing/gathers.py
     if not isinstance(loader, DistributedLoader):
         raise TypeError(
             f"px.gather_for_metrics needs the loader made by px.data_loader(...), got "
@@ -54,7 +54,7 @@ def gather_for_metrics(value, loader):
             "px.gather_for_metrics over a loader with drop_last=True would miss the last "
             "samples of the dataset: build the evaluation loader with drop_last=False")
     comm = default_comm()
-    return elastic.gather_for_metrics(loader.distributed_sampler,
+    return continuation.gather_for_metrics(loader.distributed_sampler,
                                       lambda: _gather_cat(value, comm),
                                       lambda: _nothing(value), comm)
 

@@ -5,7 +5,7 @@ and cut back after, so ranks may hold different numbers of rows; their other dim
 dtype must agree. Anything else travels pickled (`all_gather_object`). In a world of one no
 process group is needed: the result is `[value]`.
 
-Every collective goes through a `Comm` (`phalanx.collectives`): the job's default one
+Every collective goes through a `Comm` (`phalanx.comm.collectives`): the job's default one
 (`default_comm()`), or one over the group the caller names, so each gather is in that Comm's
 record under its tag.
 """
@@ -16,8 +16,8 @@ import zlib
 
 import torch
 
-from ..collectives import Comm
-from ..runtime import default_comm
+from ..comm.collectives import Comm
+from ..world.runtime import default_comm
 
 __all__ = ["gather", "resolve_comm"]
 

@@ -23,7 +23,7 @@ import traceback
 
 import torch.distributed as dist
 
-from ..runtime import default_comm
+from ..world.runtime import default_comm
 from .sampler import check_batch_size, split_evenly
 
 __all__ = ["map_batches"]

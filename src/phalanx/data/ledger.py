@@ -12,7 +12,7 @@ each sampler's ledger keeps, per epoch of its order, two counts of (samples, opt
   replay it does not count again. A batch a recovery leaves out (a rank raised in its step)
   is taken off, as the run it is compared with skipped it.
 - done: what the model holds. A batch counts when the step after it commits (the vote,
-  elastic/steps.py), and goes back with the model: to the last committed step when steps are
+  continuing/steps.py), and goes back with the model: to the last committed step when steps are
   thrown away, to the checkpoint's counts (kept in the sampler's state) when a sharded engine
   reloads one.
 
@@ -33,7 +33,7 @@ between a training batch and its step, belong to no step and are not counted. A 
 whose batches ever came before a step (an evaluation's: `trained` stays False) is therefore
 never behind, and a recovery sends it back only inside the pass in progress, to the batch in
 flight, never across the end of a pass it finished (replay.py; [Note: an evaluation redone] in
-elastic/gathers.py). A load (`px.load`, a replacement's admission) starts both counts from the
+continuing/gathers.py). A load (`px.load`, a replacement's admission) starts both counts from the
 loaded state's.
 """
 

@@ -38,10 +38,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from .. import elastic, runtime
-from ..arguments import check_data_loader
-from ..model.prepared import to_device
+from .._tree import to_device
+from ..comm import continuation
 from ..observe.step_report import add_data_wait
+from ..spec.arguments import check_data_loader
+from ..world import runtime
 from .sampler import DistributedSampler, check_batch_size, split_evenly
 from .seeding import KeyedSamples
 
@@ -164,13 +165,13 @@ class DistributedLoader(DataLoader):
         sampler, device = self.distributed_sampler, self.device
         if sampler is not None:
             sampler.restart = False
-            sampler.loop_pass_begins()  # no gather of this pass yet (elastic/gathers.py)
+            sampler.loop_pass_begins()  # no gather of this pass yet (continuing/gathers.py)
             epoch = sampler._loop_epoch()  # where this pass must end: [Note: a step redone]
         self._stream_taken = 0
         batches = super().__iter__()
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s
-            elastic.iteration_starts(batch=True)
+            continuation.iteration_starts(batch=True)
             if sampler is not None and sampler.restart:  # see [Note: a step redone] in replay.py
                 sampler.restart = False
                 batches = super().__iter__()
@@ -194,7 +195,7 @@ class DistributedLoader(DataLoader):
         if sampler is not None:
             sampler._pass_ended(epoch)
             sampler._pass_finished()
-            elastic.pass_ended(sampler)  # its ledger must balance: [Note: the ledger]
+            continuation.pass_ended(sampler)  # its ledger must balance: [Note: the ledger]
 
 
 # -- empty batches ---------------------------------------------------------------------------

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import Comm
-from ..process import state
-from ..runtime import default_comm
+from ..comm.collectives import Comm
+from ..world.process import state
+from ..world.runtime import default_comm
 
 __all__ = ["global_mean"]
 

@@ -1,10 +1,10 @@
 """The part of `DistributedSampler` that steps redone under `phalanx run --on-failure continue`
 need: where the last committed step left the order, going back there (or to a sharded engine's
 checkpoint) after a rank is lost, leaving out the lost steps' batches when a replay reaches them,
-and the ledger that checks the result (ledger.py). elastic/steps.py drives it through `commit_step`,
-`rewind_to` and `resume_after_loss` (the protocol `Replayable` below), and `ledger.step_called` at
-every `optimizer.step()`; elastic/gathers.py, through the `gather_*` methods, an evaluation's
-batch in flight ([Note: an evaluation redone] there).
+and the ledger that checks the result (ledger.py). continuing/steps.py drives it through
+`commit_step`, `rewind_to` and `resume_after_loss` (the protocol `Replayable` below), and
+`ledger.step_called` at every `optimizer.step()`; continuing/gathers.py, through the `gather_*`
+methods, an evaluation's batch in flight ([Note: an evaluation redone] there).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["Replayable", "Replays"]
 
 
 class Replayable(Protocol):
-    """What continue mode (elastic/steps.py) asks of a sampler that it replays after a rank is
+    """What continue mode (continuing/steps.py) asks of a sampler that it replays after a rank is
     lost; `DistributedSampler` is one (through `Replays`). A sampler registers itself with the
     process's step boundary (`elastic.step_boundary().samplers`) when it is made under
     continue mode."""
@@ -116,7 +116,7 @@ class Replays:
     def resume_after_loss(self, skip: bool) -> None:
         """[Note: a step redone]
         Under `phalanx run --on-failure continue` the steps after the last one every rank
-        committed are thrown away when a rank is lost (elastic/steps.py); the next pass starts
+        committed are thrown away when a rank is lost (continuing/steps.py); the next pass starts
         where that step left the global order (or, with `skip`, where the lost steps left it),
         and the loader begins its iteration again, splitting each global batch over the ranks
         there are now.
@@ -145,7 +145,7 @@ class Replays:
         holds nothing the model must have: it goes back only to its batch in flight, inside the
         pass in progress, and not at all between passes (sent back to the last committed step,
         it served a finished evaluation pass again inside the next: each sample twice). See
-        [Note: an evaluation redone] in elastic/gathers.py."""
+        [Note: an evaluation redone] in continuing/gathers.py."""
         if self.ledger is not None and not self.ledger.trained:
             self._evaluation_resumes()
             return
@@ -176,7 +176,7 @@ class Replays:
         self._pass_start, self._steps_done, self._in_pass = self._start, 0, False
         self.restart = True
 
-    # -- an evaluation's batch in flight ([Note: an evaluation redone] in elastic/gathers.py) --
+    # -- an evaluation's batch in flight ([Note: an evaluation redone] in continuing/gathers.py) --
     def _evaluation_resumes(self) -> None:
         """`resume_after_loss` of a sampler no step took a batch of: the pass in progress
         serves its batch in flight again, split over the ranks there are now."""

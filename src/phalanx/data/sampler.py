@@ -59,7 +59,8 @@ import numbers
 import torch
 from torch.utils.data import Sampler
 
-from .. import elastic, runtime
+from ..comm import continuation
+from ..world import runtime
 from .ledger import Ledger
 from .replay import Replays
 from .seeding import sample_seed
@@ -159,14 +160,14 @@ class DistributedSampler(Replays, Sampler[int]):
         self._replay_until = None  # (epoch, position) where the loop stood when it was sent back
         self.restart = False      # the loader must start its iteration again (a rewind)
         self._continuing = None   # (epoch, position, restore): see [Note: a pass continued]
-        # An evaluation's gathers (replay.py; [Note: an evaluation redone] in elastic/gathers.py)
+        # An evaluation's gathers (replay.py; [Note: an evaluation redone] in continuing/gathers.py)
         self._current = None      # (epoch, position) of the batch the loop holds
         self._gathers_of_batch = 0  # px.gather_for_metrics calls made for it so far
         self._whole: set = set()  # the loop pass's gathers returned whole: (epoch, pos, k)
         self._redo_pending = False  # a gather returned nothing and its batch is not redone yet
         self._refused = None      # why this pass's gathers return nothing from here on
         self.evaluating = False   # px.gather_for_metrics was given this sampler's loader
-        gate = elastic.step_boundary()
+        gate = continuation.step_boundary()
         self.ledger = Ledger() if gate is not None else None  # See [Note: the ledger]
         if gate is not None:
             gate.samplers.add(self)

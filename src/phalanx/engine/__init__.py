@@ -25,9 +25,9 @@ from typing import ContextManager, Protocol
 
 import torch
 
+from .clipping import route_torch_clip
 from .flat_engine import FlatEngine
 from .optim import ELEMENTWISE_OPTIMIZERS, optimizer_state_dict
-from .clipping import route_torch_clip
 from .policy import POLICIES, SHARD, ShardPolicy, placed
 
 __all__ = ["Engine", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
@@ -37,7 +37,7 @@ __all__ = ["Engine", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
 class Engine(Protocol):
     """What the rest of phalanx uses of an engine, and nothing else: the prepared module
     (model/prepared.py), px.prepare and px.from_safetensors (model/), checkpoints
-    (checkpoint/), continue mode (model/relayout.py, elastic/joining.py) and the planner's
+    (checkpoint/), continue mode (model/relayout.py, continuing/joining.py) and the planner's
     report of a run (planner/layout.py). Every attribute is always there (None where it does
     not apply); tests/test_engine_protocol.py checks that each strategy's engine has them all."""
 
@@ -84,7 +84,7 @@ class Engine(Protocol):
     def set_elastic_state(self, state: dict | None) -> None: ...
 
 
-def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,
+def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,  # noqa: PLR0913
                  gather_options: dict | None = None, block_classes=None,
                  staleness: int = 0, replicas=None, compression=None,
                  offload: str | None = None, buffers=None) -> Engine:

@@ -59,7 +59,7 @@ import weakref
 
 import torch
 
-from .. import runtime
+from ..world import runtime
 from .optim import adapter_of
 
 __all__ = ["route_grad_scaler", "restore_grad_scaler", "scaler_in_use", "unscale_units"]

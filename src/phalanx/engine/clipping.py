@@ -31,7 +31,7 @@ import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_mod
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .. import runtime
+from ..world import runtime
 
 __all__ = ["clip_units", "route_torch_clip", "restore_torch_clip"]
 

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import host
-from ..collectives import Handle
+from ..comm import host
+from ..comm.collectives import Handle
 
 __all__ = ["STALENESS", "check_staleness", "DelayedGrads"]
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import Handle
+from ..comm.collectives import Handle
 from .buckets import BufferPool, GradBucket
 from .flat_grads import UnitGradients
 
@@ -75,7 +75,7 @@ class Piece:
 class FlatUnit(UnitGradients):
     """One run of parameters, laid out flat (see [Note: the shard is the truth])."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,
+    def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,  # noqa: PLR0913
                  sharded: bool, compute_dtype: torch.dtype, adopt: bool,
                  pool: BufferPool | None, reshards: bool = False, shard_grads: bool = False,
                  frozen: list[torch.nn.Parameter] = (), host=None, shards_on_host: bool = False):

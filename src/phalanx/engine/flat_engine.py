@@ -26,27 +26,27 @@ import time
 
 import torch
 
-from .. import host
-from ..collectives import Comm
-from ..elastic.gate import step_lost
-from ..records import StepCounter
-from .buckets import BufferPool, GradBucket
-from .flat import FlatUnit
-from .zero3 import UnitGatherer
+from ..comm import host
+from ..comm.collectives import Comm
+from ..comm.gate import step_lost
+from ..comm.records import StepCounter
 from .amp import route_grad_scaler, scaler_in_use
+from .buckets import BufferPool, GradBucket
 from .clipping import clip_units
 from .delayed import DelayedGrads
-from .optim import OptimizerAdapter
+from .flat import FlatUnit
+from .generations import AcrossGenerations
 from .offload import HostLink
+from .optim import OptimizerAdapter
 from .policy import HOST, SHARD, ShardPolicy
 from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
 from .remote import service_for
-from .generations import AcrossGenerations
-from .stepping import Stepping
 from .state import EngineState
+from .stepping import Stepping
 from .units import borrows, module_units, step_run_bytes
 from .vote import StepVote
+from .zero3 import UnitGatherer
 
 __all__ = ["FlatEngine"]
 
@@ -223,7 +223,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         faults/nonfinite.py), this rank's own non-finite flag, fp16's overflow flag over the
         reduced gradients (all-reduced first where each rank reads its own shard), and zero3's
         checks that the ranks gathered the same modules in this step's forwards
-        (zero3_roots.py). Nothing of it when the step is lost (elastic/): what came back is
+        (zero3_roots.py). Nothing of it when the step is lost (continuing/): what came back is
         this rank's own, and the step is thrown away. A signal that says some rank's step
         raised drops the step on every rank instead ([Note: the step vote] in vote.py)."""
         if step_lost():
@@ -320,7 +320,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         order = torch.tensor([b.index for b in completed], dtype=torch.int64,
                              device=self.comm.device)
         self.comm.broadcast(order, src=0, tag="launch order")
-        if step_lost():  # rank 0's order never came (elastic/): decide it at the next backward
+        if step_lost():  # rank 0's order never came (continuing/): decide it at the next backward
             self.reducer.rearm_first_order()
             return
         if self.replicas is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import Handle
+from ..comm.collectives import Handle
 from .vote import FAILED_AT
 
 __all__ = ["UnitGradients"]

@@ -1,5 +1,5 @@
 """What an engine does across generations of the job's members (`phalanx run --on-failure
-continue`, phalanx/elastic/): each `optimizer.step()` asks the step boundary first, a rank that
+continue`, phalanx/continuing/): each `optimizer.step()` asks the step boundary first, a rank that
 joins takes the others' launch order and step count, and a sharded engine laid out for another
 group gives the model and optimizer back to be built again (model/relayout.py).
 
@@ -16,7 +16,7 @@ __all__ = ["AcrossGenerations"]
 class AcrossGenerations:
     def guard_steps(self, optimizer, before) -> None:
         """Ask `before()` as every `optimizer.step()` of the user's loop begins whether the
-        step may change anything (elastic/steps.py); when not, its gradients are dropped first,
+        step may change anything (continuing/steps.py); when not, its gradients are dropped first,
         so the optimizer (adopted or the user's own) steps nothing."""
         if self.optim is not None and self.optim.adopted:
             self.optim.before_step = before
@@ -53,7 +53,7 @@ class AcrossGenerations:
                     p.grad = None
 
     def elastic_state(self) -> dict:
-        """What a rank joining a running job takes from the others (elastic/joining.py): the
+        """What a rank joining a running job takes from the others (continuing/joining.py): the
         launch order, once settled, and the step count."""
         return {"settled": self.world > 1 and not self.reducer.first_order_pending(),
                 "order": [b.index for b in self.reducer.buckets], "steps": self.steps.value}

@@ -47,8 +47,8 @@ import os
 
 import torch
 
-from .. import groups
-from ..collectives import Comm
+from ..comm import groups
+from ..comm.collectives import Comm
 
 __all__ = ["check_shard_size", "shard_size_in", "shard_groups", "Replicas", "REPLICAS"]
 
@@ -95,7 +95,7 @@ def shard_size_in(shard_size: int | None, world: int) -> int | None:
     `shard_size` was checked against the world `px.prepare` saw: it divides it. Under `phalanx
     run --on-failure continue` the world then shrinks when a rank is lost and grows back when
     its replacement joins, and the engine is built again for each world (model/relayout.py,
-    loading the newest checkpoint: elastic/steps.py). Groups of `shard_size` do not divide
+    loading the newest checkpoint: continuing/steps.py). Groups of `shard_size` do not divide
     every world, so a world they do not divide is laid out in groups of the smallest size at
     least `shard_size` that divides it (all of its ranks at worst: no groups): no rank holds
     more of the state than it did, and the layout comes back to `shard_size` when the world

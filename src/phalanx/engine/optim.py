@@ -159,7 +159,7 @@ class OptimizerAdapter:
     def release(self) -> None:
         """Give the optimizer back as the user built it: its groups' parameters, its own
         methods, no state (an engine rebuilt for another layout adopts it again and loads its
-        state: elastic/, model/relayout.py)."""
+        state: continuing/, model/relayout.py)."""
         optimizer = self.optimizer
         for name, method in self._user.items():
             optimizer.__dict__[name] = method

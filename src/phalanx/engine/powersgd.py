@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import Handle
+from ..comm.collectives import Handle
 from .powersgd_config import PowerSGD
 
 __all__ = ["PowerSGDReducer"]

@@ -140,7 +140,7 @@ class GradReducer:
 
     def adopt_order(self, indexes: list[int]) -> None:
         """Launch in the order of `indexes`, the one rank 0 settled (also for a rank that joins
-        the job later: elastic/joining.py)."""
+        the job later: continuing/joining.py)."""
         by_index = {b.index: b for b in self.buckets}
         self.set_buckets([by_index[i] for i in indexes])
         self._ready_order = None

@@ -32,7 +32,7 @@ take part: each rank runs a `ShardService` thread that serves its shards to a pe
   continue` a peer that died never answers, and neither does a survivor that has given up
   the group (its service ended with it): so the wait looks at the store every few
   milliseconds and at the members every `_LOOK` seconds, and ends as soon as a member of the
-  generation is known gone (elastic/membership.py's `gone`), not at the timeout, with a
+  generation is known gone (continuing/membership.py's `gone`), not at the timeout, with a
   `PeerError` marked `gone`. A forward reading shards counts that as a loss of the step
   (engine/state.py's `fetch_unit`).
 - While nobody asks, the thread is blocked in one wait on the store: nothing is sent, nothing
@@ -71,10 +71,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import elastic, groups, records
-from ..collectives import JobEnded
-from ..elastic.gate import step_lost
-from ..process import state
+from ..comm import continuation, groups, records
+from ..comm.collectives import JobEnded
+from ..comm.gate import step_lost
+from ..world.process import state
 
 __all__ = ["ShardService", "service_for", "PeerError", "stop_all"]
 
@@ -126,7 +126,7 @@ class ShardService:
         ranks = dist.get_process_group_ranks(group)
         key = _KEY if world == dist.get_world_size() else \
             f"{_KEY}/ranks {','.join(map(str, ranks))}"
-        members = elastic.current()  # --on-failure continue: each generation its own keys
+        members = continuation.current()  # --on-failure continue: each generation its own keys
         if members is not None:
             key = f"{key}/gen{members.gen}"
         attempt = (self._asking_store.add(f"{key}/joined", 1) - 1) // world
@@ -205,9 +205,7 @@ class ShardService:
         end: leaving.py) nobody serves any more: `JobEnded` at once, where a request would
         wait for an answer that never comes."""
         if self.stopped and step_lost():
-            from ..elastic.membership import MembershipError
-
-            raise MembershipError(
+            raise continuation.MembershipError(
                 f"phalanx: this rank asked a peer for {what} after a rank was lost and before "
                 "the survivors recovered (phalanx run --on-failure continue): the lost rank's "
                 "shard of the model's state is nowhere but in a checkpoint, which the survivors "
@@ -250,7 +248,7 @@ class ShardService:
             try:
                 self.channel.recv([buf], peer, ticket % 2**20).wait()
             except (RuntimeError, AttributeError) as exc:  # AttributeError: stopped meanwhile
-                error = _gone if elastic.continuing() else PeerError
+                error = _gone if continuation.continuing() else PeerError
                 raise error(f"rank {peer} went away while sending {what}: {exc}") from None
             tensors.append(buf)
         return header, tensors
@@ -260,7 +258,7 @@ class ShardService:
         it); under continue mode a PeerError marked `gone` once a member is known gone (see
         the Note)."""
         store = self._asking_store
-        members = elastic.current()
+        members = continuation.current()
         if members is None:
             store.wait([key], datetime.timedelta(seconds=self.timeout))
             return

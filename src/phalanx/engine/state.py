@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..elastic.gate import continuing, lost, step_lost
+from ..comm.gate import continuing, lost, step_lost
 from .flat import FlatUnit, Piece
 from .remote import PeerError
 
@@ -121,11 +121,11 @@ class EngineState:
         peer's shards] in remote.py).
 
         Under `phalanx run --on-failure continue`, in a forward (zero3's `fetch`: a forward
-        without gradients), a peer lost meanwhile is a loss of the step (elastic/gate.py), as
+        without gradients), a peer lost meanwhile is a loss of the step (comm/gate.py), as
         a collective's failure is: the peers' part of the buffer is then zeros, and so is
         every later read of the step, which asks nobody. What the forward computes is thrown
         away (an evaluation's gather of it returns nothing: [Note: an evaluation redone] in
-        elastic/gathers.py). Elsewhere (a state_dict) the lost peer raises `PeerError`."""
+        continuing/gathers.py). Elsewhere (a state_dict) the lost peer raises `PeerError`."""
         forward = continuing() and self.gatherer is not None and self.gatherer.in_forward
         out = (torch.zeros if forward else torch.empty)(unit.numel,
                                                         dtype=dtype or unit.master_dtype)

@@ -33,7 +33,7 @@ skipped the batch.
   then name who failed in one small all-gather (only in such a step), and rank 0 warns.
 - After it: until the next backward (or forward with gradients), `optimizer.step()` changes
   nothing, counts no step, runs none of its watchers and makes no collective on any rank
-  (continue mode's commit vote, elastic/steps.py, included: nobody is removed); nor do
+  (continue mode's commit vote, continuing/steps.py, included: nobody is removed); nor do
   `px.clip_grad_norm_` and a GradScaler's unscale. So the ranks stay in step whether the
   failing rank's loop skips its `optimizer.step()` (`continue`) or goes on to it.
 - Accumulation: a micro-step under `no_sync` communicates nothing, so a failure there is kept
@@ -147,7 +147,7 @@ class StepVote:
         exception). Uncaught, the exception ends the rank at once. Under `phalanx run
         --on-failure continue` the others then go on without it: the step it raised in was
         committed by every rank's vote, so the steps after it are redone, not skipped
-        (elastic/steps.py). A call made while the step is still running (the forward and
+        (continuing/steps.py). A call made while the step is still running (the forward and
         backward of a closure the optimizer calls, as Lightning's loop passes one) is no
         failure: only a step that has raised is one."""
         if self.in_step is not None and self.step_raised is not None:

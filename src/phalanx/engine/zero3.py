@@ -131,7 +131,7 @@ class UnitGatherer(Prefetching):
             by_root.setdefault(root, []).append(unit)
         self.roots = [_Root(i, name, units_here)
                       for i, (name, units_here) in enumerate(by_root.items())]
-        hooks = self._hooks = []  # removed by `release` (elastic/: a rebuilt engine)
+        hooks = self._hooks = []  # removed by `release` (continuing/: a rebuilt engine)
         for root in self.roots:
             hooks.append(modules[root.name].register_forward_pre_hook(self._before(root)))
             hooks.append(modules[root.name].register_forward_hook(self._after(root),

@@ -35,7 +35,7 @@ import torch
 
 from .zero3_replay import ROOTS
 
-__all__ = ["compare_roots", "raise_if_differed", "guard_modules"]
+__all__ = ["compare_roots", "raise_if_differed", "guard_modules", "engine_roots"]
 
 
 def compare_roots(gatherer) -> None:
@@ -104,3 +104,22 @@ def _guard(gatherer, name: str, roots: list):
             for unit in root.units:
                 unit.wait_gathered()
     return hook
+
+
+def engine_roots(engine) -> dict | None:
+    """What a zero3 engine gathers together, for RUN_DIR/run.json: px.prepare records it, and
+    `phalanx report` plans the run with it (`ModelDesc.zero3_roots` and px.prepare's
+    gathering options), since a parameter count alone does not say which units stay gathered
+    from forward into backward. The roots are [name, elements] in the engine's order
+    (backward's; "" is the model itself), the elements being those it gathers: every member
+    of its units, the trainable parameters and the frozen ones gathered with them ([Note:
+    frozen parameters in a unit] in engine/flat.py: `FlatUnit.members`). None for a strategy
+    that gathers nothing."""
+    gatherer = engine.gatherer
+    if gatherer is None:
+        return None
+    return {"roots": [[root.name, sum(p.numel() for unit in root.units for p in unit.members)]
+                      for root in gatherer.roots],
+            "prefetch": gatherer.prefetch,
+            "max_gathered_mb": None if gatherer.limit is None else gatherer.limit / 2**20,
+            "reshard_after_forward": gatherer.reshard_after_forward}

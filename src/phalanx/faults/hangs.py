@@ -32,7 +32,7 @@ will never come: a collective that waits on such a peer raises the flag after `E
 polls instead of the threshold, and the report says that rank left early.
 
 Under `phalanx run --on-failure continue` the job does not end when the report names the
-ranks it waits for: see [Note: a member that hangs] in elastic/membership.py. Those ranks are
+ranks it waits for: see [Note: a member that hangs] in continuing/membership.py. Those ranks are
 removed (their launchers end them), and the others go on as after a kill.
 """
 
@@ -48,7 +48,8 @@ import traceback
 
 import torch.distributed as dist
 
-from .. import environment, leaving, records
+from ..comm import records
+from ..world import environment, leaving
 from .hang_report import HangReport, compose_report, ranks_text
 from .store_calls import BoundedStore, StoreSilent
 
@@ -105,7 +106,7 @@ class HangWatch:
         self.prefix = f"{_KEY}/{attempt}"
         self.members: dict[str, list[int]] = {}  # a group of some ranks only -> its ranks
         self.on_tick = None  # fn(name -> oldest collective in flight or None), every tick
-        # Under continue mode (elastic/): fn(ranks the report names) has them removed, and the
+        # Under continue mode (continuing/): fn(ranks the report names) has them removed, and the
         # job goes on without them; fn([]): the job ends. See [Note: a member that hangs].
         self.on_hang = None
         self.settled = False  # a report named others, being removed: nothing more to report
@@ -190,7 +191,7 @@ class HangWatch:
             return
         now = time.perf_counter()
         oldest_in = {name: _oldest_in_flight(recs) for name, recs in self._groups().items()}
-        if self.on_tick is not None:  # elastic/: the others may have gone on without this rank
+        if self.on_tick is not None:  # continuing/: the others may have gone on without this rank
             self.on_tick(oldest_in)
         if self.settled:
             return
@@ -255,7 +256,7 @@ class HangWatch:
         else:
             self._wait_for([f"{self.prefix}/report"], _ANSWER_WAIT + 5)
             goes_on = self._read(f"{self.prefix}/outcome") == b"goes on"
-        if goes_on:  # see [Note: a member that hangs] in elastic/membership.py
+        if goes_on:  # see [Note: a member that hangs] in continuing/membership.py
             self.settled = True
             return
         if reporter:

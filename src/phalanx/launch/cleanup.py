@@ -16,7 +16,7 @@ A frozen worker gets SIGCONT right after its signal, so that it receives it now 
 after 30 s, and is never left behind stopped.
 
 Under `--on-failure continue` the agent also ends a worker that a hang report named, as the
-report asked ([Note: a member that hangs] in elastic/membership.py): with SIGKILL, which a
+report asked ([Note: a member that hangs] in continuing/membership.py): with SIGKILL, which a
 frozen process receives too. Its `Ending` says it was removed, and the message says so.
 """
 

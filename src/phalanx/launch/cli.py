@@ -31,7 +31,7 @@ the rank that failed and how; the final message lists the earlier attempts.
 With --on-failure continue a failed worker does not stop the others: they form a group
 without it and redo the step in flight (each change is one line, from the new rank 0), and
 the agent starts a replacement for it (while --max-restarts allows), which joins at the
-others' next px.save and goes on from their live state (phalanx/elastic/). With
+others' next px.save and goes on from their live state (phalanx/continuing/). With
 --on-failure stop the first failure ends the job, whatever --max-restarts says.
 A mistake in the command itself is one line and exit status 2, before any worker starts: no
 such script, -n 0 or more workers than the machine holds (at most 4 a CPU core, and what the
@@ -53,9 +53,9 @@ import socket
 import sys
 import time
 
-from phalanx import environment
 from phalanx.launch import scratch
-from phalanx.environment import why_not_writable_dir
+from phalanx.world import environment
+from phalanx.world.environment import why_not_writable_dir
 
 __all__ = ["add_arguments", "main", "check_arguments"]
 
@@ -108,9 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workers(value: str) -> int:
-    """-n: a number, or "auto" (see phalanx.runtime.auto_processes for why)."""
+    """-n: a number, or "auto" (see phalanx.world.runtime.auto_processes for why)."""
     if value == "auto":
-        from phalanx.runtime import auto_processes
+        from phalanx.world.runtime import auto_processes
 
         return auto_processes()
     try:
@@ -120,7 +120,7 @@ def _workers(value: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phalanx.command_error import CommandError
+    from phalanx.spec.command_error import CommandError
 
     check_arguments(args)
     port = args.master_port
@@ -136,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
     _configure_agent_logging(args.verbose)
     if args.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the agent passes it on to workers
-    os.environ["PHALANX_ON_FAILURE"] = args.on_failure  # px.init reads it (phalanx/elastic/)
+    os.environ["PHALANX_ON_FAILURE"] = args.on_failure  # px.init reads it (phalanx/continuing/)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # workers' lines appear as they come
     # One run directory for every worker's px.log and trace files (observe/metrics.py), and the
@@ -198,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raise `CommandError` (one line, exit status 2) for a command that cannot start a job."""
-    from phalanx.command_error import CommandError
+    from phalanx.spec.command_error import CommandError
 
     if args.nproc_per_node < 1:
         raise CommandError(f"-n must be at least 1 (got {args.nproc_per_node})")
@@ -218,7 +218,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.join_timeout < 1:
         raise CommandError(f"--join-timeout must be at least 1 second (got {args.join_timeout})")
     if not args.oversubscribe:
-        from .processes import check_worker_limit
+        from ..world.processes import check_worker_limit
 
         try:
             check_worker_limit(args.nproc_per_node, f"-n {args.nproc_per_node}",

@@ -4,9 +4,9 @@ torch's agent answers any worker's failure by stopping every worker of the node 
 restarts left, starting them all again (`LocalElasticAgent`: "if k<=n workers fail all workers
 are stopped and restarted"). Under `--on-failure continue` the other workers are left running:
 they notice the loss themselves, form a group without it and redo the step in flight
-(phalanx/elastic/). This agent's part is small:
+(phalanx/continuing/). This agent's part is small:
 
-- it says who left, at once, in the job's store (`elastic/store.py`: `left/<rank>` with the exit
+- it says who left, at once, in the job's store (`continuing/store.py`: `left/<rank>` with the exit
   status and the time), so the survivors know whom not to wait for;
 - after a short grace (`GRACE` seconds: a bug that ends every rank ends them all within it),
   if some worker of the job still runs, the failure is survived: it starts a replacement for
@@ -16,7 +16,7 @@ they notice the loss themselves, form a group without it and redo the step in fl
 - a failure after which no worker of the job runs ends the job, as under the other modes;
 - a worker that a hang report named is ended here (SIGKILL, which a frozen process receives
   too), as the report asked; the others then go on as after a kill ([Note: a member that
-  hangs] in elastic/membership.py);
+  hangs] in continuing/membership.py);
 - once a worker has said that the job cannot go on (`over` in the store: a MembershipError,
   a hang report that names nobody to remove), nobody is replaced, and the workers that do
   not end on their own within `OVER_GRACE` seconds (a frozen one) are ended;
@@ -40,7 +40,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_han
     SubprocessHandler,
 )
 
-from ..elastic import store as job_store
+from ..continuing import store as job_store
 from .worker import end_file
 
 __all__ = ["ContinueMixin", "GRACE", "JOINING", "OVER_GRACE"]
@@ -91,7 +91,7 @@ class ContinueMixin:
         node, nodes = group.group_rank, group.group_world_size
         finished = 0
         over_since = None  # when this agent saw that the job cannot go on (the store's `over`)
-        notices = 0        # removals and `over` seen so far (elastic/store.py)
+        notices = 0        # removals and `over` seen so far (continuing/store.py)
         job_store.set_alive(store, node, len(running), finished)
         while True:
             time.sleep(spec.monitor_interval)
@@ -156,7 +156,7 @@ class ContinueMixin:
 
     def _remove_asked(self, store, running: set) -> None:
         """End every running worker that a hang report named ([Note: a member that hangs] in
-        elastic/membership.py), with SIGKILL, which a frozen process receives too; its end is
+        continuing/membership.py), with SIGKILL, which a frozen process receives too; its end is
         then seen as any worker's, and its `Ending` says it was removed (cleanup.py)."""
         for local_rank in sorted(running):
             rank = self._worker_group.workers[local_rank].global_rank

@@ -15,6 +15,7 @@ import re
 import signal
 
 from ..faults.hangs import HANG_EXIT
+from ..world.leaving import how_it_ended
 from .cleanup import describe
 
 __all__ = ["failure_report", "restart_line", "attempt_summary", "survived_line", "native_cause"]
@@ -164,16 +165,6 @@ def _scripts_ended(failures: dict, log_dir: str) -> dict[int, dict]:
                 continue
         break
     return ended
-
-
-def how_it_ended(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}"
-    return f"exited with code {exitcode}"
 
 
 def native_cause(stderr: str) -> tuple[str, list[str]]:

@@ -53,9 +53,9 @@ import threading
 import time
 import traceback
 
-from ..runtime import process_count
+from ..world.processes import check_worker_limit
+from ..world.runtime import process_count
 from . import scratch
-from .processes import check_worker_limit
 
 __all__ = ["spawn", "SpawnError", "SpawnTimeout", "run_workers"]
 
@@ -182,8 +182,8 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
         import torch
         import torch.distributed as dist
 
-        import phalanx.process as process
-        import phalanx.runtime as runtime
+        import phalanx.world.process as process
+        import phalanx.world.runtime as runtime
 
         torch.set_num_threads(threads)
         process.reset()  # a forked child must not inherit the parent's job (process.py)
@@ -218,7 +218,7 @@ def _worker_main(fn, args, kwargs, rank, n, conn, stack_path, rendezvous, thread
             pass
     if code:  # a failed worker does not wait at its end for its peers (phalanx/leaving.py)
         with contextlib.suppress(Exception):
-            sys.modules["phalanx.leaving"].failing()
+            sys.modules["phalanx.world.leaving"].failing()
     try:  # what a normal exit runs (files a writer still holds: px.log's TensorBoard events)
         atexit._run_exitfuncs()
     except Exception:  # noqa: BLE001

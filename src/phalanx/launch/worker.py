@@ -82,8 +82,8 @@ def run(argv: list[str]) -> tuple[int, object]:
 
 def _say_raised(exc: Exception) -> None:
     """Under `--on-failure continue`, tell the other workers that this one ends on an
-    exception (they skip the step rather than redo it: phalanx/elastic/steps.py)."""
-    elastic = sys.modules.get("phalanx.elastic")
+    exception (they skip the step rather than redo it: phalanx/continuing/steps.py)."""
+    elastic = sys.modules.get("phalanx.continuing")
     if elastic is not None:
         with contextlib.suppress(Exception):
             elastic.raised(exc)
@@ -115,7 +115,7 @@ def leave(code: int) -> None:
     for thread in threading.enumerate():
         if thread is not main and not thread.daemon:
             thread.join()
-    leaving = sys.modules.get("phalanx.leaving")
+    leaving = sys.modules.get("phalanx.world.leaving")
     if leaving is not None:
         if code:  # a failed worker does not wait at its end for its peers (phalanx/leaving.py)
             leaving.failing()
@@ -194,11 +194,11 @@ def end_file(error_file: str) -> str:
 
 def _record_end(how: str) -> None:
     with contextlib.suppress(Exception):  # what its key says at its end (phalanx/leaving.py)
-        sys.modules["phalanx.leaving"].ending(how)
+        sys.modules["phalanx.world.leaving"].ending(how)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    records = sys.modules.get("phalanx.records")
+    records = sys.modules.get("phalanx.comm.records")
     step = None
     with contextlib.suppress(Exception):
         step = records.current_step() if records is not None else None

@@ -22,7 +22,7 @@ that synchronises; in evaluation mode BatchNorm does not change them.)
 
 The end of backward is also where a rank whose step raised makes the step's collectives after
 all ([Note: the step vote] in engine/vote.py), so the broadcast stays in the same order on every
-rank; in a step lost under continue mode nothing is broadcast (elastic/).
+rank; in a step lost under continue mode nothing is broadcast (continuing/).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import Comm
+from ..comm.collectives import Comm
 from ..engine.diloco import OuterSync
 from .precision import COMM_DTYPES
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import host
+from ..comm import host
 
 __all__ = ["DynamicLossScaler", "OutputNode"]
 

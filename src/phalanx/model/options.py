@@ -6,7 +6,7 @@ resolved: phalanx/strategies.py) and the precision (phalanx/precisions.py), chec
 (most checks live beside what they configure: zero3's gathering in engine/units.py, staleness
 in engine/delayed.py, PowerSGD in engine/powersgd_config.py, offload in engine/offload.py,
 DiLoCo in model/diloco.py) and the table of combinations that do not go together (below, and
-continue mode's refusals in elastic/). What depends on the world as well (`shard_size`) is
+continue mode's refusals in continuing/). What depends on the world as well (`shard_size`) is
 checked once the world is known (`shard_size_for`).
 """
 
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import elastic
+from ..comm import continuation
 from ..engine.delayed import check_staleness
 from ..engine.hybrid import check_shard_size
 from ..engine.offload import check_offload
 from ..engine.powersgd_config import check_compression
 from ..engine.units import check_gather_options
 from ..faults.nonfinite import MODES as NONFINITE_MODES
-from ..precisions import precision_spec
-from ..strategies import strategy_name
+from ..spec.precisions import precision_spec
+from ..spec.strategies import strategy_name
 from .diloco import check_diloco_options, split_strategy
 from .precision import COMM_DTYPES
 
@@ -55,7 +55,7 @@ class PrepareOptions:
     step_stats: bool
 
     @classmethod
-    def check(cls, optimizer, strategy, precision, *, bucket_mb, comm_dtype, sync_batchnorm,
+    def check(cls, optimizer, strategy, precision, *, bucket_mb, comm_dtype, sync_batchnorm,  # noqa: PLR0913
               broadcast_buffers, check_replicas_every, on_nonfinite, step_stats, prefetch,
               max_gathered_mb, reshard_after_forward, output_dtype, staleness, shard_size,
               compression, offload) -> PrepareOptions:
@@ -75,7 +75,7 @@ class PrepareOptions:
         check_compression(compression, strategy, precision, comm_dtype)
         _check_combination(diloco, staleness, compression, shard_size)
         offload = check_offload(offload, strategy, diloco)
-        elastic.check_options(strategy, precision, staleness, compression, diloco, shard_size)
+        continuation.check_options(strategy, precision, staleness, compression, diloco, shard_size)
         if output_dtype is not None and not (isinstance(output_dtype, torch.dtype)
                                              and output_dtype.is_floating_point):
             raise ValueError(f"output_dtype={output_dtype!r}: a floating dtype such as "

@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import runtime
-from ..precisions import PRECISIONS
+from ..spec.precisions import PRECISIONS
+from ..world import runtime
 from .loss_scaling import DynamicLossScaler
 from .materialize import has_room
 

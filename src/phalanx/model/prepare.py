@@ -21,34 +21,35 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import elastic, runtime
-from ..arguments import check_prepare
-from ..collectives import Comm
-from ..records import StepCounter
-from .buffers import BufferBroadcast
-from .consistency import broadcast_from_rank0, check_same_structure
-from ..engine import build_engine
-from .materialize import fill_shards, materialize, on_meta as on_meta_device
-from .pretrained import PretrainedWeights
-from ..observe.metrics import note_run
-from ..planner.layout import engine_roots
+from ..comm import continuation
+from ..comm.collectives import Comm
+from ..comm.records import StepCounter
+from ..engine import build_engine, optimizer_state_dict as _optimizer_state_dict
+from ..engine.hybrid import shard_groups, shard_size_in
+from ..engine.optim import optimizer_groups
+from ..engine.units import resolve_block_classes
+from ..engine.zero3_roots import engine_roots
 from ..faults.nonfinite import NonFiniteWatch
 from ..faults.replica_check import ReplicaCheck
+from ..observe.metrics import note_run
 from ..observe.step_report import StepClock, step_stats as _step_stats
-from ..engine import optimizer_state_dict as _optimizer_state_dict
-from ..engine.optim import optimizer_groups
-from ..engine.hybrid import shard_groups, shard_size_in
-from ..engine.units import resolve_block_classes
-from ..precisions import PRECISIONS
-from .precision import COMM_DTYPES, cast_model, make_precision
+from ..spec.arguments import check_prepare
+from ..spec.precisions import PRECISIONS
+from ..world import runtime
+from .buffers import BufferBroadcast
+from .consistency import broadcast_from_rank0, check_same_structure
 from .diloco import attach as attach_diloco, inner_comm
+from .materialize import fill_shards, materialize, on_meta as on_meta_device
 from .options import PrepareOptions
+from .precision import COMM_DTYPES, cast_model, make_precision
 from .prepared import PreparedModule
+from .pretrained import PretrainedWeights
+from .sync_batchnorm import convert_sync_batchnorm
 
 __all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "optimizer_state_dict",
            "PRECISIONS"]
 
-def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,  # noqa: PLR0913
             strategy: str = "ddp", precision: str = "fp32", *, bucket_mb: float = 25.0,
             comm_dtype: torch.dtype | None = None, sync_batchnorm: bool = False,
             broadcast_buffers: bool = True, comm: Comm | None = None,
@@ -77,7 +78,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     broadcast_buffers: keep buffers equal to rank 0's, as torch DDP does: broadcast at the end
         of each backward that synchronises, so every rank trains and evaluates with rank 0's
         statistics, and an evaluation makes no collective.
-    comm: the `phalanx.collectives.Comm` to communicate through (default: one over the job's
+    comm: the `phalanx.comm.collectives.Comm` to communicate through (default: one over the job's
         process group); `Comm(group, prefer="reduce_scatter")` picks primitives by hand.
     check_replicas_every: every K optimizer steps, compare a checksum of the parameters
         across ranks and raise `px.ReplicasDiffer` on every rank, naming the ranks that
@@ -181,9 +182,9 @@ def _build(model, optimizer, options: PrepareOptions, comm, init):
     if reading is not None:  # what no file has and was not drawn: rank 0's (a PEFT adapter)
         reading.share_kept(comm)
     if options.sync_batchnorm:
-        from .sync_batchnorm import convert_sync_batchnorm
-        # under continue mode the job's group, whatever it is at each forward (elastic/)
-        model = convert_sync_batchnorm(model, group=None if elastic.continuing() else comm.group)
+        # under continue mode the job's group, whatever it is at each forward (continuing/)
+        group = None if continuation.continuing() else comm.group
+        model = convert_sync_batchnorm(model, group=group)
     if optimizer is not None:
         optimizer_groups(optimizer, model)
     dtypes = {id(p): p.dtype for p in model.parameters()} if shards_only else None
@@ -203,7 +204,7 @@ def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built,
         fill_shards(model, engine.held_pieces(), comm, built.dtypes, built.reading)
         engine.publish_masters()  # offload: what the gathers start from (engine/offload.py)
     outer = attach_diloco(options.diloco, model, engine, optimizer, comm)  # None unless DiLoCo
-    boundary = elastic.step_boundary()  # phalanx run --on-failure continue: elastic/steps.py
+    boundary = continuation.step_boundary()  # --on-failure continue: continuing/steps.py
     note_run({"strategy": options.strategy, "precision": options.precision, "world": comm.world,
               "backend": comm.backend, "device": str(runtime.device()),
               "bucket_mb": options.bucket_mb, "comm_dtype": COMM_DTYPES[options.comm_dtype],
@@ -224,7 +225,7 @@ def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built,
                              original_dtypes=original_dtypes, clock=clock,
                              device=runtime.device(), outer=outer, recipe=recipe,
                              optimizer=optimizer)
-    elastic.watch_model(wrapped)  # phalanx run --on-failure continue only
+    continuation.watch_model(wrapped)  # phalanx run --on-failure continue only
     return wrapped, optimizer
 
 
@@ -280,7 +281,7 @@ def attach_engine(model, optimizer, comm, recipe: Recipe):
     engine.steps = recipe.steps
     if optimizer is not None:  # the step that collective records and reports name
         engine.watch_steps(optimizer, recipe.steps.tick)
-    boundary = elastic.step_boundary()  # phalanx run --on-failure continue: elastic/steps.py
+    boundary = continuation.step_boundary()  # --on-failure continue: continuing/steps.py
     if boundary is not None and optimizer is not None:
         engine.guard_steps(optimizer, lambda: boundary.before_step(engine.comm))
     if recipe.check_replicas_every is not None and optimizer is not None:

@@ -50,19 +50,12 @@ import weakref
 
 import torch
 
-from .. import elastic
-from .._tree import map_tensors
+from .._tree import map_tensors, to_device
+from ..comm import continuation
 from .loss_scaling import OutputNode
 from .sync_batchnorm import SyncBatchNorm
 
-__all__ = ["PreparedModule", "to_device"]
-
-
-def to_device(inputs, device: torch.device):
-    """`inputs` with every tensor in it on `device` (copied without blocking the host; those
-    already there are left as they are)."""
-    return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True),
-                       inputs)
+__all__ = ["PreparedModule"]
 
 
 class PreparedModule(torch.nn.Module):
@@ -145,7 +138,7 @@ class PreparedModule(torch.nn.Module):
         began = time.perf_counter()
         grad = torch.is_grad_enabled()
         if grad:
-            elastic.iteration_starts()  # after a recovery, training goes on here (elastic/)
+            continuation.iteration_starts()  # after a recovery, training goes on here (continuing/)
         self._engine.before_forward(grad)
         if grad:
             self._check_trainable()

@@ -1,13 +1,13 @@
 """A prepared model's engine built again for another layout of the same options.
 
-Under `phalanx run --on-failure continue` the members of the job change (elastic/): a rank is
+Under `phalanx run --on-failure continue` the members of the job change (continuing/): a rank is
 lost, a replacement joins. A replicated engine (ddp) does not care: every rank holds the whole
 state, and its Comm moves to the new group. A sharded one (zero1, zero2, zero3) holds 1/N of
 the state laid out for N ranks and this rank's place among them, so it is built again for the
 group as it is now: the old engine gives the optimizer and the parameters back
 (`FlatEngine.release`), a new one is built from the options `px.prepare` kept (`Recipe`) and
 takes the prepared model's step clock and watchers; the caller then loads the state into it
-(a checkpoint: elastic/joining.py, elastic/steps.py).
+(a checkpoint: continuing/joining.py, continuing/steps.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ one process on the whole batch. `SyncBatchNorm` computes the statistics of the g
 instead, so the two agree within round-off: outputs, input gradients, averaged weight and bias
 gradients, and the running statistics. `torch.nn.SyncBatchNorm` does the same with CUDA kernels
 only; this one uses plain tensor operations and collectives through a `Comm`
-(`phalanx.collectives`), so it runs with gloo on CPU as well as NCCL on GPU.
+(`phalanx.comm.collectives`), so it runs with gloo on CPU as well as NCCL on GPU.
 
     model = convert_sync_batchnorm(model)     # what px.prepare(..., sync_batchnorm=True) does
 
@@ -68,8 +68,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import runtime
-from ..collectives import Comm
+from ..comm.collectives import Comm
+from ..world import runtime
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

@@ -21,8 +21,9 @@ import sys
 import time
 from collections.abc import Mapping
 
-from .. import environment, records, runtime
-from ..process import state
+from ..comm import records
+from ..world import environment, runtime
+from ..world.process import state
 
 __all__ = ["log", "progress", "run_dir", "close"]
 

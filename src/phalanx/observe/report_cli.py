@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """name -> [(step, value)] from RUN_DIR/metrics.csv, in the order written."""
-    from ..command_error import CommandError
+    from ..spec.command_error import CommandError
 
     path = os.path.join(run_dir, "metrics.csv")
     if not os.path.exists(path):
@@ -117,7 +117,7 @@ def summary(series: dict, skip: int = 1) -> str:
 def plan_for_run(run: dict):
     """`phalanx plan` for a run, from what px.prepare recorded of it (RUN_DIR/run.json): its
     StrategyPlan. A zero3 run also recorded its roots and gathering options, which say what
-    stays gathered from forward into backward (planner/layout.py's `engine_roots`)."""
+    stays gathered from forward into backward (engine/zero3_roots.py's `engine_roots`)."""
     from ..planner import plan
     from ..planner.model_desc import from_count
 
@@ -125,7 +125,7 @@ def plan_for_run(run: dict):
     zero3 = run.get("zero3") or {}
     desc.zero3_roots = zero3.get("roots")
     return plan(desc, gpus=run["world"], strategy=run["strategy"],
-                precision=run["precision"],  # one vocabulary: phalanx.precisions
+                precision=run["precision"],  # one vocabulary: phalanx.spec.precisions
                 optimizer=run.get("optimizer") or "adamw",
                 backend="gloo" if run["backend"] == "gloo" else "nccl",
                 bucket_mb=run["bucket_mb"],
@@ -243,7 +243,7 @@ def plot(series: dict, out_dir: str) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..command_error import CommandError
+    from ..spec.command_error import CommandError
 
     series = read_metrics(args.run_dir)
     text = summary(series, max(args.skip, 0))

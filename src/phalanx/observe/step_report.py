@@ -56,7 +56,7 @@ import time
 import torch
 from torch.autograd import Variable
 
-from .. import records
+from ..comm import records
 from .trace import tracer
 
 __all__ = ["StepClock", "step_stats"]

@@ -19,7 +19,8 @@ import atexit
 import json
 import os
 
-from .. import environment
+from ..world import environment, runtime
+from .metrics import run_dir
 
 __all__ = ["Tracer", "tracer"]
 
@@ -81,9 +82,6 @@ def tracer(rank: int) -> Tracer | None:
     if not setting:
         return None
     if "t" not in _tracer:
-        from .. import runtime
-        from .metrics import run_dir
-
         where = run_dir() if setting is True else setting
         t = _tracer["t"] = Tracer(rank, os.path.join(where, f"trace_rank{rank}.json"))
         runtime.before_shutdown(t.write)

@@ -26,8 +26,14 @@ from .finetune import finetuned
 from .hybrid import across_groups
 from .layout import alike, engine_units, lending, owned_elements, zero3_gathering
 from .link import link_report
-from .memory import (STRATEGIES, buffer_bytes, model_states, optimizer_state_elements,
-                     peak_bytes, step_working_bytes)
+from .memory import (
+    STRATEGIES,
+    buffer_bytes,
+    model_states,
+    optimizer_state_elements,
+    peak_bytes,
+    step_working_bytes,
+)
 from .model_desc import ModelDesc, describe, input_from_shape
 from .offload import device_states, host_side, offload_seconds
 from .recommend import recommend
@@ -39,7 +45,7 @@ from .workload import activations_and_flops
 __all__ = ["plan", "plan_described"]
 
 
-def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
+def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,  # noqa: PLR0913
          gpu: str = "h100", gpu_memory=None, peak_tflops: float | None = None, mfu: float = 0.4,
          strategy: str = "all", precision: str = "bf16", optimizer: str = "adamw",
          batch: int = 1, seq: int | None = None, grad_accum: int = 1,

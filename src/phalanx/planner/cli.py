@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..precisions import PLANNER_PRECISIONS
+from ..spec.precisions import PLANNER_PRECISIONS
 from .finetune import DEFAULT_LORA_TARGETS
 from .hardware import GPUS, LINKS
 from .memory import OPTIMIZERS
@@ -143,7 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..cli import CommandError
+    from ..spec.command_error import CommandError
     from .api import plan
     from .model_desc import from_factory, input_from_shape
 

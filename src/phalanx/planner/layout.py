@@ -24,10 +24,19 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..engine.units import FIRST_UNIT_MIB, borrows, plan_units, unit_caps, unit_numels
+from ..engine.units import (
+    FIRST_UNIT_MIB,
+    borrows,
+    module_units,
+    plan_units,
+    unit_caps,
+    unit_numels,
+    unit_roots,
+)
+from .reference_model import on_meta
 
 __all__ = ["Unit", "engine_units", "alike", "owned_elements", "lending", "unit_sizes",
-           "zero3_gathering", "zero3_roots", "module_roots", "config_roots", "engine_roots",
+           "zero3_gathering", "zero3_roots", "module_roots", "config_roots",
            "FIRST_UNIT_MIB"]
 
 
@@ -52,8 +61,6 @@ def engine_units(desc, zero3: bool, compute_dtype, compute_bytes: int,
     strategy shards parameters (zero3 on more than one rank), so frozen ones are laid out too;
     `compute_dtype`: the precision's (None: each parameter's own)."""
     if desc.module is not None and desc.trainable_shapes is not None:  # its own flags
-        from ..engine.units import module_units
-
         members = [p for p in desc.module.parameters()
                    if p.requires_grad or (zero3 and p.is_floating_point())]
         runs = module_units(desc.module, members, compute_bytes, bucket_mb, desc.block_classes,
@@ -206,8 +213,6 @@ def module_roots(module, compute_bytes: int, bucket_mb: float = 25.0,
                  block_classes=None) -> tuple[list, dict]:
     """([(root, elements)] of each of the engine's units of `module`, in backward order; {root:
     holds a trainable parameter}), by the engine's own functions (engine/units.py)."""
-    from ..engine.units import module_units, unit_roots
-
     params = list(module.parameters())  # frozen ones too: zero3 gathers them
     runs = module_units(module, params, compute_bytes, bucket_mb, block_classes)
     pairs, learning = [], {}
@@ -229,27 +234,8 @@ def config_roots(shape, compute_bytes: int, bucket_mb: float = 25.0, lora_rank=N
     forward ends with, stays gathered into backward (tied to the embedding, it is rooted at the
     model, gathered from the forward's start), and the embedding and the head, as large as a block
     or larger, are among the roots gathered at once."""
-    from .reference_model import on_meta
-
     module = on_meta(shape, None if lora_rank is None else (lora_rank, lora_targets))
     pairs, learning = module_roots(module, compute_bytes, bucket_mb)
     return tuple(pairs), tuple(learning.items())
 
 
-def engine_roots(engine) -> dict | None:
-    """What a zero3 engine gathers together, for RUN_DIR/run.json: px.prepare records it, and
-    `phalanx report` plans the run with it (`ModelDesc.zero3_roots` and px.prepare's
-    gathering options), since a parameter count alone does not say which units stay gathered
-    from forward into backward. The roots are [name, elements] in the engine's order
-    (backward's; "" is the model itself), the elements being those it gathers: every member
-    of its units, the trainable parameters and the frozen ones gathered with them ([Note:
-    frozen parameters in a unit] in engine/flat.py: `FlatUnit.members`). None for a strategy
-    that gathers nothing."""
-    gatherer = getattr(engine, "gatherer", None)
-    if gatherer is None:
-        return None
-    return {"roots": [[root.name, sum(p.numel() for unit in root.units for p in unit.members)]
-                      for root in gatherer.roots],
-            "prefetch": gatherer.prefetch,
-            "max_gathered_mb": None if gatherer.limit is None else gatherer.limit / 2**20,
-            "reshard_after_forward": gatherer.reshard_after_forward}

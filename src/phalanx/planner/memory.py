@@ -11,7 +11,7 @@ bytes, gradients of g bytes and K bytes of optimizer state per parameter,
 Mixed precision Adam ("bf16"/"fp16": bf16/fp16 weights and gradients, fp32 master + two
 moments): w = g = 2, K = 12, so ddp costs 16 Psi. Pure fp32 Adam: w = g = 4 and K = 8 (the fp32
 weights are the master). "bf16-true" keeps everything, moments included, in bf16: 2 + 2 + 4 =
-8 Psi. (The names are phalanx.precisions', shared with px.prepare.)
+8 Psi. (The names are phalanx.spec.precisions', shared with px.prepare.)
 Frozen parameters (a LoRA model's base, `requires_grad=False`) have weights only: w bytes each,
 whole on every rank under ddp, zero1 and zero2, sharded 1/N under zero3; no gradient, master or
 optimizer state. With Psi_t trainable of Psi parameters, g and K multiply Psi_t.
@@ -87,7 +87,7 @@ import math
 from dataclasses import dataclass
 
 from ..engine.units import step_runs
-from ..precisions import PrecisionSpec
+from ..spec.precisions import PrecisionSpec
 
 __all__ = ["OPTIMIZERS", "STRATEGIES", "optimizer_state_elements", "ModelStates",
            "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes"]

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..engine.units import find_blocks, resolve_block_classes
 from .sizes import format_count, parse_count
 from .transformer import TransformerShape, shape_from_config
 
@@ -46,7 +47,8 @@ class ModelDesc:
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     block_classes: tuple | None = None  # px.plan's `blocks=`, resolved (engine/units.py)
-    # zero3's roots as a run's engine laid them out, [name, elements] (layout.engine_roots):
+    # zero3's roots as a run's engine laid them out, [name, elements] (engine_roots in
+    # engine/zero3_roots.py):
     # which units stay gathered from forward into backward, where a count cannot say
     zero3_roots: list | None = None
     make_input: Callable[[int, int], tuple] | None = None
@@ -145,8 +147,6 @@ def input_from_shape(spec, dtype: str = "float32") -> Callable[[int, int], tuple
 
 def _blocks_of(module: nn.Module, params, classes=None) -> list:
     """The repeated block (index) each parameter sits in, as the engine's units see it."""
-    from ..engine.units import find_blocks
-
     block_of = {}
     for b, block in enumerate(find_blocks(module, classes)):
         for p in block.parameters():
@@ -157,8 +157,6 @@ def _blocks_of(module: nn.Module, params, classes=None) -> list:
 def from_module(module: nn.Module, name: str | None = None,
                 make_input: Callable[[int, int], tuple] | None = None,
                 blocks=None) -> ModelDesc:
-    from ..engine.units import resolve_block_classes
-
     if not isinstance(module, nn.Module):
         raise ValueError(f"expected a torch.nn.Module, got {type(module).__name__}")
     classes = resolve_block_classes(module, blocks)

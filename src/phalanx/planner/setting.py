@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..engine.units import check_gather_options
-from ..precisions import PrecisionSpec, precision_spec
+from ..spec.precisions import PrecisionSpec, precision_spec
 from .finetune import check_finetune
 from .hardware import LINKS, GpuSpec, gpu_spec
 from .hybrid import check_plan_shard_size
@@ -98,7 +98,7 @@ def _positive_int(value, what):
     return value
 
 
-def check_setting(*, gpus, nodes, gpu, gpu_memory, peak_tflops, mfu, strategy, precision,
+def check_setting(*, gpus, nodes, gpu, gpu_memory, peak_tflops, mfu, strategy, precision,  # noqa: PLR0913
                   optimizer, batch, seq, grad_accum, activation_checkpointing, intra_node_bw,
                   inter_node_bw, bucket_mb, comm_dtype, attention, backend, headroom, units,
                   prefetch, max_gathered_mb, reshard_after_forward, link, powersgd_rank,

@@ -21,6 +21,7 @@ reach into.
 from __future__ import annotations
 
 from ..launch.spawn import SpawnError, SpawnTimeout, run_workers
+from ..model.prepare import prepared_or_none
 
 __all__ = ["run_ranks", "RanksFailed", "RanksTimedOut", "engine_of"]
 
@@ -47,7 +48,5 @@ def run_ranks(fn, world_size: int, args=(), kwargs=None, timeout: float = 120.0,
 def engine_of(model):
     """The engine behind a prepared model (or `torch.compile` of one): the `Engine` of
     engine/__init__.py, for tests that count what it holds; None for a model not prepared."""
-    from ..model.prepare import prepared_or_none
-
     inner = prepared_or_none(model)
     return inner._engine if inner is not None else None

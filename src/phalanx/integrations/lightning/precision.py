@@ -28,10 +28,14 @@ before its own step.
 
 from __future__ import annotations
 
-from lightning.fabric.plugins.precision import DoublePrecision as FabricDouble
-from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.pytorch.plugins.precision import DoublePrecision as TrainerDouble
-from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+from lightning.fabric.plugins.precision import (
+    DoublePrecision as FabricDouble,
+    Precision as FabricPrecision,
+)
+from lightning.pytorch.plugins.precision import (
+    DoublePrecision as TrainerDouble,
+    Precision as TrainerPrecision,
+)
 
 import phalanx as px
 

@@ -27,7 +27,7 @@ import functools
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from ...strategies import STRATEGIES, STRATEGY_ALIASES
+from ...spec.strategies import STRATEGIES, STRATEGY_ALIASES
 
 __all__ = ["NAMES", "register_names", "register_everywhere"]
 

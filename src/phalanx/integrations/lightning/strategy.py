@@ -38,15 +38,19 @@ import os
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import ParallelStrategy as FabricParallel
-from lightning.fabric.strategies import Strategy as FabricStrategy
+from lightning.fabric.strategies import (
+    ParallelStrategy as FabricParallel,
+    Strategy as FabricStrategy,
+)
 from lightning.fabric.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as FabricLauncher,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import ParallelStrategy as TrainerParallel
-from lightning.pytorch.strategies import Strategy as TrainerStrategy
+from lightning.pytorch.strategies import (
+    ParallelStrategy as TrainerParallel,
+    Strategy as TrainerStrategy,
+)
 from lightning.pytorch.strategies.launchers import (
     _SubprocessScriptLauncher as TrainerLauncher,
 )
@@ -58,7 +62,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 import phalanx as px
 
-from ...strategies import strategy_name
+from ...spec.strategies import strategy_name
 from . import checkpoints
 from .collectives import Collectives, broadcast_module
 from .optimizer import FabricOptimizer

@@ -1,19 +1,18 @@
 """Continue mode for this process: `px.init` starts it here (see the package docstring).
 
-Imported by phalanx/__init__.py, which puts `start` where `elastic.start` finds it: the modules
-below every other part of phalanx (runtime, the checkpoint, the data loader) reach continue
-mode only through `elastic/__init__.py`, and this module sits above all of them.
+phalanx/__init__.py installs `start` in comm/continuation.py, through which `px.init` (and the
+engine, the prepared model, the data loader and checkpoints, which stand below this package)
+reach continue mode.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import environment
-from ..process import state
-from . import _starter
+from ..comm.gate import gate
+from ..world import environment
+from ..world.process import state
 from .events import Events
-from .gate import gate
 from .membership import Membership
 from .steps import StepBoundary
 
@@ -33,5 +32,3 @@ def start(env, backend: str, timeout, device) -> None:
     Events(m, steps)
     m.start()
 
-
-_starter[:] = [start]

@@ -1,6 +1,6 @@
 """The process world: who am I, how many are we, which device is mine.
 
-`init()` reads the environment that a launcher leaves behind (launch/env.py: `phalanx run`,
+`init()` reads the environment that a launcher leaves behind (world/launch_env.py: `phalanx run`,
 `torchrun`, SLURM's `srun`) and joins the process group; with none of them the world is one
 process, and no process group is created at all, so the same script runs unchanged under plain
 `python script.py`.
@@ -19,11 +19,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import elastic, environment, groups, leaving, process, records
-from .collectives import Comm
+from ..comm import continuation, groups, records
+from ..comm.collectives import Comm
+from ..faults.hangs import HangWatch, hang_threshold
+from . import environment, leaving, process
 from .init_options import check_backend as _check_backend, check_timeout as _check_timeout
-from .launch.env import check_slurm_tasks, read_launch_env
-from .launch.processes import auto_processes, process_count, relaunch as _relaunch
+from .launch_env import check_slurm_tasks, read_launch_env
+from .processes import auto_processes, process_count, relaunch as _relaunch
 
 __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
@@ -140,16 +142,16 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         backend = "nccl" if torch.cuda.is_available() and on_gpu else "gloo"
     me.rank, me.world_size, me.local_rank = env.rank, env.world_size, env.local_rank
     me.device = _pick_device(env.local_rank, backend, requested)
-    if env.world_size > 1 and elastic.wanted(env):  # phalanx run --on-failure continue
+    if env.world_size > 1 and continuation.wanted(env):  # phalanx run --on-failure continue
         me.initialized = True
         me.owns_group = True
         me.watch = (timeout, hang_after)
         groups.set_timeout(timeout)
-        elastic.start(env, backend, timeout, me.device)
+        continuation.start(env, backend, timeout, me.device)
         leaving.call_at_exit(shutdown)  # the end of the script calls px.shutdown()
-        m = elastic.current()
+        m = continuation.current()
         m.on_regroup.append(_regrouped)
-        elastic.step_boundary().on_lost.append(_stop_watching)
+        continuation.step_boundary().on_lost.append(_stop_watching)
         if not m.joining:
             _watch_hangs(timeout, hang_after)
         return
@@ -232,8 +234,6 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
     me = process.state.world
     if me.world_size < 2 or not dist.is_initialized():
         return
-    from .faults.hangs import HangWatch, hang_threshold
-
     threshold = hang_after if hang_after is not None else hang_threshold(timeout.total_seconds())
     if threshold is None:  # PHALANX_HANG_AFTER=off
         return
@@ -242,16 +242,16 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
     except (ValueError, RuntimeError, AttributeError):  # a group made without a store
         return
     watch = me.hang_watch = HangWatch(store, me.rank, me.world_size, threshold)
-    steps = elastic.step_boundary()
-    if steps is not None:  # [Note: a member left behind], [Note: a member that hangs] (elastic/)
-        watch.on_tick, watch.on_hang = steps.watch_tick, elastic.current().remove_hung
+    steps = continuation.step_boundary()
+    if steps is not None:  # [Note: a member left behind], [Note: a member that hangs] (continuing/)
+        watch.on_tick, watch.on_hang = steps.watch_tick, continuation.current().remove_hung
 
 
 def _regrouped(group) -> None:
-    """A new generation's group (elastic/membership.py): this rank's place in it, and a hang
+    """A new generation's group (continuing/membership.py): this rank's place in it, and a hang
     watcher over it (the old one stopped when the old group broke)."""
     me = process.state.world
-    m = elastic.current()
+    m = continuation.current()
     me.rank, me.world_size = m.rank, m.world
     me.comm = None
     _stop_watching()
@@ -260,9 +260,9 @@ def _regrouped(group) -> None:
 
 
 def job_comm(**kwargs) -> Comm:
-    """A new Comm over the job's group; for a replacement not yet admitted (elastic/), one
+    """A new Comm over the job's group; for a replacement not yet admitted (continuing/), one
     that waits without a group, sized as the job, until its admission gives it one."""
-    m = elastic.current()
+    m = continuation.current()
     if m is not None and m.joining:
         comm = Comm(None, device=device(), **kwargs)
         me = process.state.world
@@ -371,12 +371,12 @@ def shutdown() -> None:
                 fn()
             except Exception as exc:  # noqa: BLE001 - raised once the group is ended
                 error = error or exc
-        elastic.finish()  # phalanx run --on-failure continue: a loss after the last step
-        if elastic.current() is None:
+        continuation.finish()  # phalanx run --on-failure continue: a loss after the last step
+        if continuation.current() is None:
             leaving.leave("px.shutdown")
         elif dist.is_available() and dist.is_initialized():
             _barrier("px.shutdown")
-            elastic.finish()  # ... or in this very barrier
+            continuation.finish()  # ... or in this very barrier
     finally:
         _stop_watching()
         try:
@@ -384,7 +384,7 @@ def shutdown() -> None:
         finally:
             try:
                 leaving.done()
-                elastic.stop()
+                continuation.stop()
             finally:
                 process.reset()  # [Note: process-wide state] in process.py
     if error is not None:

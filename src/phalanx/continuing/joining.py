@@ -30,9 +30,12 @@ from __future__ import annotations
 import sys
 import time
 
-from .. import records
+from ..comm import records
+from ..comm.continuation import models
+from ..comm.gate import gate
+from ..model.relayout import needs_relayout, relayout
+from ..world.runtime import default_comm
 from . import store as keys
-from .gate import gate
 from .membership import debug
 
 __all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engines",
@@ -40,8 +43,6 @@ __all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engine
 
 def live_models() -> list:
     """The prepared models of this process (elastic.watch_model), in prepare order."""
-    from . import models
-
     return models()
 
 
@@ -62,9 +63,6 @@ def rebuild_engines() -> list:
     """After a new group is formed (every member calls it): sharded engines laid out for
     another group are built again for this one (model/relayout.py), then the engines agree
     (`sync_engines`). Returns the prepared models rebuilt: their state is to be loaded."""
-    from ..model.relayout import needs_relayout, relayout
-    from ..runtime import default_comm
-
     rebuilt = [m for m in live_models() if needs_relayout(m)]
     for prepared in rebuilt:
         relayout(prepared)

@@ -46,10 +46,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint.api import fallbacks, load_checkpoint
+from ..checkpoint.reader import CheckpointError, read_manifest
+from ..comm.gate import gate
 from ..data.ledger import step_called
 from ..data.replay import Replayable
+from ..data.sampler import DistributedSampler
+from ..model.prepare import prepared_or_none
 from . import joining, store as keys
-from .gate import gate
 from .gathers import Gathers, decide_gathers
 from .membership import Membership, MembershipError, debug
 
@@ -287,11 +291,6 @@ class StepBoundary:
         complete, and the samplers go back to where it stands: the steps after it are redone,
         and when the script saves after every step that is only the step in flight, exactly as
         under ddp. A job that has saved nothing yet cannot go on."""
-        from ..checkpoint.api import fallbacks, load_checkpoint
-        from ..checkpoint.reader import CheckpointError, read_manifest
-        from ..data.sampler import DistributedSampler
-        from ..model.prepare import prepared_or_none
-
         newest = None
         for path in sorted({rep["saved"] for _, rep in decision.reports.values()
                             if rep.get("saved")}):
@@ -371,7 +370,7 @@ class StepBoundary:
               file=sys.stderr, flush=True)
         os._exit(LEFT_BEHIND)
 
-    # -- what the rest of phalanx calls (through elastic/__init__.py) ----------------------------
+    # -- what the rest of phalanx calls (through comm/continuation.py) ---------------------------
     def iteration_starts(self, batch: bool) -> bool:
         if self.m.joining:  # training begins before any px.load took the others' state
             joining.cannot_join(self.m)
@@ -393,8 +392,6 @@ class StepBoundary:
     def admit(self, comm, asking, path: str, model, optimizer, stateful: dict) -> None:
         """At the end of a `px.save` of `path`: admit `asking`, every member loading `path`
         (the others keep their own RNG) as the replacements do (joining.py)."""
-        from ..checkpoint.api import load_checkpoint
-
         joining.admit(self.m, self, comm, asking, path, lambda at: load_checkpoint(
             at, model, optimizer, True, stateful, restore_rng=False))
 

@@ -1,24 +1,12 @@
-"""Training through a failure without a restart: `phalanx run --on-failure continue`.
+"""Continue mode (`phalanx run --on-failure continue`) as the floors below it see it.
 
-When a worker dies (killed, crashed, its machine gone), the others notice within the step,
-form a group without it and redo the step in flight with the same global batch split over
-fewer ranks; its agent starts a replacement, which runs the script from the top and joins at
-the others' next `px.save`, loading their live state. Nobody else restarts, imports again or
-reloads anything.
-
-The package, by role (this file and the first two are what the rest of phalanx reads; the
-others sit above every other part of phalanx, which reaches them only through the objects this
-file holds, so no import runs back up):
-    gate.py        the switch every collective reads: the step in flight is lost
-    store.py       the keys the agents and workers share in the job's store
-    membership.py  generations: who is in, forming a new group ([Note: generations])
-    steps.py       the step boundary: the vote, the recovery decision, the redo
-                   ([Note: the commit vote])
-    gathers.py     an evaluation's gathers voted on, its batch in flight redone
-                   ([Note: an evaluation redone])
-    joining.py     a replacement: waiting, admission at a px.save, loading the live state
-    events.py      one console line, a step-report event and a metrics row per change
-    session.py     `start`: the above made for this process (phalanx/__init__ imports it)
+The engine, the prepared model, the data loader, checkpoints and `px.init` stand below the
+package that runs continue mode (phalanx/continuing/: membership, the step boundary, joining,
+events), which imports them. They reach it here, through the objects `continuing/session.py`'s
+`start` puts in this process's state (process.py's `ContinuingState`: the Membership and the
+StepBoundary, None when continue mode is off) and the calls below, which ask those objects.
+`px.init` starts continue mode through `start`, which phalanx/__init__.py installs once
+(`install`), so that no import runs back up a floor.
 
 Only `phalanx run --on-failure continue` turns it on (PHALANX_ON_FAILURE=continue, read by
 `px.init`); otherwise nothing here runs and a failure ends the job as before.
@@ -28,15 +16,19 @@ from __future__ import annotations
 
 import weakref
 
-from .. import environment
-from ..process import state
+from ..world import environment
+from ..world.process import state
 from .gate import continuing, gate
 
 __all__ = ["continuing", "step_boundary", "current", "start", "finish", "stop", "raised",
            "iteration_starts", "pass_ended", "gather_for_metrics", "watch_model", "models",
-           "check_options", "ON_FAILURE"]
+           "check_options", "install", "MembershipError", "ON_FAILURE"]
 
 ON_FAILURE = "PHALANX_ON_FAILURE"
+
+
+class MembershipError(RuntimeError):
+    """The job cannot go on: no member reported in time, or nobody is left to go on with."""
 
 
 def wanted(env) -> bool:
@@ -115,14 +107,11 @@ def _checked(steps, samplers, when: str) -> None:
 
 def _over(exc: BaseException) -> None:
     """`exc` ends this worker; a MembershipError also ends the job (its agents replace
-    nobody: elastic/store.py's `over`)."""
-    from . import store as keys
-    from .membership import MembershipError
-
+    nobody: continuing/store.py's `over`)."""
     m = state.continuing.membership
     if m is not None and isinstance(exc, MembershipError):
         try:
-            keys.post_over(m.store, f"{type(exc).__name__}: {exc}"[:300])
+            m.post_over(f"{type(exc).__name__}: {exc}"[:300])
         except Exception:  # noqa: BLE001 - the store is gone: so is the job
             pass
 
@@ -142,13 +131,19 @@ def models() -> list:
     return [m for _, m in alive if m is not None]
 
 
-_starter: list = []   # session.start, put here by session.py when phalanx is imported
+_start: list = []  # continuing/session.py's start, installed by phalanx/__init__.py
+
+
+def install(start_) -> None:
+    """Have `start` call `start_` (continuing/session.py's, installed once by phalanx/__init__,
+    which imports every floor)."""
+    _start[:] = [start_]
 
 
 def start(env, backend: str, timeout, device) -> None:
     """`px.init` under continue mode: connect to the job's store and join generation 0 (a
-    replacement waits to be admitted instead). See session.py."""
-    _starter[0](env, backend, timeout, device)
+    replacement waits to be admitted instead): continuing/session.py's `start`."""
+    _start[0](env, backend, timeout, device)
 
 
 def finish() -> None:
@@ -171,14 +166,12 @@ def raised(exc: BaseException) -> None:
     _over(exc)
     if m is None or m.joining or m.admitting:  # not in a step: a replacement's own failure
         return
-    from . import store as keys
-
     # The step call it raised in: the one in flight, or, where it raised inside (or after)
     # an optimizer.step() whose vote completed, that one (engine/vote.py's [Note: a step that
     # raised in the optimizer]): the steps after it are then redone, not skipped (steps.py).
     in_step = any(getattr(getattr(p._engine, "vote", None), "in_step", None) is not None
                   for p in models())
-    keys.write(m.store, f"raised/{m.me}.{m.life}",
+    m.write(f"raised/{m.me}.{m.life}",
                {"call": steps.calls if in_step else steps.calls + 1,
                 "message": f"{type(exc).__name__}: {exc}"[:300]})
 
@@ -188,9 +181,7 @@ def stop() -> None:
     the process state (process.py) then forgets continue mode's objects and the switch."""
     m = state.continuing.membership
     if m is not None and not state.continuing.failed:
-        from . import store as keys
-
         try:
-            keys.write(m.store, f"done/{m.me}.{m.life}", True)
+            m.write(f"done/{m.me}.{m.life}", True)
         except Exception:  # noqa: BLE001 - the store is gone: nobody reads the mark
             pass

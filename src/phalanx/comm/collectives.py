@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from . import groups, pickled, records
-from .faults.mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
 from .completion import Handle, wait_whole
-from .elastic.cut import guarded as _guarded, own_shard as _own_shard, nothing as _nothing
-from .elastic.gate import continuing
+from .cut import guarded as _guarded, nothing as _nothing, own_shard as _own_shard
+from .gate import continuing
+from .mismatch import CHECK_COLLECTIVES, KIND_CODES, CollectiveMismatch, mismatch
 from .records import CollectiveRecord
 
 __all__ = ["Comm", "Handle", "CollectiveMismatch", "JobEnded"]
@@ -74,7 +74,7 @@ class Comm:
         self.group = group
         self.name = name or _group_name(group)
         self.steps = steps
-        # elastic/: a Comm of the job's group between two generations (or of a replacement
+        # continuing/: a Comm of the job's group between two generations (or of a replacement
         # not yet admitted) waits without a group for the next; `regroups` counts its groups
         self.waiting = False
         self.regroups = 0
@@ -100,10 +100,10 @@ class Comm:
         """See the module docstring: by `prefer`, else by the backend.
 
         [Note: an all-gather a loss cannot tie]
-        Under `--on-failure continue` (elastic/) an all-gather on gloo is gloo's own, a ring,
+        Under `--on-failure continue` (continuing/) an all-gather on gloo is gloo's own, a ring,
         not one broadcast per owner of a shard, for what each leaves behind when a rank dies.
         A survivor destroys its end of the group at the loss ([Note: generations] in
-        elastic/membership.py), and gloo's destruction of a group first runs every collective
+        continuing/membership.py), and gloo's destruction of a group first runs every collective
         still queued on it and joins its worker threads; only then does it close the
         connections, which is what makes a peer's receive from this rank fail. A broadcast
         whose root fails on its send to the dead rank need not deliver to the other ranks (a
@@ -157,7 +157,7 @@ class Comm:
         return rec
 
     def _check_same(self, rec: CollectiveRecord) -> None:
-        """See [Note: checking collectives] in faults/mismatch.py."""
+        """See [Note: checking collectives] in comm/mismatch.py."""
         tag = (rec.tag or "").encode()
         mine = torch.tensor([rec.group_seq, KIND_CODES.get(rec.kind, 0), rec.nbytes,
                              zlib.crc32(tag)], dtype=torch.int64, device=self.device)
@@ -223,7 +223,7 @@ class Comm:
 
     def regroup(self, group, name: str | None = None) -> None:
         """Issue on `group` from now on: the group of a new generation of the job's members
-        under `--on-failure continue` (elastic/membership.py), or the first group of a
+        under `--on-failure continue` (continuing/membership.py), or the first group of a
         replacement, whose Comms wait without one until it is admitted (`world`, `rank`:
         what they will be). Records and counts are kept."""
         self.group = group

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .elastic.gate import continuing, gate, is_loss, lost, step_lost
+from .gate import continuing, gate, is_loss, lost, step_lost
 
 __all__ = ["Handle", "wait_whole"]
 
@@ -95,7 +95,7 @@ _LOST = "the step was lost before this collective completed"
 def wait_whole(handle: Handle) -> None:
     """Wait for `handle` as a blocking collective does: its results are read next, so a
     wait that ended because the step was lost (continue mode) raises instead of returning
-    unfilled buffers; the Comm method's guard (elastic/cut.py) turns that into the result of
+    unfilled buffers; the Comm method's guard (comm/cut.py) turns that into the result of
     a collective that moved nothing. Seen: a lost all-gather of pickle lengths read as
     garbage lengths, and the pickles after it failed to load."""
     handle.wait()
@@ -109,7 +109,7 @@ _SLICE = datetime.timedelta(milliseconds=100)
 def _wait_or_give_up(work) -> None:
     """[Note: waiting on a group the others may have left]
     Under `--on-failure continue` a wait is made in slices of 100 ms. Between two, a wait
-    that the step has already lost (the wire was cut: elastic/gate.py) or that the others have
+    that the step has already lost (the wire was cut: comm/gate.py) or that the others have
     given up on (they went on after losing a rank and asked this one, through its hang watcher,
     to report: `gate.poked`) is abandoned as a failed collective. gloo fails a collective when a
     peer's connection closes, but a peer that left the group cannot always close it at once

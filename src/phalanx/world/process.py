@@ -4,14 +4,14 @@
 Each part of `state` belongs to one module, which alone reads and changes it: the world of
 runtime.py (rank, device, the job's group and its Comm, the hang watcher), the groups phalanx
 made (groups.py), the live Comms and step counters, weakly (records.py), the host reads
-(host.py), this rank's end (leaving.py), continue mode's objects and its switch (elastic/),
+(host.py), this rank's end (leaving.py), continue mode's objects and its switch (continuing/),
 px.log's open files (observe/metrics.py), the shard services (engine/remote.py), the background
 saves (checkpoint/saving.py) and global_mean's totals (data/loss.py). `px.shutdown()`
 (runtime.py) ends what runs (saves, the hang watcher, the services, the groups) and then calls
 `reset()`, the one place the state is reset: nothing of a job outlives it, and a second
 `px.init` starts from what a new process has. A worker forked by `px.spawn` resets it before
 it joins its job (launch/spawn.py). `reset()` makes each part fresh in place, so a name bound to
-a part stays valid (`elastic.gate.gate`, which the collectives read).
+a part stays valid (`comm/gate.py`'s `gate`, which the collectives read).
 
 Kept in their own modules, because they must outlive a shutdown or are not a job's:
 - what the interpreter's exit reads after px.shutdown has run (leaving.py's `_script_end`: how
@@ -19,7 +19,8 @@ Kept in their own modules, because they must outlive a shutdown or are not a job
 - the run directory, chosen once so that a script's rounds of px.init log to one, the
   terminal px.progress draws on, and metrics' atexit handler (observe/metrics.py);
 - what is registered once, at import: the functions px.shutdown runs first (runtime.py's
-  `_before_shutdown`) and continue mode's start (elastic's `_starter`);
+  `_before_shutdown`) and continue mode's start
+  (comm/continuation.py's `install`);
 - torch's own functions while phalanx's replace them, each put back by px.shutdown:
   clip_grad_norm_ while a model needs it, with the models it routes for (engine/clipping.py,
   [Note: the global norm]), GradScaler's methods with the scalers that scaled a loss, weakly
@@ -63,7 +64,7 @@ class World:
     world: object = None  # the job's group this init joined (outside continue mode)
     watch: tuple | None = None  # (timeout, hang_after) of init, for a new generation's watcher
     hang_watch: object = None  # faults/hangs.py's HangWatch over the job's group
-    comm: object = None  # the Comm of the job's group (`px.runtime.default_comm`)
+    comm: object = None  # the Comm of the job's group (`world/runtime.py`'s `default_comm`)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Leaving:
 
 @dataclass(slots=True)
 class Gate:
-    """elastic/gate.py: the switch every collective reads under `--on-failure continue`."""
+    """comm/gate.py: the switch every collective reads under `--on-failure continue`."""
     active: bool = False   # --on-failure continue
     cut: bool = False      # the step in flight is lost: collectives do nothing
     poked: bool = False    # the others went on and asked this rank to report (steps.py)
@@ -117,7 +118,7 @@ class Gate:
 
 @dataclass
 class Continuing:
-    """elastic/__init__.py: continue mode's objects for this process (session.py makes them)."""
+    """continuing/__init__.py: continue mode's objects for this process (session.py makes them)."""
     membership: object = None
     steps: object = None
     client: object = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .. import environment
+from ..world import environment
 
 __all__ = ["CollectiveMismatch", "CHECK_COLLECTIVES", "KIND_CODES", "mismatch"]
 

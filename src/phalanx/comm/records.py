@@ -38,7 +38,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .process import state
+from ..world.process import state
 
 __all__ = ["CollectiveRecord", "StepCounter", "register", "live", "next_seq", "current_step",
            "blocking_done", "note_blocking_done", "on_blocking_done",

@@ -1,7 +1,7 @@
 """The keys that the agents and the workers of a `--on-failure continue` job share in the
 job's store (the agent's TCP store on node 0, which outlives every worker).
 
-Under the prefix `phalanx/elastic/`:
+Under the prefix `phalanx/continuing/`:
 
     alive/<node>             workers of that node running now, and finished (its agent)
     left/<rank>.<life>       written by the agent when that worker ended with an error:
@@ -37,7 +37,7 @@ from torch.distributed import PrefixStore
 __all__ = ["keyspace", "set_alive", "alive_total", "post_left", "read", "write", "has",
            "ask_removal", "removal_asked", "post_over", "over", "notices"]
 
-PREFIX = "phalanx/elastic"
+PREFIX = "phalanx/continuing"
 
 
 def keyspace(store) -> PrefixStore:

@@ -12,7 +12,7 @@ False and an error is raised as always.
 
 from __future__ import annotations
 
-from ..process import state
+from ..world.process import state
 
 __all__ = ["gate", "lost", "is_loss", "step_lost", "continuing"]
 

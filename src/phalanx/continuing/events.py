@@ -20,7 +20,10 @@ import weakref
 
 import torch
 
-from .. import runtime
+from ..comm.continuation import models
+from ..observe.metrics import log
+from ..world import runtime
+from ..world.leaving import how_it_ended
 
 __all__ = ["Events", "describe_departure"]
 
@@ -35,8 +38,6 @@ def describe_departure(why: dict) -> str:
     if why.get("removed"):
         frozen = " (its process was frozen: stopped, as by SIGSTOP)" if why.get("frozen") else ""
         return f"hung and was removed by the launcher{frozen}"
-    from ..launch.failures import how_it_ended
-
     return how_it_ended(int(why.get("exitcode", 1)))
 
 
@@ -51,8 +52,6 @@ def _draws_differ() -> str:
     model holds a dropout layer that draws (p > 0, in training mode), the line that says a
     step was redone or skipped says this too: the run goes on with the same samples and the
     same averaged gradients' rule, but not with the same random draws."""
-    from . import models
-
     drawing = sorted({type(m).__name__ for p in models() for m in p.module.modules()
                       if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
                       and m.training})
@@ -110,8 +109,6 @@ class Events:
                         if isinstance(v, (int, float))}
         if speaker if speaker is not None else runtime.rank() == 0:
             print(line, file=sys.stderr, flush=True)
-            from ..observe.metrics import log
-
             log(dict(self.pending), step=entry["step"])
 
     def resumed(self, decision) -> None:

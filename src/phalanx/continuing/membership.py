@@ -8,7 +8,7 @@ Generation 0 is the launch: every rank. A member's rank in the group (`px.rank()
 place among the members sorted by launch rank, so after a replacement has joined, every rank
 is again its launch rank.
 
-A generation ends when a collective fails because a member is gone (elastic/gate.py cuts the
+A generation ends when a collective fails because a member is gone (comm/gate.py cuts the
 wire): this rank destroys its end of the group at once, so that a peer waiting on it fails too
 instead of waiting out the timeout, and the rest of its step runs alone. At its next
 `optimizer.step()` (or `px.shutdown()`) it reports to the store and waits until every member
@@ -29,9 +29,11 @@ import time
 
 import torch.distributed as dist
 
-from .. import environment, groups, records
+from ..comm import groups, records
+from ..comm.continuation import MembershipError
+from ..comm.gate import gate
+from ..world import environment
 from . import store as keys
-from .gate import gate
 
 __all__ = ["Membership", "MembershipError"]
 
@@ -44,10 +46,6 @@ def debug(message: str) -> None:
         print(f"phalanx elastic [rank {os.environ.get('RANK')}, life "
               f"{environment.value('PHALANX_JOINING') or 0}]: {message}", file=sys.stderr,
               flush=True)
-
-
-class MembershipError(RuntimeError):
-    """The job cannot go on: no member reported in time, or nobody is left to go on with."""
 
 
 class Membership:
@@ -175,6 +173,14 @@ class Membership:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - a group broken may fail to end cleanly: it is gone either way
             debug(f"destroying the group: {exc}"[:200])
+
+    def write(self, key: str, value) -> None:
+        """Say `value` under `key` in the job's keys (store.py), as this member."""
+        keys.write(self.store, key, value)
+
+    def post_over(self, why: str) -> None:
+        """The job cannot go on: say so to the agents, who then replace nobody (store.py)."""
+        keys.post_over(self.store, why)
 
     def remove_hung(self, ranks: list[int]) -> None:
         """[Note: a member that hangs]

@@ -18,7 +18,7 @@ import datetime
 
 import torch.distributed as dist
 
-from .process import state
+from ..world.process import state
 
 __all__ = ["set_timeout", "timeout", "group_for", "partition", "end_all", "forget_all", "made",
            "on_end"]
@@ -92,7 +92,7 @@ def end_all() -> None:
 
 def forget_all() -> None:
     """Forget every group made here without destroying them one by one: the job's group is
-    being destroyed with all of its subgroups (a generation ends, elastic/membership.py).
+    being destroyed with all of its subgroups (a generation ends, continuing/membership.py).
     What `on_end` registered stops first, as at `end_all`."""
     for fn in list(state.groups.on_end):
         fn()

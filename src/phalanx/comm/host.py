@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .process import state
+from ..world.process import state
 
 __all__ = ["read", "count"]
 

@@ -51,7 +51,7 @@ import sys
 
 import torch
 
-from .gate import gate
+from ..comm.gate import gate
 from .membership import MembershipError, debug
 
 __all__ = ["Gathers", "decide_gathers"]

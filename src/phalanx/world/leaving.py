@@ -53,13 +53,14 @@ launcher end the others sooner (phalanx run, torchrun, px.spawn).
 
 Under `phalanx run --on-failure continue` none of this runs but the end of the script's call
 of `px.shutdown()`: the ranks meet at px.shutdown's barrier, where a member lost after its last
-step is recovered from (elastic/), and the agents record who has left (elastic/store.py).
+step is recovered from (continuing/), and the agents record who has left (continuing/store.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import time
 
@@ -317,3 +318,14 @@ def _poll(ready, waiting_for=None) -> bool | None:
         time.sleep(poll)
         poll = min(2 * poll, _POLL_MAX)
 
+
+def how_it_ended(exitcode: int) -> str:
+    """A process's end in words, from its exit code: 'was killed by SIGKILL', 'exited with
+    code 1'."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"

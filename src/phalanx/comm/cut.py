@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from ..completion import Handle
+from .completion import Handle
 from .gate import gate, is_loss, lost
 
 __all__ = ["guarded", "nothing", "own_shard"]
@@ -14,8 +14,8 @@ __all__ = ["guarded", "nothing", "own_shard"]
 
 def guarded(cut):
     """[Note: a collective on a broken group]
-    Under `--on-failure continue` (phalanx/elastic/) a collective that fails because a peer is
-    gone does not raise: it cuts the wire for the rest of the step (elastic/gate.py) and
+    Under `--on-failure continue` (phalanx/continuing/) a collective that fails because a peer is
+    gone does not raise: it cuts the wire for the rest of the step (comm/gate.py) and
     returns what `cut(self, *args, **kwargs)` gives, the result of a collective that moved
     nothing (this rank's own values); so does every collective while the wire is cut. The step
     is thrown away at `optimizer.step()`, where the survivors agree on what happened.
@@ -26,7 +26,7 @@ def guarded(cut):
         def guarded(self, *args, **kwargs):
             if not gate.active:
                 return method(self, *args, **kwargs)
-            # lost; or waiting for a group (elastic/); a Comm of a group made apart from the
+            # lost; or waiting for a group (continuing/); a Comm of a group made apart from the
             # job's one that ended with it is cut too: run as a world of one, zero3's gather
             # of a shard that is not the first copies onto itself and raises
             if gate.cut or self.waiting:

@@ -12,7 +12,7 @@ anything, and `phalanx run` before starting a worker (exit status 2), so a typo 
 rather than after training, when the variable is first used.
 
 A leaf of the package (the standard library, and torch inside two parsers), so that modules
-read at import time, such as faults/mismatch.py, can read it too.
+read at import time, such as comm/mismatch.py, can read it too.
 """
 
 from __future__ import annotations
