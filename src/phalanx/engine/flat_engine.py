@@ -167,6 +167,12 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         return self.units + self.frozen_units
 
     # -- the Engine protocol ------------------------------------------------------------------
+    def parts(self) -> list:
+        """The features this engine runs beside its strategy (PowerSGD's compressor, staleness'
+        delayed gradients), in a fixed order: what checkpoints walk for the state each keeps
+        across steps, and what continue mode asks whether it may run."""
+        return [part for part in (self.compression, self.delayed) if part is not None]
+
     def watch_steps(self, optimizer, fn) -> None:
         """Call `fn()` after every `optimizer.step()` of the user's loop: through the adapter
         where the optimizer is adopted (its own step hooks run once per unit there), through
