@@ -89,7 +89,7 @@ def test_the_precision_names_are_the_planners():
     """One vocabulary (phalanx/precisions.py): the planner's aliases mean the same here, and its
     pure-bf16 name is refused with the way to train so."""
     for alias, name in (("bf16-mixed", "bf16"), ("FP16-mixed", "fp16"), ("BF16", "bf16")):
-        assert _options("ddp", alias).precision == name
+        assert _options("ddp", alias).precision.name == name
     with pytest.raises(ValueError, match=r"precision 'bf16-true' .*model.to\(torch.bfloat16\)"):
         _options("ddp", "bf16-true")
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
@@ -115,11 +115,6 @@ def test_the_strategy_names_and_their_alias_are_one_list():
 
 def _options(strategy, precision="fp32"):
     """px.prepare's options checked, with every other option at its default."""
-    from phalanx.model.options import PrepareOptions
+    from phalanx.model.spec import Spec
 
-    return PrepareOptions.check(
-        None, strategy, precision, bucket_mb=25.0, comm_dtype=None, sync_batchnorm=False,
-        broadcast_buffers=True, check_replicas_every=None, on_nonfinite="raise",
-        step_stats=True, prefetch=None, max_gathered_mb=None, reshard_after_forward=True,
-        output_dtype=torch.float32, staleness=0, shard_size=None, compression=None,
-        offload=None)
+    return Spec.of(strategy, precision)

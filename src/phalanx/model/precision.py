@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.precisions import PRECISIONS
+from ..spec.precisions import PrecisionSpec
 from ..world import runtime
 from .loss_scaling import DynamicLossScaler
 from .materialize import has_room
@@ -94,14 +94,13 @@ class Precision:
         return t
 
 
-def make_precision(name: str, comm_dtype, output_dtype=torch.float32,
+def make_precision(spec: PrecisionSpec, comm_dtype, output_dtype=torch.float32,
                    ranks: int | None = None) -> Precision:
     """`ranks`: how many ranks average the gradients (the model's Comm's world size; None: the
     job's). Under fp16, when the gradients travel in fp16 their sum over the ranks must fit too,
     so each rank's share of the loss scale is divided by it (see [Note: the ranks' sum must fit
     in fp16] in loss_scaling.py); the job's world size is never smaller than a group's, so it is
     a safe bound where the Comm's is not given."""
-    spec = PRECISIONS[name]  # the names: phalanx/precisions.py
     compute = spec.compute_dtype
     comm = COMM_DTYPES[comm_dtype]
     scaler = None
@@ -110,7 +109,7 @@ def make_precision(name: str, comm_dtype, output_dtype=torch.float32,
         if ranks is None:
             ranks = runtime.world_size() if summed_in_fp16 else 1
         scaler = DynamicLossScaler(ranks=ranks if summed_in_fp16 else 1)
-    return Precision(name, compute, comm, scaler, output_dtype)
+    return Precision(spec.name, compute, comm, scaler, output_dtype)
 
 
 @torch.no_grad()

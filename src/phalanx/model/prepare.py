@@ -3,7 +3,7 @@
     model, optimizer = px.prepare(model, optimizer, strategy="ddp", precision="fp32")
 
 The order of what prepare does matters, and is the same on every rank:
-  1. validate: every option alone and together (`PrepareOptions.check`, model/options.py)
+  1. validate: every option alone and together, resolved into a `Spec` (model/spec.py)
      before any collective, so a typo fails on every rank alike without anyone waiting;
   2. build: give the model its values (a meta build drawn, pretrained weights read), move it
      to this rank's device and, if asked, convert BatchNorm to its synchronized form
@@ -40,10 +40,10 @@ from .buffers import BufferBroadcast
 from .consistency import broadcast_from_rank0, check_same_structure
 from .diloco import attach as attach_diloco, inner_comm
 from .materialize import fill_shards, materialize, on_meta as on_meta_device
-from .options import PrepareOptions
-from .precision import COMM_DTYPES, cast_model, make_precision
+from .precision import cast_model, make_precision
 from .prepared import PreparedModule
 from .pretrained import PretrainedWeights
+from .spec import Spec
 from .sync_batchnorm import convert_sync_batchnorm
 
 __all__ = ["prepare", "unwrap", "no_sync", "clip_grad_norm_", "optimizer_state_dict",
@@ -113,8 +113,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     After prepare the ordinary loop works and gradients are the mean over ranks.
     """
     check_prepare(model, optimizer)  # the model and optimizer where they go (arguments.py)
-    options = PrepareOptions.check(
-        optimizer, strategy, precision, bucket_mb=bucket_mb, comm_dtype=comm_dtype,
+    spec = Spec.of(
+        strategy, precision, optimizer=optimizer, bucket_mb=bucket_mb, comm_dtype=comm_dtype,
         sync_batchnorm=sync_batchnorm, broadcast_buffers=broadcast_buffers,
         check_replicas_every=check_replicas_every, on_nonfinite=on_nonfinite,
         step_stats=step_stats, prefetch=prefetch, max_gathered_mb=max_gathered_mb,
@@ -129,14 +129,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         comm = runtime.job_comm(steps=steps)
     elif comm.steps is None:
         comm.steps = steps
-    _refuse_compiled_zero3(model, options, comm)
-    shard_size = options.shard_size_for(comm.world)
-    model, built = _build(model, optimizer, options, comm, init)
-    check_same_structure(model, comm, options.compared(shard_size, block_classes))
+    _refuse_compiled_zero3(model, spec, comm)
+    shard_size = spec.shard_size_for(comm.world)
+    model, built = _build(model, optimizer, spec, comm, init)
+    check_same_structure(model, comm, spec.compared(shard_size, block_classes))
     if not built.on_meta and built.reading is None:
         broadcast_from_rank0(model, comm)
-    return _wrap(model, optimizer, options, comm, steps, built,
-                 Recipe.of(options, block_classes, shard_size, steps, comm))
+    return _wrap(model, optimizer, spec, comm, built,
+                 Build(spec, block_classes, shard_size, steps))
 
 
 @dataclass
@@ -148,8 +148,8 @@ class _Built:
     dtypes: dict | None   # what a full build draws into, before the cast (for fill_shards)
 
 
-def _refuse_compiled_zero3(model, options: PrepareOptions, comm) -> None:
-    if options.strategy == "zero3" and comm.world > 1 and uncompiled(model) is not model:
+def _refuse_compiled_zero3(model, spec: Spec, comm) -> None:
+    if spec.reshards and comm.world > 1 and uncompiled(model) is not model:
         # tried: nanoGPT's order under zero3 fails inside dynamo's guards (IndexError in
         # produce_guards), tracing the hooks that gather and free each block
         raise ValueError(
@@ -160,7 +160,7 @@ def _refuse_compiled_zero3(model, options: PrepareOptions, comm) -> None:
             "takes a compiled model")
 
 
-def _build(model, optimizer, options: PrepareOptions, comm, init):
+def _build(model, optimizer, spec: Spec, comm, init):
     """Give the model its values and its place: drawn on a meta build (or read from
     pretrained weights) on every rank alike, moved to this rank's device, BatchNorm made
     synchronized if asked, the optimizer's groups taken. Returns the model and a `_Built`."""
@@ -171,7 +171,7 @@ def _build(model, optimizer, options: PrepareOptions, comm, init):
     init = init if weights is None else weights
     reading = weights.plan(uncompiled(model), comm) if weights is not None else None
     # zero3 draws (or reads) the values after the engine is built, keeping each rank's shards
-    shards_only = on_meta and options.strategy == "zero3" and comm.world > 1 and (
+    shards_only = on_meta and spec.reshards and comm.world > 1 and (
         init is None or reading is not None)
     if on_meta:  # every rank draws (or reads) the same values: no broadcast after
         materialize(uncompiled(model), optimizer, runtime.device(), comm, init,
@@ -181,7 +181,7 @@ def _build(model, optimizer, options: PrepareOptions, comm, init):
     model.to(runtime.device())
     if reading is not None:  # what no file has and was not drawn: rank 0's (a PEFT adapter)
         reading.share_kept(comm)
-    if options.sync_batchnorm:
+    if spec.sync_batchnorm:
         # under continue mode the job's group, whatever it is at each forward (continuing/)
         group = None if continuation.continuing() else comm.group
         model = convert_sync_batchnorm(model, group=group)
@@ -191,28 +191,30 @@ def _build(model, optimizer, options: PrepareOptions, comm, init):
     return model, _Built(on_meta, reading, shards_only, dtypes)
 
 
-def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built, recipe):
+def _wrap(model, optimizer, spec: Spec, comm, built: _Built, build: Build):
     """Cast the model to the precision, build its engine (and DiLoCo's outer step), hang the
     step report on it, and wrap it in the module px.prepare returns."""
-    policy = recipe.policy
+    precision = make_precision(spec.precision, spec.comm_dtype, spec.output_dtype,
+                               ranks=comm.world)
+    steps = build.steps
     original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
-    cast_model(model, policy)
-    engine = attach_engine(model, optimizer, comm, recipe)
-    _warn_oversized(engine, options.max_gathered_mb)
+    cast_model(model, precision)
+    engine = attach_engine(model, optimizer, comm, build, precision)
+    _warn_oversized(engine, spec.gathering)
     if built.shards_only:  # see [Note: only the shards are kept] in model/materialize.py
         fill_shards(model, engine.held_pieces(), comm, built.dtypes, built.reading)
         engine.publish_masters()  # offload: what the gathers start from (engine/offload.py)
-    outer = attach_diloco(options.diloco, model, engine, optimizer, comm)  # None unless DiLoCo
+    outer = attach_diloco(spec.diloco, model, engine, optimizer, comm)  # None unless DiLoCo
     boundary = continuation.step_boundary()  # --on-failure continue: continuing/steps.py
-    note_run({"strategy": options.strategy, "precision": options.precision, "world": comm.world,
+    note_run({"strategy": spec.strategy, "precision": spec.precision.name, "world": comm.world,
               "backend": comm.backend, "device": str(runtime.device()),
-              "bucket_mb": options.bucket_mb, "comm_dtype": COMM_DTYPES[options.comm_dtype],
+              "bucket_mb": spec.bucket_mb, "comm_dtype": spec.comm_dtype,
               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "optimizer": _optimizer_name(optimizer), "zero3": engine_roots(engine)})
     clock = StepClock(comm, runtime.device(), steps,
                       engine.groups() if outer is None else outer.groups(),
-                      across=engine.names_across()) if options.step_stats else None
+                      across=engine.names_across()) if spec.step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
     if clock is not None and boundary is not None:
@@ -221,80 +223,64 @@ def _wrap(model, optimizer, options: PrepareOptions, comm, steps, built: _Built,
         clock.extras.append(engine.compression.step_report)
     if clock is not None and engine.host_link is not None:
         clock.extras.append(engine.host_link.report)  # offload: the host step's share
-    wrapped = PreparedModule(model, engine, comm, policy,
+    wrapped = PreparedModule(model, engine, comm, precision,
                              original_dtypes=original_dtypes, clock=clock,
-                             device=runtime.device(), outer=outer, recipe=recipe,
+                             device=runtime.device(), outer=outer, build=build,
                              optimizer=optimizer)
     continuation.watch_model(wrapped)  # phalanx run --on-failure continue only
     return wrapped, optimizer
 
 
-@dataclass
-class Recipe:
-    """What builds a prepared model's engine, kept so that it can be built again for another
-    layout of the same options (model/relayout.py: a generation of other members under
-    `phalanx run --on-failure continue`)."""
-    strategy: str
-    policy: object
-    bucket_mb: float
-    gather_options: dict | None
+@dataclass(frozen=True)
+class Build:
+    """What a prepared model's engine is built from besides the model: the spec, and what
+    px.prepare resolved beside it (the repeated blocks' classes, the shard group's size for
+    the world it saw, the model's step counter). Kept so that the engine can be built again
+    for another layout (model/relayout.py: a generation of other members under `phalanx run
+    --on-failure continue`)."""
+    spec: Spec
     block_classes: tuple | None
-    staleness: int
-    compression: object
-    shard_size: object
-    on_nonfinite: str | None
-    check_replicas_every: int | None
+    shard_size: int | None
     steps: StepCounter
-    inner: bool = False  # DiLoCo: the engine runs over a world of one (model/diloco.py)
-    offload: str | None = None  # engine/offload.py
-    broadcast_buffers: bool = True  # model/buffers.py
-
-    @classmethod
-    def of(cls, options: PrepareOptions, block_classes, shard_size, steps, comm) -> Recipe:
-        """The recipe of px.prepare's `options` over `comm`."""
-        policy = make_precision(options.precision, options.comm_dtype, options.output_dtype,
-                                ranks=comm.world)
-        return cls(options.strategy, policy, options.bucket_mb,
-                   options.gather if options.strategy == "zero3" else None, block_classes,
-                   options.staleness, options.compression, shard_size, options.on_nonfinite,
-                   options.check_replicas_every, steps, inner=options.diloco is not None,
-                   offload=options.offload,
-                   broadcast_buffers=options.broadcast_buffers and options.diloco is None)
 
 
-def attach_engine(model, optimizer, comm, recipe: Recipe):
+def attach_engine(model, optimizer, comm, build: Build, precision):
     """Build `model`'s engine over `comm` and hang on it what watches its steps: the
     non-finite check, the step counter, continue mode's step boundary, the replica check."""
+    spec = build.spec
     # the whole world, or a group of it; a world of one under DiLoCo (model/diloco.py)
     # a world that `shard_size` does not divide, under continue mode: see [Note: shard
     # groups after a loss] in engine/hybrid.py
-    shard_comm, replicas = shard_groups(inner_comm(comm) if recipe.inner else comm,
-                                        shard_size_in(recipe.shard_size, comm.world))
-    engine = build_engine(model, optimizer, shard_comm, recipe.strategy, recipe.policy,
-                          recipe.bucket_mb, recipe.gather_options, recipe.block_classes,
-                          staleness=recipe.staleness, replicas=replicas,
-                          compression=recipe.compression, offload=recipe.offload,
-                          buffers=BufferBroadcast.of(model, comm)
-                          if recipe.broadcast_buffers else None)
-    if recipe.on_nonfinite is not None:
-        engine.nonfinite = NonFiniteWatch(recipe.on_nonfinite, engine.comm)  # DiLoCo: own
-    engine.steps = recipe.steps
+    shard_comm, replicas = shard_groups(inner_comm(comm) if spec.diloco is not None else comm,
+                                        shard_size_in(build.shard_size, comm.world))
+    broadcast = spec.broadcast_buffers and spec.diloco is None
+    engine = build_engine(model, optimizer, shard_comm, spec.strategy, precision,
+                          spec.bucket_mb,
+                          None if spec.gathering is None else spec.gathering.options(),
+                          build.block_classes, staleness=spec.staleness_steps,
+                          replicas=replicas, compression=spec.compression,
+                          offload=None if spec.offload is None else spec.offload.what,
+                          buffers=BufferBroadcast.of(model, comm) if broadcast else None)
+    if spec.on_nonfinite is not None:
+        engine.nonfinite = NonFiniteWatch(spec.on_nonfinite, engine.comm)  # DiLoCo: own
+    engine.steps = build.steps
     if optimizer is not None:  # the step that collective records and reports name
-        engine.watch_steps(optimizer, recipe.steps.tick)
+        engine.watch_steps(optimizer, build.steps.tick)
     boundary = continuation.step_boundary()  # --on-failure continue: continuing/steps.py
     if boundary is not None and optimizer is not None:
         engine.guard_steps(optimizer, lambda: boundary.before_step(engine.comm))
-    if recipe.check_replicas_every is not None and optimizer is not None:
+    if spec.check_replicas_every is not None and optimizer is not None:
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,
-                                                   recipe.check_replicas_every).after_step)
+                                                   spec.check_replicas_every).after_step)
     return engine
 
 
-def _warn_oversized(engine, max_gathered_mb) -> None:
+def _warn_oversized(engine, gathering) -> None:
     gatherer = engine.gatherer
-    if gatherer is None or max_gathered_mb is None:
+    if gatherer is None or gathering is None or gathering.max_gathered_mb is None:
         return
+    max_gathered_mb = gathering.max_gathered_mb
     big = gatherer.oversized()
     if big and runtime.rank() == 0:
         names = ", ".join(f"{name!r} ({size / 2**10:.1f} KiB)" for name, size in big[:5])

@@ -61,12 +61,12 @@ __all__ = ["PreparedModule"]
 class PreparedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, engine, comm, precision, *,
                  original_dtypes: dict | None = None,
-                 clock=None, device: torch.device | None = None, outer=None, recipe=None,
+                 clock=None, device: torch.device | None = None, outer=None, build=None,
                  optimizer=None):
         super().__init__()
         self._clock = clock  # the step report's StepClock (observe/step_report.py), or None
         self._diloco = outer  # DiLoCo's outer state, which a checkpoint holds (model/diloco.py)
-        self._recipe = recipe  # builds the engine again for another layout (relayout.py)
+        self._build = build  # builds the engine again for another layout (relayout.py)
         # the optimizer prepared with it (relayout.py), weakly: the model must not keep it
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self.module = module

@@ -5,7 +5,7 @@ lost, a replacement joins. A replicated engine (ddp) does not care: every rank h
 state, and its Comm moves to the new group. A sharded one (zero1, zero2, zero3) holds 1/N of
 the state laid out for N ranks and this rank's place among them, so it is built again for the
 group as it is now: the old engine gives the optimizer and the parameters back
-(`FlatEngine.release`), a new one is built from the options `px.prepare` kept (`Recipe`) and
+(`FlatEngine.release`), a new one is built from what `px.prepare` kept (`Build`: its spec) and
 takes the prepared model's step clock and watchers; the caller then loads the state into it
 (a checkpoint: continuing/joining.py, continuing/steps.py).
 """
@@ -31,7 +31,8 @@ def relayout(prepared) -> None:
     masters and optimizer state are left to be loaded."""
     optimizer = prepared._optimizer() if prepared._optimizer is not None else None
     prepared._engine.release()
-    engine = attach_engine(prepared.module, optimizer, prepared._comm, prepared._recipe)
+    engine = attach_engine(prepared.module, optimizer, prepared._comm, prepared._build,
+                           prepared._precision)
     prepared._engine = engine
     prepared._storage = [prepared._where(p) for p in prepared._trainable]
     clock = prepared._clock
