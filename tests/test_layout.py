@@ -159,14 +159,17 @@ FLOORS = [
     ("phalanx.faults",),
     ("phalanx.world.runtime",),
     ("phalanx.engine",),
-    ("phalanx.planner",),
     ("phalanx.observe",),
     ("phalanx.model",),
+    ("phalanx.planner",),  # on the model's spec (model/spec.py) and the engine's own layout
     ("phalanx.data",),
     ("phalanx.checkpoint",),
     ("phalanx.continuing",),
     ("phalanx.launch", "phalanx.testing"),
-    ("phalanx", "phalanx.cli", "phalanx.demo", "phalanx.__main__"),
+    # the public names, the commands (each sub-command's module beside its package's), the demo
+    ("phalanx", "phalanx.cli", "phalanx.demo", "phalanx.__main__", "phalanx.launch.cli",
+     "phalanx.planner.cli", "phalanx.observe.report_cli", "phalanx.checkpoint.cli",
+     "phalanx.checkpoint.info_cli"),
     ("phalanx.integrations",),  # on the public names (`import phalanx`), which never import it
 ]
 BACK_UP: set[tuple[str, str]] = set()   # (from room, to room) allowed to run back up a floor
