@@ -23,6 +23,8 @@ import os
 import statistics
 from collections import Counter, defaultdict
 
+from ..engine.policy import POLICIES, SHARD
+
 __all__ = ["add_arguments", "main", "read_metrics", "summary", "plan_for_run"]
 
 PARTS = ("forward_s", "backward_s", "optimizer_s", "data_s", "other_s")
@@ -167,7 +169,7 @@ def against_plan(run_dir: str, series: dict, skip: int = 1) -> str | None:
                      "planner's GPU preset)")
     else:
         lines.append("  (memory and time are planned for a GPU; on CPU only the bytes compare)")
-    if run["strategy"] == "zero3" and not run.get("zero3"):
+    if POLICIES[run["strategy"]].params is SHARD and not run.get("zero3"):
         lines.append("  (this run did not record zero3's roots: backward is planned to gather "
                      "every unit again, where the engine keeps those rooted at the model)")
     return "\n".join(lines)
