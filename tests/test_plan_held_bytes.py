@@ -8,8 +8,8 @@ from test_plan_finetune import _Attention, _Lora
 from test_plan_memory import _storage_bytes, _tensors_reachable
 
 import phalanx as px
+from phalanx.engine.zero3_roots import engine_roots
 from phalanx.planner.finetune import add_lora
-from phalanx.planner.layout import engine_roots
 from phalanx.testing import engine_of, run_ranks
 
 BUCKET_MB = 0.01  # several units, and several runs of units in the host step
