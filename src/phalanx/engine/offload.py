@@ -57,36 +57,11 @@ import torch
 
 from .units import step_runs
 
-__all__ = ["OFFLOADS", "HostLink", "check_offload", "host_kernels", "step_on_host"]
+__all__ = ["OFFLOADS", "HostLink", "host_kernels", "step_on_host"]
 
 OFFLOADS = ("optimizer", "params")
 _FUSED_ON_CPU = tuple(getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad")
                       if hasattr(torch.optim, name))
-
-
-def check_offload(offload, strategy: str, diloco) -> str | None:
-    """`offload=` of px.prepare, checked against the strategy before any collective (the same
-    error on every rank); returns it."""
-    if offload is None:
-        return None
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload={offload!r}: 'optimizer' (masters and optimizer state in host "
-                         "memory, stepped there), 'params' (zero3: its parameter shards too) or "
-                         "None")
-    if diloco is not None:
-        raise ValueError("offload with strategy=DiLoCo is not supported: its inner optimizer "
-                         "is replicated on every rank, as ddp's; use offload with zero1, zero2 "
-                         "or zero3")
-    if strategy == "ddp":
-        raise ValueError(f"offload={offload!r} with strategy='ddp': ddp keeps the whole optimizer "
-                         "state on every rank, so every rank would step the whole model on its "
-                         "host; use strategy='zero1' (the same gradient all-reduce, the state "
-                         "sharded), 'zero2' or 'zero3'")
-    if offload == "params" and strategy != "zero3":
-        raise ValueError(f"offload='params' with strategy={strategy!r}: only zero3 keeps shards "
-                         "of the parameters between uses; use offload='optimizer', or "
-                         "strategy='zero3'")
-    return offload
 
 
 class HostLink:
