@@ -16,6 +16,7 @@ import torch
 
 import phalanx as px
 from phalanx.engine.hybrid import check_shard_size
+from phalanx.engine.policy import POLICIES
 from phalanx.testing import engine_of, run_ranks
 
 STEPS = p64.STEPS
@@ -197,19 +198,19 @@ def test_checkpoints_move_between_shard_sizes_strategies_and_world_sizes(tmp_pat
 ])
 def test_bad_shard_sizes_are_refused_by_name(shard_size, strategy, match):
     with pytest.raises(ValueError, match=match):
-        check_shard_size(shard_size, strategy, 4)
+        check_shard_size(shard_size, POLICIES[strategy], 4)
 
 
 @pytest.mark.one_process
 def test_shard_size_node_reads_the_launcher(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert check_shard_size("node", "zero3", 4) == 2
-    assert check_shard_size(4, "zero3", 4) is None  # the whole world: the flat layout
+    assert check_shard_size("node", POLICIES["zero3"], 4) == 2
+    assert check_shard_size(4, POLICIES["zero3"], 4) is None  # the whole world: the flat layout
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
-        check_shard_size("node", "zero3", 4)
+        check_shard_size("node", POLICIES["zero3"], 4)
     with pytest.raises(ValueError, match="staleness=1"):
-        check_shard_size(2, "zero2", 4, staleness=1)
+        check_shard_size(2, POLICIES["zero2"], 4, staleness=1)
 
 
 def _refused_on_every_rank():

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import phalanx as px
+from phalanx.engine.policy import POLICIES
 from phalanx.planner.comm import collectives, step_time, wire_bytes
 from phalanx.testing import run_ranks
 
@@ -31,19 +32,19 @@ def test_ring_bytes_per_rank(world):
 
 @pytest.mark.one_process
 def test_zero3_gathers_in_every_micro_step_and_reduces_once():
-    colls = collectives("zero3", 100, 100, 4, reduce_scatter=True)
+    colls = collectives(POLICIES["zero3"], 100, 100, 4, reduce_scatter=True)
     t1 = step_time(colls, 4, 1.0, 1, 1.0, False)
     t4 = step_time(colls, 4, 1.0, 4, 1.0, False)
     gathers = 2 * wire_bytes("all_gather", 100, 4)
     assert t4.comm_bytes - t1.comm_bytes == pytest.approx(3 * gathers)
-    ddp = collectives("ddp", 100, 100, 4, reduce_scatter=True)
+    ddp = collectives(POLICIES["ddp"], 100, 100, 4, reduce_scatter=True)
     assert step_time(ddp, 4, 1.0, 4, 1.0, False).comm_bytes == \
         step_time(ddp, 4, 1.0, 1, 1.0, False).comm_bytes
 
 
 @pytest.mark.one_process
 def test_overlap_hides_communication_up_to_the_backward():
-    colls = collectives("ddp", 10**9, 10**9, 8, reduce_scatter=True)
+    colls = collectives(POLICIES["ddp"], 10**9, 10**9, 8, reduce_scatter=True)
     # 1.75 GB on the wire at 1 GB/s: 1.75 s against 3 s of compute (2 s of it backward)
     t = step_time(colls, 8, compute_s=3.0, grad_accum=1, bandwidth_gbps=1.0, checkpointing=False)
     assert t.comm_s == pytest.approx(1.75)

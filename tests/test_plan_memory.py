@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import phalanx as px
+from phalanx.engine.policy import POLICIES
 from phalanx.planner.memory import model_states, optimizer_state_elements
 from phalanx.spec.precisions import PLANNER_PRECISIONS as PRECISIONS
 from phalanx.testing import run_ranks
@@ -173,7 +174,7 @@ def test_optimizer_and_weight_bytes_per_rank_match_the_engine(precision):
 @pytest.mark.one_process
 def test_model_states_function_shards_with_ceiling():
     prec = PRECISIONS["fp32"]
-    s = model_states("zero3", prec, params=10, trainable=10, state_elements=20, world=3)
+    s = model_states(POLICIES["zero3"], prec, params=10, trainable=10, state_elements=20, world=3)
     assert (s.params, s.grads, s.optimizer) == (math.ceil(40 / 3), math.ceil(40 / 3),
                                                 math.ceil(80 / 3))
 
@@ -211,12 +212,12 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
     prec = PRECISIONS["fp32"]
     psi, n, unit = 10**8, 4, 10**6
     # zero1 keeps full gradients, so it all-reduces even where reduce-scatter is preferred
-    z1 = buffer_bytes("zero1", prec, psi, n, reduce_scatter=True, comm_bytes=None,
+    z1 = buffer_bytes(POLICIES["zero1"], prec, psi, n, reduce_scatter=True, comm_bytes=None,
                       largest_unit=unit, largest_param=unit)
     assert z1["comm_copies"] == z1["grad_shard"] == z1["grad_pool"] == 0
-    states = model_states("zero2", prec, psi, psi, 2 * psi, n)
-    buffers = buffer_bytes("zero2", prec, psi, n, reduce_scatter=True, comm_bytes=None,
-                           largest_unit=unit, largest_param=unit)
+    states = model_states(POLICIES["zero2"], prec, psi, psi, 2 * psi, n)
+    buffers = buffer_bytes(POLICIES["zero2"], prec, psi, n, reduce_scatter=True,
+                           comm_bytes=None, largest_unit=unit, largest_param=unit)
     # reduce-scatter: the received shards of the two buckets in flight
     assert buffers["comm_copies"] == 4 * 2 * unit // n
     kept = buffers["grad_pool"]
@@ -225,10 +226,10 @@ def test_the_peak_is_states_plus_kept_buffers_plus_the_largest_moment():
     assert peak_bytes(states.total, buffers, 0, 2 * 10**9) == (
         states.total + kept + 2 * 10**9, "optimizer step")
     # zero2 borrows its full-gradient buckets from a pool of two of the largest, kept
-    z2 = buffer_bytes("zero2", prec, psi, n, reduce_scatter=False, comm_bytes=None,
+    z2 = buffer_bytes(POLICIES["zero2"], prec, psi, n, reduce_scatter=False, comm_bytes=None,
                       largest_unit=unit, largest_param=unit)
     assert z2["grad_pool"] == 2 * 4 * (unit + n)
-    states2 = model_states("zero2", prec, psi, psi, 2 * psi, n)
+    states2 = model_states(POLICIES["zero2"], prec, psi, psi, 2 * psi, n)
     assert peak_bytes(states2.total, z2, 0, 0) == (states2.total + z2["grad_pool"] + 4 * unit,
                                                   "backward start")
 

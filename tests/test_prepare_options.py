@@ -101,7 +101,7 @@ def test_the_strategy_names_and_their_alias_are_one_list():
     """phalanx/strategies.py: px.prepare, PhalanxStrategy, the demo and the planner take the
     same names, in any case, and "fsdp" is zero3 everywhere."""
     from phalanx.demo import STRATEGIES as DEMO
-    from phalanx.planner.memory import STRATEGIES as PLANNED
+    from phalanx.planner.setting import STRATEGIES as PLANNED
     from phalanx.spec.strategies import STRATEGIES
 
     assert DEMO == STRATEGIES and tuple(PLANNED) == STRATEGIES

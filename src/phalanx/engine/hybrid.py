@@ -49,6 +49,7 @@ import torch
 
 from ..comm import groups
 from ..comm.collectives import Comm
+from .policy import FULL, ShardPolicy
 
 __all__ = ["check_shard_size", "shard_size_in", "shard_groups", "Replicas", "REPLICAS"]
 
@@ -56,7 +57,8 @@ REPLICAS = "hybrid:replicas"   # the replica group's name in records and step re
 SHARDS = "hybrid:shards"
 
 
-def check_shard_size(shard_size, strategy: str, world: int, staleness: int = 0) -> int | None:
+def check_shard_size(shard_size, policy: ShardPolicy, world: int,
+                     staleness: int = 0) -> int | None:
     """The shard group's size, or None for the whole world (the flat layout); a ValueError
     naming the cause and the fix otherwise, raised on every rank alike before any collective
     (it depends on the arguments, the world size and the launcher's LOCAL_WORLD_SIZE)."""
@@ -75,9 +77,10 @@ def check_shard_size(shard_size, strategy: str, world: int, staleness: int = 0) 
                          f"world size), 'node', or None (shard over all {world} ranks)")
     if shard_size == world:
         return None
-    if strategy == "ddp":
-        raise ValueError(f"shard_size={given!r} with strategy='ddp': ddp shards nothing; use "
-                         "strategy='zero1', 'zero2' or 'zero3' to shard within groups of ranks")
+    if policy.optimizer is FULL:
+        raise ValueError(f"shard_size={given!r} with strategy={policy.name!r}: {policy.name} "
+                         "shards nothing; use strategy='zero1', 'zero2' or 'zero3' to shard "
+                         "within groups of ranks")
     if shard_size == 1:
         raise ValueError("shard_size=1 shards nothing (every rank a group of its own): use "
                          "strategy='ddp', or a shard_size of 2 or more")

@@ -38,7 +38,8 @@ from ..spec.strategies import strategy_name
 from .diloco import DiLoCo, check_diloco_options, split_strategy
 from .precision import COMM_DTYPES
 
-__all__ = ["Spec", "Gathering", "Staleness", "Offload", "Rule", "COMBINATIONS", "CONTINUE_MODE"]
+__all__ = ["Spec", "Gathering", "Staleness", "Offload", "Rule", "COMBINATIONS", "CONTINUE_MODE",
+           "gathering_of", "refuse"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class Offload:
 
 @dataclass(frozen=True)
 class Spec:
-    """px.prepare's options resolved (see the module docstring). Built by `Spec.of` only."""
+    """px.prepare's options resolved (see the module docstring). Built by `Spec.of`, and by the
+    planner for each strategy it plans (planner/setting.py, which asks COMBINATIONS of it)."""
 
     policy: ShardPolicy            # the strategy's row, with offload's places (engine/policy.py)
     precision: PrecisionSpec       # compute dtype, masters, loss scaling (spec/precisions.py)
@@ -121,7 +123,7 @@ class Spec:
 
     def shard_size_for(self, world: int) -> int | None:
         """The shard group's size in a world of `world` ranks (None: all of them)."""
-        return check_shard_size(self.shard_size, self.strategy, world, self.staleness_steps)
+        return check_shard_size(self.shard_size, self.policy, world, self.staleness_steps)
 
     @property
     def staleness_steps(self) -> int:
@@ -159,7 +161,7 @@ class Spec:
             policy=policy, precision=precision_spec(precision),
             comm_dtype=_comm_dtype(comm_dtype), output_dtype=_output_dtype(output_dtype),
             bucket_mb=_bucket_mb(bucket_mb),
-            gathering=_gathering(prefetch, max_gathered_mb, reshard_after_forward),
+            gathering=gathering_of(prefetch, max_gathered_mb, reshard_after_forward),
             shard_size=shard_size, staleness=_staleness(staleness),
             compression=_compression(compression), offload=_offload(offload), diloco=diloco,
             sync_batchnorm=bool(sync_batchnorm), broadcast_buffers=bool(broadcast_buffers),
@@ -327,7 +329,7 @@ def _on_nonfinite(mode) -> str | None:
     return mode
 
 
-def _gathering(prefetch, max_gathered_mb, reshard_after_forward) -> Gathering:
+def gathering_of(prefetch, max_gathered_mb, reshard_after_forward) -> Gathering:
     """zero3's gathering options, as given (prefetch None: not given; the rows refuse them for
     another strategy, and `Spec.of` fills in the default)."""
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)

@@ -42,13 +42,13 @@ class Alternative:
 def alternatives(desc, setting, result, plan_described) -> list[Alternative]:
     """What fits instead of `result` (a plan where nothing does); `desc` is the model as
     described, before the fine-tuning options."""
-    out = []
-    if setting.lora_rank is None and setting.trainable is None:
+    out, offload = [], setting.training.offload
+    if setting.workload.lora_rank is None and setting.workload.trainable is None:
         out.append(_try(desc, setting, plan_described, lora_rank=DEFAULT_LORA_RANK,
                         lora_targets=DEFAULT_LORA_TARGETS))
-    if setting.offload is None:
+    if offload is None:
         out.append(_try(desc, setting, plan_described, offload="optimizer"))
-    if setting.offload != "params" and not (out and out[-1].fits and
+    if offload != "params" and not (out and out[-1].fits and
                                             out[-1].change.get("offload") == "optimizer"):
         out.append(_try(desc, setting, plan_described, offload="params"))
     return [a for a in out if a is not None]
@@ -57,7 +57,8 @@ def alternatives(desc, setting, result, plan_described) -> list[Alternative]:
 def _try(desc, setting, plan_described, **change):
     changed = setting.changed(**change)
     try:
-        described = finetuned(desc, changed.lora_rank, changed.lora_targets, changed.trainable)
+        described = finetuned(desc, changed.workload.lora_rank, changed.workload.targets,
+                              changed.workload.trainable)
     except ValueError as exc:  # e.g. no projection of that name in the model
         return Alternative(change, {}, {}, {}, None, desc.trainable_params,
                            f"{_what(change, setting, None)}: {exc}")
@@ -70,7 +71,8 @@ def _try(desc, setting, plan_described, **change):
 
 
 def _what(change, setting, described) -> str:
-    full = setting.lora_rank is None and setting.trainable is None and "lora_rank" not in change
+    work = setting.workload
+    full = work.lora_rank is None and work.trainable is None and "lora_rank" not in change
     if "lora_rank" in change:
         what = f"LoRA rank {change['lora_rank']} on {', '.join(change['lora_targets'])}"
         if described is not None:
@@ -85,7 +87,7 @@ def _what(change, setting, described) -> str:
 
 
 def _line(change, setting, described, r, fits, host) -> str:
-    u = setting.units
+    u = setting.report.units
     what = _what(change, setting, described)
 
     def device(n):
@@ -120,7 +122,7 @@ def _line(change, setting, described, r, fits, host) -> str:
 
 def _short(name, p, setting) -> str:
     """What `name` lacks: device memory, else host memory."""
-    u, keep = setting.units, 1 - setting.headroom
-    if p.total_bytes > keep * setting.memory:
+    u, keep = setting.report.units, 1 - setting.report.headroom
+    if p.total_bytes > keep * setting.hardware.memory:
         return f"{format_bytes(p.total_bytes, u)} per device"
     return f"{format_bytes(p.host_bytes_per_node, u)} of host memory per node"

@@ -19,7 +19,9 @@ import math
 
 import torch
 
+from ..engine.policy import DEVICE, FULL, SHARD
 from ..engine.units import step_run_bytes
+from ..model.spec import Spec
 from .alternatives import alternatives
 from .comm import collectives, step_time
 from .finetune import finetuned
@@ -27,7 +29,6 @@ from .hybrid import across_groups
 from .layout import alike, engine_units, lending, owned_elements, zero3_gathering
 from .link import link_report
 from .memory import (
-    STRATEGIES,
     buffer_bytes,
     model_states,
     optimizer_state_elements,
@@ -38,26 +39,16 @@ from .model_desc import ModelDesc, describe, input_from_shape
 from .offload import device_states, host_side, offload_seconds
 from .recommend import recommend
 from .report import PlanResult, StrategyPlan
-from .setting import Setting, check_setting
+from .setting import Hardware, Report, Setting, Training, Workload, check_setting, groups
 from .transformer import nominal_shape
 from .workload import activations_and_flops
 
 __all__ = ["plan", "plan_described"]
 
 
-def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,  # noqa: PLR0913
-         gpu: str = "h100", gpu_memory=None, peak_tflops: float | None = None, mfu: float = 0.4,
-         strategy: str = "all", precision: str = "bf16", optimizer: str = "adamw",
-         batch: int = 1, seq: int | None = None, grad_accum: int = 1,
-         activation_checkpointing: bool = False, intra_node_bw=None,
-         inter_node_bw="ib-400g", bucket_mb: float = 25.0, comm_dtype=None,
-         attention: str = "eager", backend: str = "nccl", input_shape=None,
-         input_dtype: str = "float32", headroom: float = 0.1, units: str = "GB",
-         blocks=None, prefetch: int = 1, max_gathered_mb: float | None = None,
-         reshard_after_forward: bool = True, link=None, powersgd_rank: int = 4,
-         sync_every: int = 50, shard_size=None, lora_rank: int | None = None,
-         lora_targets=None, trainable: float | None = None, offload: str | None = None,
-         host_memory=None, host_link=None, host_memory_bw=None) -> PlanResult:
+def plan(model=None, *, params=None, config=None, blocks=None, hardware: Hardware | None = None,
+         workload: Workload | None = None, training: Training | None = None,
+         report: Report | None = None, spec: Spec | None = None, **options) -> PlanResult:
     """Plan data-parallel training of a model: memory per device, communication and step time
     of each strategy, and which to use. Pure arithmetic: no process group, no GPU, and a module
     is only ever built on the meta device.
@@ -69,23 +60,36 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
 
     The model is one of: `params` (a count such as 8e9 or "7.5B"), `config` (a Hugging Face style
     config dict or config.json path), or `model` (an nn.Module, a factory callable, a
-    "PATH:FUNCTION" string, or any of the former). `gpus` is per node; the data-parallel world
-    is gpus x nodes. `batch` is the micro-batch per device, `seq` its sequence length.
+    "PATH:FUNCTION" string, or any of the former). `blocks` names the repeated blocks' classes
+    as px.prepare's `blocks=` does (a module or factory only).
+
+    The options come in four frozen groups of `phalanx.planner`, each checked when it is made,
+    given whole or as keywords, each keyword the field of its group by the same name and taken
+    over the group given if one is (an unknown keyword is a TypeError naming it):
+    `hardware=Hardware(...)`, `workload=Workload(...)`, `training=Training(...)` (or `spec=`,
+    px.prepare's resolved options, `phalanx.model.spec.Spec.of(...)`: the strategy it names,
+    with its options) and `report=Report(...)`.
+
+    Hardware: `gpus` is per node; the data-parallel world is gpus x `nodes`. `gpu` is a preset
+    (`gpu_memory`, `peak_tflops` in its place), `mfu` the fraction of its peak reached.
+    Bandwidths are GB/s or presets ("nvlink4", "pcie5", "ib-400g", "eth-25g", ...: the list is
+    `phalanx plan --help`'s); the intra-node default is the GPU preset's own link. `link`
+    ("1Gbit", "100Mbit", "25GB/s", with a latency "100Mbit+20ms") is the bandwidth between
+    nodes; it replaces `inter_node_bw`, and the plan says whether each strategy is
+    communication-bound over it, what PowerSGD rank `powersgd_rank` or DiLoCo `sync_every`
+    would send instead, and which streaming DiLoCo fragments and delay hide the exchange behind
+    the inner steps at that `sync_every` (`result.link.streaming`). `backend`: "nccl" or "gloo".
+    Workload: `batch` is the micro-batch per device, `seq` its sequence length, `grad_accum`
+    the micro-steps per optimizer step; `activation_checkpointing`, `attention` ("eager" or
+    "flash"), `optimizer`; `input_shape` and `input_dtype` a factory's input per sample.
+    Training: `strategy` ("all", or one: "ddp", "zero1", "zero2", "zero3", alias "fsdp").
     `precision` is px.prepare's: "fp32", "bf16" or "fp16" ("bf16" and "fp16" are mixed: fp32
     masters and optimizer state; "bf16-mixed" and "fp16-mixed" are the same), or "bf16-true"
-    (everything in bf16, optimizer moments included, no master).
-    Bandwidths are GB/s or presets ("nvlink4", "pcie5", "ib-400g", "eth-25g", ...: the list is
-    `phalanx plan --help`'s); the intra-node default is the GPU preset's own link.
-    `blocks` names the repeated blocks' classes as px.prepare's `blocks=` does (a module or
-    factory only); `prefetch`, `max_gathered_mb` and `reshard_after_forward` are px.prepare's
-    zero3 options, and change zero3's gathered memory and backward gathers as they change the
-    engine's. `link` ("1Gbit", "100Mbit", "25GB/s", with a latency "100Mbit+20ms") is the
-    bandwidth between nodes; it replaces `inter_node_bw`, and the plan says whether each
-    strategy is communication-bound over it, what PowerSGD rank `powersgd_rank` or DiLoCo
-    `sync_every` would send instead, and which streaming DiLoCo fragments and delay hide the
-    exchange behind the inner steps at that `sync_every` (`result.link.streaming`).
-    `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within groups of K
-    ranks and replicated across them, the replicas' average timed on the inter-node link.
+    (everything in bf16, optimizer moments included, no master). `bucket_mb` and `comm_dtype`
+    are px.prepare's; `prefetch`, `max_gathered_mb` and `reshard_after_forward` are its zero3
+    options, and change zero3's gathered memory and backward gathers as they change the
+    engine's. `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within groups
+    of K ranks and replicated across them, the replicas' average timed on the inter-node link.
     Fine-tuning: `lora_rank` freezes the model and adds LoRA adapters of
     that rank beside each `lora_targets` projection of every block (default q_proj, v_proj);
     `trainable` (a fraction in (0, 1]) plans that share of the parameters learning, the rest
@@ -96,27 +100,21 @@ def plan(model=None, *, params=None, config=None, gpus: int = 8, nodes: int = 1,
     there. `host_memory` (per node, e.g. "128GB") is checked against it; `host_link` (GB/s or
     a preset; default the GPU's, PCIe) and `host_memory_bw` (GB/s per node, default 51.2) time
     the copies and the host step.
+    Report: `headroom`, the share of memory kept free when recommending; `units`, "GB" or "GiB".
     When no strategy fits, the result's `alternatives` say what does: LoRA, or offload.
     Raises ValueError with a one-line message for bad input.
     """
-    desc = describe(model, params=params, config=config,
-                    make_input=input_from_shape(input_shape, input_dtype) if input_shape else None,
-                    blocks=blocks)
+    hardware, workload, training, report = groups(
+        options, hardware=hardware, workload=workload, training=training, report=report,
+        spec=spec)
+    make_input = input_from_shape(workload.input_shape, workload.input_dtype) \
+        if workload.input_shape else None
+    desc = describe(model, params=params, config=config, make_input=make_input, blocks=blocks)
     if blocks is not None and desc.module is None:
         raise ValueError("blocks names module classes: give the model as a module or a factory")
-    setting = check_setting(
-        gpus=gpus, nodes=nodes, gpu=gpu, gpu_memory=gpu_memory, peak_tflops=peak_tflops,
-        mfu=mfu, strategy=strategy, precision=precision, optimizer=optimizer, batch=batch,
-        seq=seq, grad_accum=grad_accum, activation_checkpointing=activation_checkpointing,
-        intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, bucket_mb=bucket_mb,
-        comm_dtype=comm_dtype, attention=attention, backend=backend, headroom=headroom,
-        units=units, prefetch=prefetch, max_gathered_mb=max_gathered_mb,
-        reshard_after_forward=reshard_after_forward, link=link, powersgd_rank=powersgd_rank,
-        sync_every=sync_every, shard_size=shard_size, lora_rank=lora_rank,
-        lora_targets=lora_targets, trainable=trainable, offload=offload,
-        host_memory=host_memory, host_link=host_link, host_memory_bw=host_memory_bw)
-    result = plan_described(finetuned(desc, setting.lora_rank, setting.lora_targets,
-                                      setting.trainable), setting)
+    setting = check_setting(hardware, workload, training, report)
+    result = plan_described(finetuned(desc, workload.lora_rank, workload.targets,
+                                      workload.trainable), setting)
     if result.recommended is None:
         result.alternatives = alternatives(desc, setting, result, plan_described)
     return result
@@ -133,103 +131,107 @@ def _seq(desc: ModelDesc, seq: int | None) -> int:
 
 def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     """The plan of a described model (its frozen and trainable parameters already set) in a
-    checked setting: memory, communication and time of every strategy, and the pick."""
+    checked setting: memory, communication and time of every strategy, and the pick. Each
+    strategy is its residency row (engine/policy.py), and everything below asks the row."""
+    hw, work, train = s.hardware, s.workload, s.training
     prec, world, notes = s.precision, s.world, list(desc.notes)
-    seq = _seq(desc, s.seq)
-    activations, flops = activations_and_flops(desc, prec, s.batch, seq, s.grad_accum,
-                                               s.checkpointing, s.attention, notes)
-    compute_s = flops / (s.peak * 1e12 * s.mfu)
+    seq = _seq(desc, work.seq)
+    activations, flops = activations_and_flops(desc, prec, work.batch, seq, work.grad_accum,
+                                               work.activation_checkpointing, work.attention,
+                                               notes)
+    compute_s = flops / (s.peak * 1e12 * hw.mfu)
     nominal = nominal_shape(desc.trainable_params) if desc.trainable_shapes is None else None
-    state_elements = optimizer_state_elements(s.optimizer, desc.trainable_params,
+    state_elements = optimizer_state_elements(work.optimizer, desc.trainable_params,
                                               desc.trainable_shapes, nominal)
-    reduce_scatter = s.backend == "nccl"
+    reduce_scatter = hw.backend == "nccl"
     # the engine's units: of the trainable parameters, and under zero3 on more than one rank of
     # every parameter, frozen ones laid out with the trainable ones (layout.py)
     layouts = {zero3: engine_units(desc, zero3, prec.compute_dtype, prec.weight_bytes,
-                                   s.bucket_mb) for zero3 in (False, True)}
+                                   train.bucket_mb) for zero3 in (False, True)}
     grouped = {zero3: alike(units) for zero3, units in layouts.items()}
     units_ = [u.trainable for u in layouts[False]] or [0]
-    gathering = zero3_gathering(desc, prec.weight_bytes, s.bucket_mb, **s.gather)
-    grad_comm = (s.comm_bytes or prec.grad_bytes) * desc.trainable_params
+    gathering = zero3_gathering(desc, prec.weight_bytes, train.bucket_mb,
+                                **train.gathering.options())
+    grad_comm = (train.comm_bytes or prec.grad_bytes) * desc.trainable_params
     replicated = not prec.mixed  # ddp without masters: the model's own parameters, as they are
-    run_bytes = step_run_bytes(s.bucket_mb)
-
-    def _offload(strategy):
-        return s.offload if strategy in s.candidates else None
+    run_bytes = step_run_bytes(train.bucket_mb)
 
     @functools.lru_cache(maxsize=None)  # recommend() asks zero3 at many n, and again
-    def memory_at(strategy, n):
+    def memory_at(policy, n):
         """Model states and buffers on the device, its step temporaries and peak, and what
-        offload puts on the host, of `strategy` on n ranks."""
-        laid = strategy == "zero3" and n > 1  # frozen parameters laid out with the others
+        offload puts on the host, of the row `policy` on n ranks."""
+        laid = policy.reshards(n)  # frozen parameters laid out with the others
         units = layouts[laid]
         trained = [u for u in units if u.trained]
         sizes = [u.trainable for u in trained] or [0]
         largest_param = max((max(u.trained) for u in trained if u.known), default=max(sizes))
-        shards = 1 if strategy == "ddp" else n
+        shards = n if policy.optimizer is SHARD else 1
         owned_t, owned_f = owned_elements(grouped[laid], shards)
         owned_state = -(-state_elements * owned_t // max(desc.trainable_params, 1))
-        states = model_states(strategy, prec, desc.params, desc.trainable_params,
+        states = model_states(policy, prec, desc.params, desc.trainable_params,
                               state_elements, n, owned=(owned_t, owned_f, owned_state))
-        buffers = buffer_bytes(strategy, prec, desc.trainable_params, n, reduce_scatter,
-                               s.comm_bytes, max(sizes), largest_param,
+        buffers = buffer_bytes(policy, prec, desc.trainable_params, n, reduce_scatter,
+                               train.comm_bytes, max(sizes), largest_param,
                                gathered_numel=gathering[0], borrowing=lending(grouped[laid], n))
         # what the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
         # one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)
-        if strategy == "ddp" and replicated and desc.trainable_shapes is not None:
+        own = policy.optimizer is FULL and replicated
+        if own and desc.trainable_shapes is not None:
             stepped = [math.prod(x) for x in desc.trainable_shapes]
         else:
             stepped = [-(-u // shards) for u in sizes]
-        offload, host = _offload(strategy), None
-        if offload is None:
-            step_bytes = step_working_bytes(s.optimizer, prec, stepped,
-                                            foreach=s.backend == "nccl",
-                                            per_unit=not (strategy == "ddp" and replicated),
+        host = None
+        if policy.masters is DEVICE:
+            step_bytes = step_working_bytes(work.optimizer, prec, stepped,
+                                            foreach=hw.backend == "nccl", per_unit=not own,
                                             run_bytes=run_bytes)
         else:
             step_bytes = 0  # the step runs on the host
-            host = host_side(offload, prec, stepped, owned_state, owned_f,
+            host = host_side(policy, prec, stepped, owned_state, owned_f,
                              {"forward": owned_t + owned_f,
                               "backward": -(-(desc.params - gathering[1]) // n)},
                              run_bytes)
-            states = device_states(states, offload, strategy == "zero3" and n > 1,
-                                   prec.weight_bytes * (owned_t + owned_f))
+            states = device_states(states, policy, n, prec.weight_bytes * (owned_t + owned_f))
         return (states, buffers, step_bytes, host) + peak_bytes(states.total, buffers,
                                                                 activations, step_bytes)
 
-    tokens = world * s.batch * seq * s.grad_accum
-    host_limit = None if s.host_memory is None else (1 - s.headroom) * s.host_memory
+    tokens = world * work.batch * seq * work.grad_accum
+    headroom = s.report.headroom
+    host_limit = None if hw.host_bytes is None else (1 - headroom) * hw.host_bytes
     plans = {}
-    for name in STRATEGIES:
-        n = s.shard_size if s.shard_size is not None and name != "ddp" else world
-        states, buffers, step_bytes, host, total, phase = memory_at(name, n)
-        gathered = prec.weight_bytes * (desc.params if name == "zero3" else desc.trainable_params)
-        kept = prec.weight_bytes * gathering[1] if name == "zero3" else 0
-        colls = collectives(name, grad_comm, gathered, n, reduce_scatter, kept)
-        within = s.intra if n < world and s.gpus % n == 0 else s.bandwidth  # a group in a node
+    for row in s.rows:
+        n = s.shard_size if s.shard_size is not None and row.optimizer is SHARD else world
+        states, buffers, step_bytes, host, total, phase = memory_at(row, n)
+        gathers = row.params is SHARD  # every parameter, gathered; of them, some kept
+        gathered = prec.weight_bytes * (desc.params if gathers else desc.trainable_params)
+        kept = prec.weight_bytes * gathering[1] if gathers else 0
+        colls = collectives(row, grad_comm, gathered, n, reduce_scatter, kept)
+        within = hw.intra if n < world and hw.gpus % n == 0 else hw.bandwidth  # a group in a node
         uploads = None if host is None else {
-            phase_: b / (s.host_link * 1e9) for phase_, b in host.gather_up_bytes.items()}
-        t = step_time(colls, n, compute_s, s.grad_accum, within, s.checkpointing,
-                      units=len(units_), across=across_groups(name, grad_comm, s.shard_size),
-                      replicas=world // n, across_gbps=s.inter if s.nodes > 1 else s.intra,
+            phase_: b / (hw.host_gbps * 1e9) for phase_, b in host.gather_up_bytes.items()}
+        t = step_time(colls, n, compute_s, work.grad_accum, within,
+                      work.activation_checkpointing, units=len(units_),
+                      across=across_groups(row, grad_comm, s.shard_size),
+                      replicas=world // n, across_gbps=hw.inter if hw.nodes > 1 else hw.intra,
                       host_phase_s=uploads)
         step_s, no_overlap_s, extra = t.step_s, t.step_no_overlap_s, {}
         if host is not None:
-            off = offload_seconds(host, s.gpus, s.host_link, s.host_memory_bw, s.grad_accum)
+            off = offload_seconds(host, hw.gpus, hw.host_gbps, hw.host_memory_gbps,
+                                  work.grad_accum)
             step_s, no_overlap_s = step_s + off.exposed_s, no_overlap_s + off.serial_s
-            per_node = s.gpus * host.bytes_per_rank
+            per_node = hw.gpus * host.bytes_per_rank
             extra = dict(host_bytes=host.bytes_per_rank, host_bytes_per_node=per_node,
-                         fits_host=None if s.host_memory is None else per_node <= s.host_memory,
+                         fits_host=None if hw.host_bytes is None else per_node <= hw.host_bytes,
                          host_transfer_bytes=off.transfer_bytes,
                          host_transfer_s=off.transfer_s, host_step_s=off.host_step_s)
-        host_ok = host is None or host_limit is None or s.gpus * host.bytes_per_rank <= host_limit
-        plans[name] = StrategyPlan(
-            strategy=name, params_bytes=states.params, grads_bytes=states.grads,
+        host_ok = host is None or host_limit is None or hw.gpus * host.bytes_per_rank <= host_limit
+        plans[row.name] = StrategyPlan(
+            strategy=row.name, params_bytes=states.params, grads_bytes=states.grads,
             optimizer_bytes=states.optimizer, activations_bytes=activations,
             buffers_bytes=sum(buffers.values()), buffers_detail=buffers,
             step_working_bytes=step_bytes, total_bytes=total, peak_at=phase,
-            fits=total <= s.memory and extra.get("fits_host") is not False,
-            fits_with_headroom=total <= (1 - s.headroom) * s.memory and host_ok,
+            fits=total <= hw.memory and extra.get("fits_host") is not False,
+            fits_with_headroom=total <= (1 - headroom) * hw.memory and host_ok,
             comm_bytes_per_step=t.comm_bytes, comm_payload_bytes=t.payload_by_op,
             comm_time_s=t.comm_s, compute_time_s=t.compute_s, step_time_s=step_s,
             step_time_no_overlap_s=no_overlap_s,
@@ -238,24 +240,26 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
             intra_group_payload_bytes=sum(t.payload_by_op.values()),
             inter_group_payload_bytes=t.across_payload, **extra)
 
-    def zero3_total(n):
-        return memory_at("zero3", n)[4]
+    resharding = next(row for row in s.rows if row.params is SHARD)
 
-    candidates = {n: plans[n] for n in s.candidates}
-    recommended, reason = recommend(candidates, s.memory, s.headroom, s.units, world,
-                                    zero3_total, activations, s.checkpointing,
-                                    host_memory=s.host_memory, gpus_per_node=s.gpus,
-                                    per_param=None if s.offload else _per_param(
-                                        prec, s.optimizer, state_elements, desc))
+    def zero3_total(n):
+        return memory_at(resharding, n)[4]
+
+    candidates = {row.name: plans[row.name] for row in s.candidates}
+    recommended, reason = recommend(candidates, hw.memory, headroom, s.report.units, world,
+                                    zero3_total, activations, work.activation_checkpointing,
+                                    host_memory=hw.host_bytes, gpus_per_node=hw.gpus,
+                                    per_param=None if train.offload else _per_param(
+                                        prec, work.optimizer, state_elements, desc))
     notes += _standard_notes(desc, s)
     setting = _setting_dict(desc, s, seq, flops, state_elements)
-    shown = {n: plans[n] for n in s.shown}
-    over_link = None if s.link_bps is None else link_report(
-        shown, plans["ddp"], desc.trainable_shapes, s.comm_bytes or prec.grad_bytes,
-        desc.trainable_params, world, s.link_bps, s.powersgd_rank, s.sync_every,
-        s.link_latency_s, prec.master_bytes or prec.weight_bytes)
+    shown = {row.name: plans[row.name] for row in s.shown}
+    over_link = None if hw.link_bps is None else link_report(
+        shown, plans["ddp"], desc.trainable_shapes, train.comm_bytes or prec.grad_bytes,
+        desc.trainable_params, world, hw.link_bps, train.powersgd_rank, train.sync_every,
+        hw.link_latency_s, prec.master_bytes or prec.weight_bytes)
     return PlanResult(model=desc.summary(), setting=setting, strategies=shown,
-                      recommended=recommended, reason=reason, notes=notes, units=s.units,
+                      recommended=recommended, reason=reason, notes=notes, units=s.report.units,
                       link=over_link)
 
 
@@ -273,36 +277,39 @@ def _per_param(prec, optimizer, state_elements, desc) -> str:
 def _gpu_name(s: Setting) -> str:
     """The preset's name, or where a figure was given in its place, what is left of it: a
     24 GB device planned with `--gpu h100` is not an H100."""
-    spec = s.spec
-    kept = [what for what, given in (("compute", s.peak != spec.peak_tflops(s.precision.name)),
-                                     ("memory", s.memory != spec.memory_bytes)) if not given]
+    preset = s.hardware.preset
+    kept = [what for what, given in (("compute", s.peak != preset.peak_tflops(s.precision)),
+                                     ("memory", s.hardware.memory != preset.memory_bytes))
+            if not given]
     if len(kept) == 2:
-        return spec.name
-    return f"GPU with {spec.name}'s {kept[0]}" if kept else "GPU"
+        return preset.name
+    return f"GPU with {preset.name}'s {kept[0]}" if kept else "GPU"
 
 
 def _setting_dict(desc, s: Setting, seq, flops, state_elements) -> dict:
-    prec = s.precision
+    prec, hw, work, train = s.precision, s.hardware, s.workload, s.training
     return {
-        "gpus_per_node": s.gpus, "nodes": s.nodes, "world_size": s.world,
-        "gpu": _gpu_name(s), "gpu_memory_bytes": s.memory, "peak_tflops": s.peak,
-        "mfu": s.mfu, "precision": prec.name, "optimizer": s.optimizer, "batch": s.batch,
-        "seq": seq, "grad_accum": s.grad_accum, "activation_checkpointing": s.checkpointing,
-        "attention": s.attention, "intra_node_GBps": s.intra, "inter_node_GBps": s.inter,
-        "bandwidth_GBps": s.bandwidth, "backend": s.backend, "bucket_mb": s.bucket_mb,
-        "comm_dtype": None if s.comm_bytes is None
-        else str(s.comm_dtype).replace("torch.", ""),
-        "headroom": s.headroom, "flops_per_step": flops, "shard_size": s.shard_size,
+        "gpus_per_node": hw.gpus, "nodes": hw.nodes, "world_size": s.world,
+        "gpu": _gpu_name(s), "gpu_memory_bytes": hw.memory, "peak_tflops": s.peak,
+        "mfu": hw.mfu, "precision": prec.name, "optimizer": work.optimizer,
+        "batch": work.batch, "seq": seq, "grad_accum": work.grad_accum,
+        "activation_checkpointing": work.activation_checkpointing,
+        "attention": work.attention, "intra_node_GBps": hw.intra, "inter_node_GBps": hw.inter,
+        "bandwidth_GBps": hw.bandwidth, "backend": hw.backend, "bucket_mb": train.bucket_mb,
+        "comm_dtype": None if train.comm_bytes is None
+        else str(train.comm_dtype).replace("torch.", ""),
+        "headroom": s.report.headroom, "flops_per_step": flops, "shard_size": s.shard_size,
         "optimizer_state_bytes_per_param": (prec.master_bytes * desc.trainable_params
                                             + prec.state_bytes * state_elements)
         / max(desc.trainable_params, 1),
-        "offload": s.offload, "host_memory_bytes": s.host_memory,
-        "host_link_GBps": s.host_link, "host_memory_GBps": s.host_memory_bw,
+        "offload": train.offload, "host_memory_bytes": hw.host_bytes,
+        "host_link_GBps": hw.host_gbps, "host_memory_GBps": hw.host_memory_gbps,
     }
 
 
 def _standard_notes(desc, s: Setting) -> list[str]:
-    prec, spec = s.precision, s.spec
+    prec, hw, preset, offload = s.precision, s.hardware, s.hardware.preset, s.training.offload
+    fp32 = prec.compute_dtype is None  # the parameters' own dtype, planned as fp32
     notes = [f"precision {prec.name}: {prec.description}",
              "total is the peak: model states and kept buffers, plus the largest of what "
              "lives at the start of backward (activations, with the loss's gradients), at its "
@@ -311,28 +318,29 @@ def _standard_notes(desc, s: Setting) -> list[str]:
              "GB = 1e9 bytes, GiB = 2^30",
              "communication and step times use nominal link rates and a bandwidth-only ring "
              "model: expect real collectives to reach 70-90% of them"]
-    if s.optimizer == "adafactor":
+    if s.workload.optimizer == "adafactor":
         notes.append("adafactor: factored second moments (row + column per matrix), no "
                      "momentum; an approximation" + (" from a stand-in transformer shape, since "
                                                       "a bare count has no shapes"
                                                       if desc.trainable_shapes is None else ""))
-    if prec.name == "fp32" and not s.peak_given:
-        notes.append(f"fp32 compute at {spec.tflops_fp32:g} TFLOP/s (no TF32); with TF32 "
+    if fp32 and not hw.peak_given:
+        notes.append(f"fp32 compute at {preset.tflops_fp32:g} TFLOP/s (no TF32); with TF32 "
                      f"matmuls enabled give --peak-tflops")
-    if prec.compute_dtype == torch.bfloat16 and not spec.has_bf16:
-        notes.append(f"{spec.name} has no bf16 tensor cores: use fp16")
-    if "zero3" in s.shown and desc.source == "count" and desc.zero3_roots is None:
+    if prec.compute_dtype == torch.bfloat16 and not preset.has_bf16:
+        notes.append(f"{preset.name} has no bf16 tensor cores: use fp16")
+    if any(row.params is SHARD for row in s.shown) and desc.source == "count" \
+            and desc.zero3_roots is None:
         notes.append("zero3 from a bare count: backward is planned to gather every unit again, "
                      "where the engine keeps the units rooted at the model itself and the "
                      "root the forward ends with; give the model (--model) for its exact bytes")
-    if s.offload is not None:
-        notes.append(f"offload={s.offload!r}: a model of the host side (planner/offload.py): "
-                     f"pinned host memory per node for {s.gpus} ranks, copies over "
-                     f"{s.host_link:g} GB/s of host link per GPU, the host step at "
-                     f"{s.host_memory_bw:g} GB/s of host memory shared by the node"
-                     + ("" if s.host_memory is not None
+    if offload is not None:
+        notes.append(f"offload={offload!r}: a model of the host side (planner/offload.py): "
+                     f"pinned host memory per node for {hw.gpus} ranks, copies over "
+                     f"{hw.host_gbps:g} GB/s of host link per GPU, the host step at "
+                     f"{hw.host_memory_gbps:g} GB/s of host memory shared by the node"
+                     + ("" if hw.host_bytes is not None
                         else "; host memory not checked: give --host-memory"))
-    if not s.peak_given:
-        notes.append(f"peak compute: {spec.name}, {s.peak:g} TFLOP/s dense "
-                     f"{'fp32' if prec.name == 'fp32' else '16-bit'} (vendor figure)")
+    if not hw.peak_given:
+        notes.append(f"peak compute: {preset.name}, {s.peak:g} TFLOP/s dense "
+                     f"{'fp32' if fp32 else '16-bit'} (vendor figure)")
     return notes

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine.policy import SHARD, ShardPolicy
+
 __all__ = ["Collective", "collectives", "wire_bytes", "StepTime", "step_time"]
 
 
@@ -57,29 +59,26 @@ def wire_bytes(op: str, payload: int, world: int) -> float:
     return factor * (world - 1) / world * payload
 
 
-def collectives(strategy: str, grad_bytes: int, param_bytes: int, world: int,
+def collectives(policy: ShardPolicy, grad_bytes: int, param_bytes: int, world: int,
                 reduce_scatter: bool, kept_bytes: int = 0) -> list[Collective]:
-    """The collectives of one optimizer step (see [Note: Communication model]). `kept_bytes`:
-    zero3's parameters that stay gathered from forward to backward (the units rooted at the
-    model itself and the root the forward ends with, engine/zero3.py), which backward does not
-    gather again."""
+    """The collectives of one optimizer step of the residency row `policy` (see [Note:
+    Communication model]). `kept_bytes`: zero3's parameters that stay gathered from forward to
+    backward (the units rooted at the model itself and the root the forward ends with,
+    engine/zero3.py), which backward does not gather again."""
     if world <= 1:
         return []
-    reduce = "reduce_scatter" if reduce_scatter else "all_reduce"
-    if strategy == "ddp":
-        return [Collective("all_reduce", grad_bytes, "backward")]
-    if strategy == "zero1":  # full gradients: all-reduced (engine/policy.py)
-        return [Collective("all_reduce", grad_bytes, "backward"),
-                Collective("all_gather", param_bytes, "after_step")]
-    if strategy == "zero2":
-        return [Collective(reduce, grad_bytes, "backward"),
-                Collective("all_gather", param_bytes, "after_step")]
-    if strategy == "zero3":
+    # full gradients are all-reduced (ddp, zero1: engine/policy.py); sharded ones reduced to
+    # the owned shard, by a reduce-scatter where the backend has one
+    reduce = "reduce_scatter" if reduce_scatter and policy.grads is SHARD else "all_reduce"
+    grads = Collective(reduce, grad_bytes, "backward")
+    if policy.params is SHARD:  # gathered in every forward, and in backward what was freed
         again = [Collective("all_gather", param_bytes - kept_bytes, "backward",
                             per_micro_step=True)] if param_bytes > kept_bytes else []
         return [Collective("all_gather", param_bytes, "forward", per_micro_step=True),
-                *again, Collective(reduce, grad_bytes, "backward")]
-    raise ValueError(f"unknown strategy {strategy!r}")
+                *again, grads]
+    if policy.optimizer is SHARD:  # each rank's updated shard, gathered after the step
+        return [grads, Collective("all_gather", param_bytes, "after_step")]
+    return [grads]
 
 
 @dataclass(frozen=True)

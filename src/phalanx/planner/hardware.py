@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.precisions import PrecisionSpec
+
 __all__ = ["GpuSpec", "GPUS", "LINKS", "gpu_spec"]
 
 
@@ -41,8 +43,9 @@ class GpuSpec:
     has_bf16: bool = True
     host_link: str = "pcie4"  # the link to host memory (a LINKS preset)
 
-    def peak_tflops(self, precision: str) -> float:
-        return self.tflops_fp32 if precision == "fp32" else self.tflops_16bit
+    def peak_tflops(self, precision: PrecisionSpec) -> float:
+        """The dense peak at the precision's compute dtype (None: the parameters' own, fp32)."""
+        return self.tflops_fp32 if precision.compute_dtype is None else self.tflops_16bit
 
 
 _G = 10**9

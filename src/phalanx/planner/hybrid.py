@@ -8,35 +8,39 @@ gradient: its 1/K shard under zero2 and zero3, the whole gradient under zero1 (w
 stay the full mean). Those are the payloads the engine's records count (the step report's
 `intra_group_bytes` and `inter_group_bytes`, less the used-flags riding with each unit: a few
 bytes per parameter tensor). Within a group the link is the intra-node one when the group fits
-in a node, and the inter-node link carries the replicas' all-reduce.
+in a node, and the inter-node link carries the replicas' all-reduce. Which K a plan takes is
+decided by the engine's own rules (engine/hybrid.py's `check_shard_size`), as px.prepare's is.
 """
 
 from __future__ import annotations
 
+from ..engine.hybrid import check_shard_size
+from ..engine.policy import FULL, ShardPolicy
 from .comm import Collective
 
-__all__ = ["check_plan_shard_size", "across_groups"]
+__all__ = ["plan_shard_size", "across_groups"]
 
 
-def check_plan_shard_size(shard_size, world: int, gpus: int) -> int | None:
-    """K, or None for the flat layout (None, or K equal to the world); ValueError otherwise."""
-    if shard_size is None:
-        return None
-    given = shard_size
+def plan_shard_size(shard_size, world: int, gpus: int, rows) -> int | None:
+    """K, or None for the flat layout (None, or K equal to the world): engine/hybrid.py's
+    rules, the ones px.prepare applies, for each of `rows` (the strategies planned in groups),
+    "node" being the plan's `gpus` per node (the engine reads it from the launcher) and a
+    number in text (the command line's) read as one; ValueError otherwise."""
     if isinstance(shard_size, str) and shard_size.strip().lower() == "node":
         shard_size = gpus
     elif isinstance(shard_size, str) and shard_size.strip().isdigit():
         shard_size = int(shard_size)
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 2 \
-            or world % shard_size:
-        raise ValueError(f"shard_size {given!r}: 'node', or a number of ranks of 2 or more "
-                         f"that divides the world size {world}")
-    return None if shard_size == world else shard_size
+    size = None
+    for row in rows:
+        size = check_shard_size(shard_size, row, world)
+    return size
 
 
-def across_groups(strategy: str, grad_bytes: int, shard_size: int | None) -> list[Collective]:
-    """The collectives that cross groups in one optimizer step (see the module docstring)."""
-    if shard_size is None or strategy == "ddp":
+def across_groups(policy: ShardPolicy, grad_bytes: int,
+                  shard_size: int | None) -> list[Collective]:
+    """The collectives that cross groups in one optimizer step (see the module docstring):
+    none for a row that shards nothing."""
+    if shard_size is None or policy.optimizer is FULL:
         return []
-    payload = grad_bytes if strategy == "zero1" else -(-grad_bytes // shard_size)
+    payload = grad_bytes if policy.grads is FULL else -(-grad_bytes // shard_size)
     return [Collective("all_reduce", payload, "backward")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine.policy import POLICIES, SHARD
 from .api import plan
 from .report import StrategyPlan, _mem
 
@@ -61,7 +62,9 @@ def compare_layouts(model=None, *, nodes: int, gpus_per_node: int, **options) ->
         raise ValueError(f"comparing layouts takes 2 or more nodes of 2 or more GPUs (got "
                          f"nodes={nodes!r}, gpus_per_node={gpus_per_node!r}): with one node "
                          "or one GPU per node the hybrid layout is the flat one")
-    if options.get("shard_size") is not None:
+    carried = [o.shard_size for o in (options.get("training"), options.get("spec"))
+               if o is not None]
+    if any(k is not None for k in (options.get("shard_size"), *carried)):
         raise ValueError("compare_layouts sets shard_size itself (the flat layout and "
                          "gpus_per_node): leave shard_size out")
     options.pop("shard_size", None)
@@ -69,8 +72,8 @@ def compare_layouts(model=None, *, nodes: int, gpus_per_node: int, **options) ->
     hybrid = plan(model, gpus=gpus_per_node, nodes=nodes, shard_size=gpus_per_node, **options)
     rows = [LayoutRow("flat", s, p, p.intra_group_payload_bytes)
             for s, p in flat.strategies.items()]
-    rows += [LayoutRow("hybrid", s, p, p.inter_group_payload_bytes)
-             for s, p in hybrid.strategies.items() if s != "ddp"]
+    rows += [LayoutRow("hybrid", s, p, p.inter_group_payload_bytes)  # the rows that shard
+             for s, p in hybrid.strategies.items() if POLICIES[s].optimizer is SHARD]
     fitting = [r for r in rows if r.plan.fits_with_headroom]
     if fitting:
         best = min(fitting, key=lambda r: (r.plan.step_time_s, r.plan.total_bytes))

@@ -86,13 +86,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..engine.policy import SHARD, ShardPolicy
 from ..engine.units import step_runs
 from ..spec.precisions import PrecisionSpec
 
-__all__ = ["OPTIMIZERS", "STRATEGIES", "optimizer_state_elements", "ModelStates",
+__all__ = ["OPTIMIZERS", "optimizer_state_elements", "ModelStates",
            "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes"]
-
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 # Optimizer-state elements per trainable parameter, for element-wise optimizers.
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adafactor": None}
@@ -137,18 +136,15 @@ def _shard(nbytes: int, n: int) -> int:
     return math.ceil(nbytes / n)
 
 
-def model_states(strategy: str, precision: PrecisionSpec, params: int, trainable: int,
+def model_states(policy: ShardPolicy, precision: PrecisionSpec, params: int, trainable: int,
                  state_elements: int, world: int, owned: tuple | None = None) -> ModelStates:
-    """Bytes per device of weights, gradients and optimizer state (see [Note: Model states]).
-    `params` counts every parameter, frozen ones included; `trainable` those that learn.
-    `owned`: (trainable, frozen, optimizer-state) elements of the shards a rank owns, as the
-    engine pads them per unit (layout.py's `owned_elements`); None: 1/N of the bytes."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    """Bytes per device of weights, gradients and optimizer state under the residency row
+    `policy` (see [Note: Model states]). `params` counts every parameter, frozen ones included;
+    `trainable` those that learn. `owned`: (trainable, frozen, optimizer-state) elements of the
+    shards a rank owns, as the engine pads them per unit (layout.py's `owned_elements`); None:
+    1/N of the bytes."""
     w, g = precision.weight_bytes, precision.grad_bytes
     k = precision.master_bytes * trainable + precision.state_bytes * state_elements
-    if strategy == "ddp":
-        return ModelStates(w * params, g * trainable, k)
     held = params - trainable if precision.mixed else params  # zero3's weights between uses
     if owned is None:
         shard_g, shard_k = _shard(g * trainable, world), _shard(k, world)
@@ -158,23 +154,25 @@ def model_states(strategy: str, precision: PrecisionSpec, params: int, trainable
         shard_g = g * t
         shard_k = precision.master_bytes * t + precision.state_bytes * s
         shard_w = w * (f + (0 if precision.mixed else t))
-    if strategy == "zero1":
-        return ModelStates(w * params, g * trainable, shard_k)
-    if strategy == "zero2" or world == 1:  # zero3 on one rank keeps its parameters whole
-        return ModelStates(w * params, shard_g, shard_k)
-    return ModelStates(shard_w, shard_g, shard_k)
+    # zero3 on one rank keeps its parameters whole; a SHARD of gradients or optimizer state on
+    # one rank is all of it, as the engine pads it
+    return ModelStates(shard_w if policy.reshards(world) else w * params,
+                       shard_g if policy.grads is SHARD else g * trainable,
+                       shard_k if policy.optimizer is SHARD else k)
 
 
-def buffer_bytes(strategy: str, precision: PrecisionSpec, trainable: int, world: int,
+def buffer_bytes(policy: ShardPolicy, precision: PrecisionSpec, trainable: int, world: int,
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
                  largest_param: int = 0, gathered_numel: int | None = None,
                  borrowing: tuple[int, int] | None = None) -> dict:
-    """The engine's working memory by kind (see [Note: Engine buffers]); values in bytes.
-    `borrowing`: (largest unit that borrows from the pool, largest that does not), in
-    elements (engine/units.py); None: every unit borrows, the largest being `largest_unit`."""
+    """The engine's working memory by kind under the residency row `policy` (see [Note:
+    Engine buffers]); values in bytes. `borrowing`: (largest unit that borrows from the pool,
+    largest that does not), in elements (engine/units.py); None: every unit borrows, the
+    largest being `largest_unit`."""
     # Only strategies that shard gradients reduce-scatter (zero1 keeps full gradients, so it
     # all-reduces whatever the backend: engine/policy.py).
-    reduce_scatter = reduce_scatter and strategy in ("zero2", "zero3") and world > 1
+    sharded_grads = policy.shards_grads(world)
+    reduce_scatter = reduce_scatter and sharded_grads
     g = precision.grad_bytes
     g_full = g * trainable
     compressed = comm_bytes is not None and comm_bytes != precision.weight_bytes
@@ -182,16 +180,16 @@ def buffer_bytes(strategy: str, precision: PrecisionSpec, trainable: int, world:
                          "gathered_params", "unit_grads"), 0)
     out["grad_staging"] = g * largest_param
     pooled, lone = (largest_unit, 0) if borrowing is None else borrowing
-    if strategy in ("zero2", "zero3") and world > 1 and pooled:
+    if sharded_grads and pooled:
         out["grad_pool"] = 2 * g * (pooled + world)
-    if strategy == "zero2" and world > 1:
-        out["unit_grads"] = g * lone
-    elif strategy == "zero3" and world > 1:
+    if policy.reshards(world):
         out["unit_grads"] = min(g_full, 2 * g * largest_unit)
         out["gathered_params"] = precision.weight_bytes * (
             2 * largest_unit if gathered_numel is None else gathered_numel)
+    elif sharded_grads:
+        out["unit_grads"] = g * lone
     comm_elem = comm_bytes if compressed else g
-    if compressed and (strategy != "ddp" or precision.mixed):
+    if compressed and (policy.optimizer is SHARD or precision.mixed):
         out["comm_buffers"] = comm_bytes * trainable
     elif compressed:
         out["comm_copies"] = comm_bytes * trainable

@@ -7,7 +7,8 @@ the optimizer state a rank holds, sharded as its strategy shards them, live in p
 memory and the optimizer steps there; the device keeps the compute-dtype parameters (sharded
 under zero3) and the gradients. Each step a rank copies its reduced gradients down (the shard
 it steps: g x Psi_t / N) and the updated compute-dtype parameters of that shard up (w x Psi_t /
-N). Planned for zero1, zero2 and zero3, the stages DeepSpeed offloads the optimizer of.
+N). Planned for zero1, zero2 and zero3, the stages DeepSpeed offloads the optimizer of (the rows
+px.prepare's table of combinations lets it go with, model/spec.py: planner/setting.py asks it).
 offload="params" (zero3 only) also keeps zero3's parameter shards, frozen ones included, in
 host memory between uses: the device holds only the units being gathered, every gather first
 copies the rank's shard up (w x Psi / N per gather, forward and backward, in every micro-step)
@@ -45,29 +46,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine.policy import DEVICE, HOST, ShardPolicy
 from ..engine.units import step_runs
 from .memory import ModelStates
 
-__all__ = ["OFFLOADS", "offloaded_strategies", "HostSide", "host_side", "device_states",
-           "offload_seconds", "DEFAULT_HOST_MEMORY_BW"]
+__all__ = ["HostSide", "host_side", "device_states", "offload_seconds",
+           "DEFAULT_HOST_MEMORY_BW"]
 
-OFFLOADS = ("optimizer", "params")
 DEFAULT_HOST_MEMORY_BW = 51.2  # GB/s: dual-channel DDR4-3200
-
-
-def offloaded_strategies(offload: str | None, strategy: str) -> tuple[str, ...] | None:
-    """The strategies planned with `offload` (None: no offload, every strategy), given the
-    `strategy` asked for ("all" or one); ValueError for a combination not planned."""
-    if offload is None:
-        return None
-    able = ("zero1", "zero2", "zero3") if offload == "optimizer" else ("zero3",)
-    if strategy not in ("all",) + able:
-        raise ValueError(f"offload={offload!r} is planned for {', '.join(able)}: "
-                         + ("ddp steps the whole optimizer on every rank, so its state is not "
-                            "sharded to offload" if offload == "optimizer" else
-                            "only zero3 keeps parameter shards between uses")
-                         + f" (strategy {strategy!r})")
-    return able
 
 
 @dataclass(frozen=True)
@@ -82,16 +68,17 @@ class HostSide:
     runs: int = 1             # runs of units the host step takes, one after the other
 
 
-def device_states(states: ModelStates, offload: str | None, sharded: bool,
+def device_states(states: ModelStates, policy: ShardPolicy, world: int,
                   shard_bytes: int) -> ModelStates:
-    """The model states left on the device: no optimizer state under offload; under zero3
-    (`sharded`) the compute-dtype shards, `shard_bytes` (what the gathers start from, the master
-    being on the host), and none between uses under offload="params"."""
-    if offload is None:
+    """The model states the residency row `policy` leaves on the device on `world` ranks: all
+    of them with the masters there; else no optimizer state, and of the parameters, where zero3
+    shards them, the compute-dtype shards, `shard_bytes` (what the gathers start from, the
+    master being on the host), and none between uses with the shards on the host too."""
+    if policy.masters is DEVICE:
         return states
-    if offload == "params":
+    if policy.shards is HOST:
         return ModelStates(0, states.grads, 0)
-    return ModelStates(shard_bytes if sharded else states.params, states.grads, 0)
+    return ModelStates(shard_bytes if policy.reshards(world) else states.params, states.grads, 0)
 
 
 def _alternating(sizes: list[int]) -> int:
@@ -100,9 +87,10 @@ def _alternating(sizes: list[int]) -> int:
     return max(sizes[0::2], default=0) + max(sizes[1::2], default=0)
 
 
-def host_side(offload: str, prec, stepped: list[int], state_elements: int, frozen_shard: int,
-              gathered: dict, run_bytes: int) -> HostSide:
-    """`stepped`: the elements of each unit's shard this rank steps, in the engine's order;
+def host_side(policy: ShardPolicy, prec, stepped: list[int], state_elements: int,
+              frozen_shard: int, gathered: dict, run_bytes: int) -> HostSide:
+    """What the residency row `policy`, its masters on the host, puts there and moves to and
+    fro. `stepped`: the elements of each unit's shard this rank steps, in the engine's order;
     `state_elements`: its optimizer-state elements; `frozen_shard`: the elements of its zero3
     frozen shards; `gathered`: elements gathered per micro-step by phase (forward,
     backward)."""
@@ -112,7 +100,7 @@ def host_side(offload: str, prec, stepped: list[int], state_elements: int, froze
                                                             run_bytes)] or [[0]]
     landing = prec.grad_bytes * _alternating([sum(run) for run in runs])
     held = master * own + prec.state_bytes * state_elements + landing
-    params = offload == "params"
+    params = policy.shards is HOST  # offload="params"
     if prec.mixed:  # the gradients widened to the master dtype, a run at a time
         held += master * max(sum(run) for run in runs)
         if not params:  # each master cast into staging before its copy up
