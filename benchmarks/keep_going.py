@@ -75,8 +75,8 @@ def worker(args) -> None:
         optimizer.step()
         optimizer.zero_grad()
         step += 1
-        gate = elastic.step_boundary()  # whether this step committed (a lost one is dropped)
-        done = gate is None or gate.last_voted == gate.calls
+        steps = elastic.now().steps if elastic.continuing() else None  # continuing/steps.py
+        done = steps is None or steps.last_voted == steps.calls  # a lost step is dropped
         print(f"TICK rank={rank} life={life} restart={restart} step={step} done={int(done)} "
               f"at={loader.sampler.position() // 48} world={px.world_size()} "
               f"t={time.time():.4f} idx={spans(index.tolist())}", flush=True)

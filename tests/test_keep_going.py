@@ -481,28 +481,28 @@ def test_an_evaluations_sampler_goes_back_to_its_batch_in_flight_and_never_past_
     def sampler(n):
         made = px.DistributedSampler(list(range(n)), batch_size=6, rank=0, world_size=1,
                                      shuffle=False)
-        made.ledger = Ledger()  # as continue mode makes it
+        made.replay.ledger = Ledger()  # as continue mode makes it
         return made
 
     train, evaluation = sampler(24), sampler(30)
-    evaluation.evaluating = True  # px.gather_for_metrics was given its loader
+    evaluation.replay.evaluating = True  # px.gather_for_metrics was given its loader
     next(iter(train.batches()))
     train._batch_consumed()
     passing = iter(evaluation.batches())
     for _ in range(3):  # batches 0, 1, 2 of the evaluation reach the loop
         next(passing)
         evaluation._batch_consumed()
-    step_called([train, evaluation])  # the evaluation served last: the step is train's
-    assert train.ledger.trained and not evaluation.ledger.trained
-    assert train.ledger.uncommitted and not evaluation.ledger.unstepped
-    evaluation.resume_after_loss(skip=False)  # lost in batch 2's gather
-    assert evaluation.restart and evaluation.batch_in_flight() == 2
+    step_called([train.replay, evaluation.replay])  # the evaluation served last: train's step
+    assert train.replay.ledger.trained and not evaluation.replay.ledger.trained
+    assert train.replay.ledger.uncommitted and not evaluation.replay.ledger.unstepped
+    evaluation.replay.resume_after_loss(skip=False)  # lost in batch 2's gather
+    assert evaluation.restart and evaluation.replay.batch_in_flight() == 2
     assert next(iter(evaluation.batches())) == [12, 13, 14, 15, 16, 17]
     for _ in list(evaluation.batches()):
         evaluation._batch_consumed()
     evaluation._pass_finished()
     evaluation.restart = False
-    evaluation.resume_after_loss(skip=False)  # a loss after the pass: nothing to serve again
+    evaluation.replay.resume_after_loss(skip=False)  # a loss after the pass: nothing to redo
     assert not evaluation.restart and (evaluation.epoch, evaluation.position()) == (1, 0)
     assert sum(len(b) for b in evaluation.batches()) == 30
 

@@ -52,7 +52,7 @@ def test_a_step_redone_after_a_load_at_the_end_of_an_epoch_begins_the_next_epoch
     sampler.load_state_dict(state)
     sampler.set_epoch(1)
     first = next(iter(sampler.batches()))
-    sampler.resume_after_loss(skip=False)
+    sampler.replay.resume_after_loss(skip=False)
     assert (sampler.epoch, sampler._start) == (1, 0)
     assert next(iter(sampler.batches())) == first
 
@@ -68,11 +68,11 @@ def test_a_replay_from_an_older_checkpoint_leaves_out_the_skipped_batch_where_it
         next(batches)
         sampler._batch_consumed()
     checkpoint = {"epoch": 0, "consumed": 4}  # saved after step 0
-    sampler.commit_step()                         # step 2 committed everywhere: position 12
+    sampler.replay.commit_step()                  # step 2 committed everywhere: position 12
     next(batches)
     sampler._batch_consumed()                 # step 3, lost: a rank raised
-    sampler.rewind_to(checkpoint)
-    sampler.resume_after_loss(skip=True)
+    sampler.replay.rewind_to(checkpoint)
+    sampler.replay.resume_after_loss(skip=True)
     replay = list(sampler.batches())
     assert replay == [[4, 5, 6, 7], [8, 9, 10, 11], [16, 17, 18, 19], [20, 21, 22, 23]]
     assert sampler.batches_left() == 4 and sampler.samples_left() == 16
@@ -180,11 +180,11 @@ def test_a_sampler_loaded_during_a_replay_leaves_out_what_the_replay_will():
     for _ in range(4):
         next(batches)
         replaying._batch_consumed()
-    replaying.commit_step()                       # steps 0-3 committed: position 16
+    replaying.replay.commit_step()                # steps 0-3 committed: position 16
     next(batches)
     replaying._batch_consumed()               # step 4, lost: a rank raised
-    replaying.rewind_to({"epoch": 0, "consumed": 4})
-    replaying.resume_after_loss(skip=True)
+    replaying.replay.rewind_to({"epoch": 0, "consumed": 4})
+    replaying.replay.resume_after_loss(skip=True)
     batches = iter(replaying.batches())
     next(batches)
     replaying._batch_consumed()               # step 1 replayed; a save now: position 8
@@ -200,7 +200,7 @@ def _with_ledger(sampler):
     """A sampler as continue mode makes it (with a ledger), in a process without a job."""
     from phalanx.data.ledger import Ledger
 
-    sampler.ledger = Ledger()
+    sampler.replay.ledger = Ledger()
     return sampler
 
 
@@ -208,10 +208,10 @@ def _step(*samplers, commits=True):
     """`optimizer.step()` as the step gate sees it: called, and committed unless lost."""
     from phalanx.data.ledger import step_called
 
-    step_called(samplers)
+    step_called([sampler.replay for sampler in samplers])
     if commits:
         for sampler in samplers:
-            sampler.commit_step()
+            sampler.replay.commit_step()
 
 
 def test_a_replay_back_into_the_epoch_the_loop_finished_goes_on_through_the_loops_epoch():
@@ -233,16 +233,16 @@ def test_a_replay_back_into_the_epoch_the_loop_finished_goes_on_through_the_loop
         served.append(batch.tolist())
         if len(served) == 1:  # step 6 (epoch 1's first) is where the loss is seen: thrown away
             _step(sampler, commits=False)
-            sampler.rewind_to(checkpoint)
-            sampler.resume_after_loss(skip=False)
+            sampler.replay.rewind_to(checkpoint)
+            sampler.replay.resume_after_loss(skip=False)
             assert loader.batches_left() == 1 + 6  # the rest of epoch 0, then all of epoch 1
         else:
             _step(sampler)
     epoch1 = [[i, i + 1, i + 2, i + 3] for i in range(0, 24, 4)]
     assert served == [epoch1[0], [20, 21, 22, 23]] + epoch1
     assert (sampler.epoch, sampler.position()) == (2, 0)
-    assert sampler.ledger.mismatches() == []
-    assert sampler.ledger.done == {0: [24, 6], 1: [24, 6]}
+    assert sampler.replay.ledger.mismatches() == []
+    assert sampler.replay.ledger.done == {0: [24, 6], 1: [24, 6]}
 
 
 def test_the_ledger_makes_a_lost_batch_an_error_and_a_replay_balances_it():
@@ -265,37 +265,38 @@ def test_the_ledger_makes_a_lost_batch_an_error_and_a_replay_balances_it():
     next(batches)
     train._batch_consumed()
     _step(train, evaluation, commits=False)   # step 3, lost with a rank
-    train.resume_after_loss(skip=False)
-    evaluation.resume_after_loss(skip=False)
+    train.replay.resume_after_loss(skip=False)
+    evaluation.replay.resume_after_loss(skip=False)
     gate = StepBoundary(None)
     with pytest.raises(MembershipError, match="at the end of the job, the model does not hold "
                        "what the loop was served after a recovery from a lost rank: epoch 0: "
                        "the loop took 16 samples in 4 optimizer steps, the model holds 12 "
                        "samples in 3 optimizer steps"):
-        gate.check_ledgers([train, evaluation], "at the end of the job")
+        gate.check_ledgers([train.replay, evaluation.replay], "at the end of the job")
     replay = iter(train.batches())           # the replay serves step 3's batch again
     assert next(replay) == [12, 13, 14, 15]
     train._batch_consumed()
     _step(train, evaluation)
-    gate.check_ledgers([train, evaluation], "at the end of the job")
-    assert evaluation.ledger.due == evaluation.ledger.done == {}
+    gate.check_ledgers([train.replay, evaluation.replay], "at the end of the job")
+    assert evaluation.replay.ledger.due == evaluation.replay.ledger.done == {}
     next(replay)                             # step 4, lost after a rank raised: left out
     train._batch_consumed()
     _step(train, evaluation, commits=False)
-    train.resume_after_loss(skip=True)
-    gate.check_ledgers([train], "at the end of the job")
-    assert train.ledger.done == {0: [16, 4]} and list(train.batches()) == [[20, 21, 22, 23]]
+    train.replay.resume_after_loss(skip=True)
+    gate.check_ledgers([train.replay], "at the end of the job")
+    assert train.replay.ledger.done == {0: [16, 4]}
+    assert list(train.batches()) == [[20, 21, 22, 23]]
     state = train.state_dict()               # what a px.save keeps, and a load starts from
     assert state["ledger"] == [[0, 16, 4]]
     loaded = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
                                                 world_size=1, shuffle=False))
     loaded.load_state_dict(state)
-    assert loaded.ledger.due == loaded.ledger.done == {0: [16, 4]}
+    assert loaded.replay.ledger.due == loaded.replay.ledger.done == {0: [16, 4]}
     loaded.set_epoch(1)                      # a pass begun in epoch 0 that ends in epoch 1
-    loaded._pass_ended(0)
+    loaded.replay.loop_pass_ends(0)
     with pytest.raises(MembershipError, match="a pass the loop began in epoch 0 ended in "
                        "epoch 1"):
-        gate.check_ledgers([loaded], "at the end of a pass over the data")
+        gate.check_ledgers([loaded.replay], "at the end of a pass over the data")
 
 
 @pytest.mark.parametrize("how", ["plain DataLoader", "sampler left out of px.save"])
@@ -309,13 +310,13 @@ def test_a_batch_not_served_again_after_a_loss_fails_the_ledger(how):
     sampler = _with_ledger(px.DistributedSampler(list(range(24)), batch_size=4, rank=0,
                                                  world_size=1, shuffle=False))
     gate = StepBoundary(None)
-    gate.samplers.add(sampler)
+    gate.samplers.add(sampler.replay)
     if how == "plain DataLoader":
         loader = torch.utils.data.DataLoader(list(range(24)), batch_size=4, sampler=sampler)
         for i, _ in enumerate(loader):
             _step(sampler, commits=i != 2)    # step 2 lost with a rank
             if i == 2:
-                sampler.resume_after_loss(skip=False)
+                sampler.replay.resume_after_loss(skip=False)
         lost = "the loop took 24 samples in 6 optimizer steps, the model holds 20 samples in 5"
     else:
         batches = iter(sampler.batches())
@@ -326,10 +327,10 @@ def test_a_batch_not_served_again_after_a_loss_fails_the_ledger(how):
             if i == 1:                        # saved after step 1, without the sampler
                 gate.saved("checkpoint", None, None, {})
         gate.ledgers_back_to("checkpoint", {})  # a loss: the model goes back to step 1's
-        sampler.resume_after_loss(skip=False)
+        sampler.replay.resume_after_loss(skip=False)
         lost = "the loop took 16 samples in 4 optimizer steps, the model holds 8 samples in 2"
     with pytest.raises(MembershipError, match=f"epoch 0: {lost}"):
-        gate.check_ledgers([sampler], "at the end of the job")
+        gate.check_ledgers([sampler.replay], "at the end of the job")
 
 
 @pytest.mark.parametrize("skip", [True, False], ids=["skipped", "redone"])
@@ -349,8 +350,34 @@ def test_a_recovery_at_an_epochs_last_step_does_not_start_the_next_epoch_inside_
             last = epoch == 0 and len(served[0]) == 6
             _step(sampler, commits=not (last and skip))
             if last:
-                sampler.resume_after_loss(skip=skip)
+                sampler.replay.resume_after_loss(skip=skip)
     epoch1 = [[i, i + 1, i + 2, i + 3] for i in range(0, 24, 4)]
     assert served == {0: [[i, i + 1, i + 2, i + 3] for i in range(0, 24, 4)], 1: epoch1}
-    assert sampler.ledger.mismatches() == []
-    assert sampler.ledger.done == {0: [20 if skip else 24, 5 if skip else 6], 1: [24, 6]}
+    assert sampler.replay.ledger.mismatches() == []
+    assert sampler.replay.ledger.done == {0: [20 if skip else 24, 5 if skip else 6], 1: [24, 6]}
+
+
+# -- continue mode as one object ----------------------------------------------------------------
+def test_every_call_the_floors_below_make_is_answered_by_the_session_and_off_by_the_plain_thing():
+    """comm/continuation.py's `Continuation` declares the calls the engine, the model, the data
+    and checkpoints make of continue mode, each as it runs with continue mode off; the
+    `Session` px.init makes under continue mode answers every one of them (a call it did not
+    answer would silently run as if continue mode were off)."""
+    import inspect
+
+    from phalanx.comm import continuation
+    from phalanx.continuing.session import Session
+
+    calls = [name for name, fn in vars(continuation.Continuation).items()
+             if inspect.isfunction(fn) and not name.startswith("_")]
+    assert len(calls) >= 19 and [c for c in calls if c not in vars(Session)] == []
+    off = continuation.now()  # no px.init here: off
+    assert type(off) is continuation.Continuation and not continuation.continuing()
+    sampler = px.DistributedSampler(list(range(8)), batch_size=2, rank=0, world_size=1)
+    assert sampler.replay.ledger is None  # not driven by a step boundary: no ledger
+    assert off.gather_for_metrics(sampler.replay, lambda: "gathered", lambda: "empty",
+                                  None) == "gathered"
+    assert off.before_step(None) and not off.joining() and off.joiners_asking(None) == []
+    assert off.generation() is None and off.member_gone() is None and off.models() == []
+    with pytest.raises(RuntimeError, match="only a replacement"):
+        off.wait_for_admission()

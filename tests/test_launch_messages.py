@@ -141,7 +141,7 @@ def test_a_shutdown_that_raises_at_the_end_of_the_script_fails_the_job(tmp_path)
     script = tmp_path / "shutdown_raises.py"
     script.write_text(
         "import phalanx as px\n"
-        "from phalanx import runtime\n\n"
+        "from phalanx.world import runtime\n\n"
         "def check():\n"
         "    raise RuntimeError('the counts differ (simulated)')\n\n"
         "px.init()\n"

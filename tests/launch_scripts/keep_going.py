@@ -140,7 +140,7 @@ if first and args.die_admitting == rank:  # dies while admitting a replacement
     sync = joining.sync_engines
 
     def sync_or_die(comm):
-        if any(other > 0 for _, other in elastic.current().members):
+        if any(other > 0 for _, other in elastic.now().membership.members):
             die()
         return sync(comm)
     joining.sync_engines = sync_or_die
@@ -226,10 +226,10 @@ for epoch in range(start, args.epochs):
             say_fault("freeze")
             os.kill(os.getpid(), signal.SIGSTOP)
         if step == args.wait_for_joiner and px.world_size() < int(os.environ["WORLD_SIZE"]):
-            from phalanx.continuing import current
+            from phalanx.continuing import now
             from phalanx.continuing.joining import requests
 
-            while not requests(current()):  # the job's timeout ends a wait that never ends
+            while not requests(now().membership):  # the job's timeout ends a wait that never ends
                 time.sleep(0.05)
         where["step"] += 1
         if step == args.skip:

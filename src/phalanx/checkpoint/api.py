@@ -14,11 +14,9 @@ from ..spec.arguments import check_checkpoint_call, check_model, check_path
 from ..world import runtime
 from ..world.runtime import default_comm
 from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, mismatches, set_rng_state, under
-from .compression import load_compression
 from .dcp import is_dcp_checkpoint, load_dcp
-from .delayed import load_delayed
-from .diloco import load_outer, warn_left_out
 from .ownership import adopt, checkpoints_of, job_ids
+from .parts import load_parts
 from .reader import CheckpointError, Reader, newest_intact, read_manifest, verify_files
 from .removal import why_not_export_target
 from .saving import wait_for_saves
@@ -47,9 +45,8 @@ def latest_checkpoint(directory) -> str | None:
     that never saves never admits a replacement."""
     check_path("px.latest_checkpoint(directory)", directory, "a directory of checkpoints",
                "px.latest_checkpoint('checkpoints')")
-    m = continuation.current()
-    if m is not None and m.joining:
-        return continuation.step_boundary().admission_path()
+    if continuation.now().joining():  # a replacement: [Note: joining at a save] (continuing/)
+        return continuation.now().wait_for_admission()
     directory = os.path.abspath(os.fspath(directory))
     chosen, skipped = newest_intact(directory)
     damage = "; ".join(f"{path}: {why}" for path, why in skipped)
@@ -99,9 +96,8 @@ def load(path, model=None, optimizer=None, strict: bool = True, **stateful) -> d
     """
     check_checkpoint_call("px.load", path, model, optimizer)
     # How the replacement is admitted: [Note: joining at a save] in continuing/joining.py.
-    m = continuation.current()
-    if m is not None and m.joining:
-        return continuation.step_boundary().join(lambda at: load_checkpoint(
+    if continuation.now().joining():
+        return continuation.now().join_at_load(lambda at: load_checkpoint(
             at, model, optimizer, strict, stateful, restore_rng=False))
     return load_checkpoint(path, model, optimizer, strict, stateful)
 
@@ -156,19 +152,14 @@ def load_checkpoint(path, model, optimizer, strict: bool, stateful: dict,
     try:
         if model_state is not None:
             model_state.load(reader, names)
-            load_delayed(model_state, reader, small.get("delayed"))  # staleness=1: delayed.py
             scaler = model_state.prepared.loss_scaler if model_state.prepared is not None \
                 else None
             if scaler is not None and LOSS_SCALER in small["stateful"]:
                 scaler.load_state_dict(small["stateful"][LOSS_SCALER])
         if optim_state is not None:
             optim_state.load(reader, small["optimizer"], names)
-        if model_state is not None and model_state.outer is not None:
-            load_outer(model_state, optim_state, reader, manifest, small)
-        elif model_state is not None:  # a DiLoCo checkpoint into another strategy: diloco.py
-            warn_left_out(model_state, optim_state, manifest, small)
-        if model_state is not None:
-            load_compression(model_state, reader, names)
+        if model_state is not None:  # the features beside the strategy: parts.py
+            load_parts(model_state, optim_state, reader, manifest, small, names)
     finally:
         reader.close()
     if model_state is not None and model_state.sharded:

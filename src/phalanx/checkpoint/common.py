@@ -11,7 +11,7 @@ from ..comm.collectives import Comm
 from ..comm.gate import step_lost
 from .reader import CheckpointError
 
-__all__ = ["STATE_FILE", "LOSS_SCALER", "MODEL", "OPTIM", "POWERSGD", "model_key", "optim_key",
+__all__ = ["STATE_FILE", "LOSS_SCALER", "MODEL", "OPTIM", "model_key", "optim_key",
            "optim_parts", "under", "is_stateful", "agree", "rng_state", "set_rng_state",
            "mismatches"]
 
@@ -21,8 +21,8 @@ LOSS_SCALER = "model.loss_scaler"  # where a prepared fp16 model's loss scaler i
 # The tensors of a checkpoint are named by what they hold, under these prefixes:
 MODEL = "model/"        # model/<parameter or buffer name>: its value
 OPTIM = "optim/"        # optim/<parameter name>/<state key>: its optimizer state (its shape)
-POWERSGD = "powersgd/"  # powersgd/<bucket>/error and /q: PowerSGD's state (compression.py)
-# (also grad/ of staleness=1, delayed.py, and diloco/ of DiLoCo's outer state, diloco.py)
+# and <part>/... for each part's own (PowerSGD's powersgd/, staleness=1's grad/, DiLoCo's
+# diloco/): see [Note: a part in a checkpoint] in engine/part.py
 
 
 def model_key(name: str) -> str:

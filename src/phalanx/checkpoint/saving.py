@@ -54,12 +54,10 @@ from .common import (
     optim_parts,
     rng_state,
 )
-from .compression import compression_ranges
 from .dcp import FORMATS, save_dcp
-from .delayed import PREFIX as DELAYED_PREFIX, delayed_ranges
-from .diloco import DILOCO, outer_ranges, outer_small_state, param_of
 from .files import file_digest, fsync_dir, write_tensors
 from .ownership import agree_on_job, job_ids, manifest_fields
+from .parts import keep_small, part_ranges
 from .reader import FORMAT, MANIFEST, CheckpointError
 from .removal import remove_older, why_not_replaceable
 from .state import ModelState, OptimizerState
@@ -78,6 +76,7 @@ class _Snapshot:
     index: list = field(default_factory=list)     # (name, file, key, start, end, dtype)
     whole: dict = field(default_factory=dict)     # optimizer state that is not per element
     keys: dict = field(default_factory=dict)      # parameter name -> per-element state names
+    like: dict = field(default_factory=dict)      # a part's tensor -> the model tensor it is
     rng: dict = field(default_factory=dict)
     small: dict | None = None                     # rank 0: stateful objects and values
     meta: dict | None = None                      # rank 0: what the manifest says of the model
@@ -150,10 +149,9 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
                          "directory)")
     if seen[0][2] is not None:
         raise CheckpointError(f"px.save({path!r}) refused: {seen[0][2]}")
-    steps = continuation.step_boundary()
     stateful = {k: v for k, v in values.items() if is_stateful(v)}  # what a reload restores
     # a replacement waiting to join is admitted once this save is complete (continuing/joining.py)
-    joining = steps.joiners_asking(comm) if steps is not None else []
+    joining = continuation.now().joiners_asking(comm)
     background = background and not joining
     snapshot, error = None, None
     try:
@@ -170,16 +168,16 @@ def save(path, model=None, optimizer=None, keep_last: int | None = None,
         if not _write(snapshot, comm):
             _skipped(path)
             return path
-        if steps is not None:
-            steps.saved(path, model, optimizer, stateful)
+        continuation.now().saved(path, model, optimizer, stateful)  # --on-failure continue
         if joining:
-            steps.admit(comm, joining, path, model, optimizer, stateful)
+            continuation.now().admit_at_save(comm, joining, path, model, optimizer, stateful)
         return path
     # gloo: the writes gather small Python objects; see groups.py
     writer = comm.apart("checkpoint:saves", backend="gloo")
     job = _Job(path)
-    if steps is not None:  # once written, where a sharded engine reloads from (continuing/)
-        job.on_written = lambda: steps.saved(path, model, optimizer, stateful)
+    if continuation.continuing():  # once written, where a sharded engine reloads from
+        continuing = continuation.now()
+        job.on_written = lambda: continuing.saved(path, model, optimizer, stateful)
     thread = threading.Thread(target=job.run, args=(snapshot, writer), name="phalanx-save")
     job.thread = thread
     state.saves.append(job)
@@ -193,21 +191,20 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
                    copy_out: bool) -> _Snapshot:
     snap = _Snapshot(path, partial, keep_last)
     own_file = f"rank{comm.rank:05d}.safetensors"
-    ranges, delayed = [], None
+    ranges, smalls = [], []
     if model_state is not None:
         owner = model_state.writer_of()
         ranges += model_state.ranges(owner)
-        delayed_part, delayed = delayed_ranges(model_state, owner)  # staleness=1: delayed.py
-        ranges += delayed_part
         if optim_state is not None:
             optim_ranges, snap.whole = optim_state.ranges(owner)
             ranges += optim_ranges
             for r in optim_ranges:
                 param, key = optim_parts(r.name)
                 snap.keys.setdefault(param, set()).add(key)
-        if model_state.outer is not None:  # see [Note: a DiLoCo checkpoint] in diloco.py
-            ranges += outer_ranges(model_state, optim_state, owner, comm.rank)
-        ranges += compression_ranges(model_state)  # a collective where the model compresses
+        # the features beside the strategy: see [Note: a part in a checkpoint] in
+        # engine/part.py (a collective where a part's state is one)
+        parts, smalls, snap.like = part_ranges(model_state, optim_state, owner)
+        ranges += parts
     on_gpu, kept = False, state.staged if copy_out else {}
     if copy_out:
         state.staged = {}
@@ -239,10 +236,8 @@ def _take_snapshot(path, partial, keep_last, model_state, optim_state, values, c
             scaler = model_state.prepared.loss_scaler
             if scaler is not None:
                 small["stateful"][LOSS_SCALER] = copy.deepcopy(scaler.state_dict())
-            if model_state.outer is not None:
-                small["stateful"][DILOCO] = outer_small_state(model_state.outer)
-        if delayed is not None:
-            small["delayed"] = delayed
+        for at, value in smalls:  # the parts' small values
+            keep_small(small, at, value)
         snap.small = small
         step = values.get("step")
         snap.meta = {
@@ -273,7 +268,7 @@ def _write(snap: _Snapshot, comm: Comm) -> bool:
         made = True
         info = write_tensors(os.path.join(snap.partial, own_file), snap.tensors)
         report = {"file": own_file, "info": info, "index": snap.index, "whole": snap.whole,
-                  "keys": snap.keys, "rng": snap.rng}
+                  "keys": snap.keys, "like": snap.like, "rng": snap.rng}
     except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
         error = _failure(exc, snap, made)
     snap.tensors = {}  # the copies are written: let them go
@@ -359,18 +354,18 @@ def _complete(snap: _Snapshot, reports: list) -> None:
 
     tensors = {model_key(name): {"shape": shape, "dtype": dtype, "pieces": []}
                for name, (shape, dtype) in meta["shapes"].items()}
+    like = {}
     for r in reports:
+        like.update(r["like"])
         for name, file, key, start, end, dtype in r["index"]:
             entry = tensors.setdefault(name, {"shape": None, "dtype": dtype, "pieces": []})
             entry["pieces"].append([file, key, start, end])
     for name, entry in tensors.items():
         if name.startswith(OPTIM):  # optimizer state has its parameter's shape
             entry["shape"] = tensors[model_key(optim_parts(name)[0])]["shape"]
-        elif name.startswith(DELAYED_PREFIX):  # a gradient still to apply has its parameter's
-            entry["shape"] = tensors[model_key(name[len(DELAYED_PREFIX):])]["shape"]
-        elif name.startswith("diloco/"):  # so has DiLoCo's (diloco.py)
-            entry["shape"] = tensors[model_key(param_of(name))]["shape"]
-        elif entry["shape"] is None:  # flat, whole, one rank's (checkpoint/compression.py)
+        elif name in like:  # a part's tensor shaped as a model tensor
+            entry["shape"] = tensors[model_key(like[name])]["shape"]
+        elif entry["shape"] is None:  # a part's flat tensor
             entry["shape"] = [max(p[3] for p in entry["pieces"])]
         entry["pieces"].sort(key=lambda p: p[2])
     manifest = {

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.collectives import Comm
-from ..engine.flat import Piece
 from ..engine.optim import adapter_of, held_groups, native_load_state_dict, per_element
+from ..engine.part import Range
 from ..model.prepare import prepared_or_none, uncompiled
+from ..model.prepared_protocol import Prepared
 from ..world.runtime import default_comm
 from .common import model_key, optim_key
 
@@ -34,19 +35,19 @@ __all__ = ["ModelState", "OptimizerState", "Range"]
 
 
 @dataclass
-class Range:
-    """Elements [start, end) of the flattened tensor `name`, as a 1-D tensor."""
-    name: str
+class _Whole:
+    """All of a plain module's parameter, held as one piece: the fields of the engine's
+    pieces (`held_pieces()`) that a checkpoint reads."""
     start: int
     end: int
-    values: torch.Tensor
+    master: torch.Tensor
 
 
 class ModelState:
     """The model (prepared or plain) as named tensors and the pieces of them this rank holds."""
 
     def __init__(self, model: torch.nn.Module):
-        self.prepared = prepared_or_none(model)
+        self.prepared: Prepared | None = prepared_or_none(model)
         # Names as the uncompiled module has them, so a checkpoint moves between a compiled and
         # a plain model (a compiled module's own names start with "_orig_mod.").
         self.module = uncompiled(self.prepared.module if self.prepared is not None else model)
@@ -62,8 +63,14 @@ class ModelState:
             self.engine.vote.check_stepped()
         # the prepared model's Comm: the job's, also where the engine's is a world of one (DiLoCo)
         self.comm: Comm = self.prepared._comm if self.prepared is not None else default_comm()
-        # DiLoCo's outer state (engine/diloco.py); see [Note: a DiLoCo checkpoint] in diloco.py
-        self.outer = self.prepared._diloco if self.prepared is not None else None
+        # The features beside the strategy that keep state across steps: the engine's parts,
+        # then the prepared model's (DiLoCo's outer step); see [Note: a part in a checkpoint]
+        # in engine/part.py. A part may have the model's tensors saved as other values than
+        # the live ones (DiLoCo: the weights of the last sync).
+        self.parts = self.prepared._parts() if self.prepared is not None else []
+        self.saved_as: dict[int, torch.Tensor] = {}
+        for part in self.parts:
+            self.saved_as.update(part.model_values())
         # With shard_size the engine shards over a group; the checkpoint spans the job, and the
         # first replica group alone writes the shards, which every replica reads (hybrid.py).
         replicas = self.engine.replicas if self.engine is not None else None
@@ -89,7 +96,7 @@ class ModelState:
             self.pieces = {name: by_id[id(t)] for name, t in self.tensors.items()
                            if id(t) in by_id}
         else:
-            self.pieces = {name: [Piece.whole(p)]
+            self.pieces = {name: [_Whole(0, p.numel(), p)]
                            for name, p in self.trainable.items()}
         self.original_dtypes = dict(self.prepared._original_dtypes) if self.prepared else {}
 
@@ -135,9 +142,9 @@ class ModelState:
         for name, t in self.tensors.items():
             if not self.writes(name, owner):
                 continue
-            if name in self.trainable and self.outer is not None:  # the last sync's weights
-                synced = self.outer.synced[self.outer.index[id(self.trainable[name])]]
-                out.append(Range(model_key(name), 0, t.numel(), synced.detach().reshape(-1)))
+            saved_as = self.saved_as.get(id(t))
+            if saved_as is not None:  # a part's value for it (DiLoCo: the last sync's weights)
+                out.append(Range(model_key(name), 0, t.numel(), saved_as.detach().reshape(-1)))
             elif name in self.pieces:  # a frozen shard is in the compute dtype: widened
                 for piece in self.pieces[name]:
                     out.append(Range(model_key(name), piece.start, piece.end,
@@ -179,7 +186,7 @@ class OptimizerState:
                              "given to px.save/px.load; pass the model it was built over")
         self.group_names = [[model.names[id(p)] for p in g] for g in groups]
         # the tensors the optimizer holds now (master pieces once adopted) -> (name, piece)
-        self.held: dict[int, tuple[str, Piece]] = {}
+        self.held: dict[int, tuple[str, object]] = {}
         for name, pieces in model.pieces.items():
             for piece in pieces if name in model.trainable else []:
                 self.held[id(piece.master)] = (name, piece)

@@ -29,7 +29,9 @@ def step_lost() -> bool:
 
 def continuing() -> bool:
     """Whether this process runs under `--on-failure continue` (a collective's failure is then
-    a loss to go on through, not an error)."""
+    a loss to go on through, not an error): the one way phalanx asks it (comm/continuation.py
+    re-exports it). A caller that only makes a call of continue mode need not ask: `now()`
+    there answers as a job without it where it is off."""
     return gate.active
 
 

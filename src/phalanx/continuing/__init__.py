@@ -7,9 +7,10 @@ the others' next `px.save`, loading their live state. Nobody else restarts, impo
 reloads anything.
 
 The package stands above the engine, the model, the data and checkpoints, which it imports;
-they reach continue mode through comm/continuation.py (the calls they make of it, and
-`install`, px.init's way in) and comm/gate.py (the switch every collective reads: the step in
-flight is lost), the parts of it below them, so no import runs back up a floor. By role:
+they reach continue mode through comm/continuation.py (`now()`: this process's one
+`Continuation`, whose methods are the calls they make of it; and `install`, px.init's way in)
+and comm/gate.py (the switch every collective reads: the step in flight is lost), the parts of
+it below them, so no import runs back up a floor. By role:
     store.py       the keys the agents and workers share in the job's store
     membership.py  generations: who is in, forming a new group ([Note: generations])
     steps.py       the step boundary: the vote, the recovery decision, the redo
@@ -18,31 +19,13 @@ flight is lost), the parts of it below them, so no import runs back up a floor. 
                    ([Note: an evaluation redone])
     joining.py     a replacement: waiting, admission at a px.save, loading the live state
     events.py      one console line, a step-report event and a metrics row per change
-    session.py     `start`: the above made for this process (installed by phalanx/__init__)
+    session.py     `Session`: the above as one object for this process, answering the
+                   floors below; `start` makes it (installed by phalanx/__init__)
 
 Only `phalanx run --on-failure continue` turns it on (PHALANX_ON_FAILURE=continue, read by
 `px.init`); otherwise nothing here runs and a failure ends the job as before.
 """
 
-from ..comm.continuation import (
-                                 ON_FAILURE,
-                                 MembershipError,
-                                 check_options,
-                                 continuing,
-                                 current,
-                                 finish,
-                                 gather_for_metrics,
-                                 iteration_starts,
-                                 models,
-                                 pass_ended,
-                                 raised,
-                                 start,
-                                 step_boundary,
-                                 stop,
-                                 wanted,
-                                 watch_model,
-)
+from ..comm.continuation import ON_FAILURE, Continuation, MembershipError, continuing, now, wanted
 
-__all__ = ["continuing", "step_boundary", "current", "start", "finish", "stop", "raised",
-           "iteration_starts", "pass_ended", "gather_for_metrics", "watch_model", "models",
-           "check_options", "wanted", "MembershipError", "ON_FAILURE"]
+__all__ = ["Continuation", "now", "continuing", "wanted", "MembershipError", "ON_FAILURE"]

@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ..comm.continuation import models
+from ..comm import continuation
 from ..observe.metrics import log
 from ..world import runtime
 from ..world.leaving import how_it_ended
@@ -52,7 +52,8 @@ def _draws_differ() -> str:
     model holds a dropout layer that draws (p > 0, in training mode), the line that says a
     step was redone or skipped says this too: the run goes on with the same samples and the
     same averaged gradients' rule, but not with the same random draws."""
-    drawing = sorted({type(m).__name__ for p in models() for m in p.module.modules()
+    drawing = sorted({type(m).__name__ for p in continuation.now().models()
+                      for m in p.module.modules()
                       if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
                       and m.training})
     if not drawing:

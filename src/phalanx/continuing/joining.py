@@ -30,8 +30,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..comm import records
-from ..comm.continuation import models
+from ..comm import continuation, records
 from ..comm.gate import gate
 from ..model.relayout import needs_relayout, relayout
 from ..world.runtime import default_comm
@@ -42,8 +41,8 @@ __all__ = ["wait_for_admission", "joiners_asking", "admit", "join", "sync_engine
            "rebuild_engines", "live_models", "leave_unadmitted", "cannot_join"]
 
 def live_models() -> list:
-    """The prepared models of this process (elastic.watch_model), in prepare order."""
-    return models()
+    """The prepared models of this process (`watch_model`), in prepare order."""
+    return continuation.now().models()
 
 
 def sync_engines(comm) -> None:

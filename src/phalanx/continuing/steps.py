@@ -102,15 +102,20 @@ def decide(gen: int, reports: dict, gone: dict) -> Decision:
 
 
 class _Rewind:
-    """A sampler as a sharded engine's reload loads it: it is sent back to the checkpoint at
-    the next resume, keeping what the lost steps consumed (data/replay.py's [Note: a step
-    redone])."""
+    """A sampler as a sharded engine's reload loads it: its replay part sends it back to the
+    checkpoint at the next resume, keeping what the lost steps consumed (data/replay.py's
+    [Note: a step redone])."""
 
-    def __init__(self, sampler):
-        self.sampler = sampler
+    def __init__(self, sampler: DistributedSampler):
+        self.replay = sampler.replay
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.rewind_to(state)
+        self.replay.rewind_to(state)
+
+
+def _held(stateful: dict) -> list:
+    """The replay parts of the samplers among a px.save's stateful objects."""
+    return [v.replay for v in stateful.values() if isinstance(v, DistributedSampler)]
 
 
 class StepBoundary:
@@ -126,7 +131,7 @@ class StepBoundary:
         self.resume_due = False
         self.lost_at: float | None = None
         self.cause: BaseException | None = None
-        self.samplers: "weakref.WeakSet[Replayable]" = weakref.WeakSet()
+        self.samplers: "weakref.WeakSet[Replayable]" = weakref.WeakSet()  # their replay parts
         self.on_lost: list = []     # called first when the wire is cut (the hang watcher stops)
         self.on_resume: list = []   # called with the decision when training goes on
         self._vote = None
@@ -261,9 +266,9 @@ class StepBoundary:
         """A `px.save` completed: where a sharded engine takes the state back from after a
         loss (see [Note: a sharded engine after a loss])."""
         self.last_save = (path, model, optimizer, stateful)
+        held = _held(stateful)
         self.unsaved[path] = [(weakref.ref(s), s.ledger.rows()) for s in list(self.samplers)
-                              if s.ledger is not None
-                              and all(v is not s for v in stateful.values())]
+                              if s.ledger is not None and all(v is not s for v in held)]
         for old in list(self.unsaved)[:-4]:
             del self.unsaved[old]
 
@@ -332,8 +337,9 @@ class StepBoundary:
         `stateful`) cannot go back with it, but its ledger does (to its counts at that save,
         or to nothing where unknown) and finds the batches lost ([Note: the ledger])."""
         kept = {id(ref()): rows for ref, rows in self.unsaved.get(path, [])}
+        held = _held(stateful)
         for sampler in list(self.samplers):
-            if sampler.ledger is not None and all(v is not sampler for v in stateful.values()):
+            if sampler.ledger is not None and all(v is not sampler for v in held):
                 sampler.ledger.rewound(kept.get(id(sampler)))
 
     def watch_tick(self, oldest_in_flight: dict) -> None:
@@ -370,7 +376,7 @@ class StepBoundary:
               file=sys.stderr, flush=True)
         os._exit(LEFT_BEHIND)
 
-    # -- what the rest of phalanx calls (through comm/continuation.py) ---------------------------
+    # -- what the floors below call (through session.py's Session) ------------------------------
     def iteration_starts(self, batch: bool) -> bool:
         if self.m.joining:  # training begins before any px.load took the others' state
             joining.cannot_join(self.m)
@@ -380,7 +386,8 @@ class StepBoundary:
         return resumed
 
     def finish(self) -> None:
-        """See elastic.finish."""
+        """`px.shutdown` after a loss seen past this rank's last step: the recovery, here
+        (comm/continuation.py's `finish`)."""
         if self.decision is None:
             self.decision = self.recover(self.calls)
         self.resume_due = True

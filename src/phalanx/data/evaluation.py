@@ -54,9 +54,10 @@ def gather_for_metrics(value, loader):
             "px.gather_for_metrics over a loader with drop_last=True would miss the last "
             "samples of the dataset: build the evaluation loader with drop_last=False")
     comm = default_comm()
-    return continuation.gather_for_metrics(loader.distributed_sampler,
-                                      lambda: _gather_cat(value, comm),
-                                      lambda: _nothing(value), comm)
+    sampler = loader.distributed_sampler  # None: a stream's loader
+    return continuation.now().gather_for_metrics(sampler.replay if sampler is not None else None,
+                                                 lambda: _gather_cat(value, comm),
+                                                 lambda: _nothing(value), comm)
 
 
 def _gather(value, comm: Comm) -> list:

@@ -53,7 +53,8 @@ def _add(counts: dict, epoch: int, samples: int, steps: int) -> None:
 
 
 class Ledger:
-    """One sampler's counts (see the Note); `DistributedSampler` holds one under continue mode."""
+    """One sampler's counts (see the Note); a `DistributedSampler`'s replay part (replay.py)
+    holds one under continue mode."""
 
     def __init__(self):
         self.due: dict[int, list] = {}    # epoch -> [samples, steps] an uninterrupted run has
@@ -146,9 +147,10 @@ def _counted(samples: int, steps: int) -> str:
 
 def step_called(samplers) -> None:
     """`optimizer.step()` is called: it takes the batches of the sampler that served last, an
-    evaluation's aside (see the Note)."""
+    evaluation's aside (see the Note); `samplers`: their replay parts (replay.py's
+    `Replayable`)."""
     counted = [s for s in samplers if s.ledger is not None]
-    training = [s.ledger for s in counted if not getattr(s, "evaluating", False)]
+    training = [s.ledger for s in counted if not s.evaluating]
     latest = max(training, key=lambda ledger: ledger.last, default=None)
     for s in counted:
         s.ledger.called(s.ledger is latest and latest.last > 0)

@@ -165,20 +165,20 @@ class DistributedLoader(DataLoader):
         sampler, device = self.distributed_sampler, self.device
         if sampler is not None:
             sampler.restart = False
-            sampler.loop_pass_begins()  # no gather of this pass yet (continuing/gathers.py)
-            epoch = sampler._loop_epoch()  # where this pass must end: [Note: a step redone]
+            sampler.replay.loop_pass_begins()  # no gather of this pass yet (continuing/gathers.py)
+            epoch = sampler.replay.loop_epoch()  # where this pass must end: [Note: a step redone]
         self._stream_taken = 0
         batches = super().__iter__()
         while True:
             began = time.perf_counter()  # the wait for the batch: the step report's data_s
-            continuation.iteration_starts(batch=True)
+            continuation.now().iteration_starts(batch=True)
             if sampler is not None and sampler.restart:  # see [Note: a step redone] in replay.py
                 sampler.restart = False
                 batches = super().__iter__()
             try:
                 batch = next(batches)
             except StopIteration:
-                if sampler is not None and sampler._catching_up():  # [Note: a step redone]
+                if sampler is not None and sampler.replay.catching_up():  # [Note: a step redone]
                     sampler._pass_finished()  # a replayed epoch ended: on with the next one
                     batches = super().__iter__()
                     continue
@@ -193,9 +193,10 @@ class DistributedLoader(DataLoader):
             yield batch
         self._stream_taken = 0
         if sampler is not None:
-            sampler._pass_ended(epoch)
+            sampler.replay.loop_pass_ends(epoch)
             sampler._pass_finished()
-            continuation.pass_ended(sampler)  # its ledger must balance: [Note: the ledger]
+            # its ledger must balance: [Note: the ledger] in ledger.py
+            continuation.now().pass_ended(sampler.replay)
 
 
 # -- empty batches ---------------------------------------------------------------------------

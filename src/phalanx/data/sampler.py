@@ -59,10 +59,8 @@ import numbers
 import torch
 from torch.utils.data import Sampler
 
-from ..comm import continuation
 from ..world import runtime
-from .ledger import Ledger
-from .replay import Replays
+from .replay import Replay
 from .seeding import sample_seed
 
 __all__ = ["DistributedSampler", "split_evenly", "check_batch_size"]
@@ -101,7 +99,7 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-class DistributedSampler(Replays, Sampler[int]):
+class DistributedSampler(Sampler[int]):
     """This rank's part of one order per epoch, the same at every world size.
 
         sampler = px.DistributedSampler(dataset, shuffle=True, seed=0, drop_last=False)
@@ -153,24 +151,11 @@ class DistributedSampler(Replays, Sampler[int]):
         self._pass_start = 0     # ... where the pass in progress began
         self._steps_done = 0     # global steps of the pass in progress that reached the loop
         self._in_pass = False
-        self._committed = (0, 0)  # (epoch, position) at the last step all ranks committed
-        self._redo_from = None    # where a sharded engine's reload sent training back
-        self._left_out: list = []  # (epoch, from, to): global order skipped after a replay
-        self._through = None      # the loop's epoch while a replay stands in an earlier one
-        self._replay_until = None  # (epoch, position) where the loop stood when it was sent back
         self.restart = False      # the loader must start its iteration again (a rewind)
         self._continuing = None   # (epoch, position, restore): see [Note: a pass continued]
-        # An evaluation's gathers (replay.py; [Note: an evaluation redone] in continuing/gathers.py)
-        self._current = None      # (epoch, position) of the batch the loop holds
-        self._gathers_of_batch = 0  # px.gather_for_metrics calls made for it so far
-        self._whole: set = set()  # the loop pass's gathers returned whole: (epoch, pos, k)
-        self._redo_pending = False  # a gather returned nothing and its batch is not redone yet
-        self._refused = None      # why this pass's gathers return nothing from here on
-        self.evaluating = False   # px.gather_for_metrics was given this sampler's loader
-        gate = continuation.step_boundary()
-        self.ledger = Ledger() if gate is not None else None  # See [Note: the ledger]
-        if gate is not None:
-            gate.samplers.add(self)
+        # What steps redone under continue mode need: where the last committed step left the
+        # order, what a replay leaves out, an evaluation's gathers (see replay.py)
+        self.replay = Replay(self)
 
     @property
     def world_size(self) -> int:
@@ -229,7 +214,7 @@ class DistributedSampler(Replays, Sampler[int]):
         in an earlier one ([Note: a step redone] in replay.py)."""
         start = self._pass_start if self._in_pass else self._start
         end, pos = self._end(start), self.position()
-        return max(0, end - pos - self._skipped(pos, end)) + self._left_to_catch_up()
+        return max(0, end - pos - self.replay.skipped(pos, end)) + self.replay.left_to_catch_up()
 
     def _rank_share(self, samples: int) -> int:
         """This rank's part of `samples` consecutive samples of the order cut into global
@@ -248,7 +233,7 @@ class DistributedSampler(Replays, Sampler[int]):
         self._continue_pass()
         order = self.global_order()
         end = self._end(start)
-        jumps = {frm: to for epoch, frm, to in self._left_out if epoch == self.epoch}
+        jumps = self.replay.jumps()
         self._pass_start, self._steps_done, self._in_pass = start, 0, True
         while pos < end:
             if pos in jumps:
@@ -275,25 +260,26 @@ class DistributedSampler(Replays, Sampler[int]):
 
     # -- progress, reported by the loader ---------------------------------------------------
     def _batch_consumed(self, at: tuple | None = None) -> None:
-        if self.ledger is not None:
-            self._served(at)  # See [Note: the ledger] in ledger.py
-            self._current, self._gathers_of_batch = (self.epoch, self.position()), 0
+        """The loop is served the pass's batch `at` (epoch, position, size), by default the
+        one after those it took."""
+        if at is None:
+            pos = self.position()
+            at = (self.epoch, pos, min(self.global_batch_size, self._end(self._pass_start) - pos))
+        self.replay.batch_consumed(at)  # See [Note: the ledger] in ledger.py
         self._steps_done += 1
 
     def _pass_finished(self) -> None:
-        self._left_out = [j for j in self._left_out if j[0] > self.epoch]
         self.epoch += 1
         self._start = self._pass_start = self._steps_done = 0
         self._in_pass = False
-        if self._through is not None and self.epoch >= self._through:
-            self._through = None  # a replay caught up with the loop's epoch (replay.py)
+        self.replay.next_epoch(self.epoch)  # a replay may have caught up with the loop's epoch
 
     def position(self) -> int:
         """Samples of the current epoch's global order consumed so far (by all ranks)."""
         if not self._in_pass:
             return self._start
-        pos = self._after_skips(self._pass_start,
-                                self._pass_start + self._steps_done * self.global_batch_size)
+        pos = self.replay.after_skips(self._pass_start,
+                                      self._pass_start + self._steps_done * self.global_batch_size)
         return min(pos, self._end(self._pass_start))
 
     # -- epochs and state -------------------------------------------------------------------
@@ -307,11 +293,10 @@ class DistributedSampler(Replays, Sampler[int]):
         """
         # [Note: a step redone] in replay.py: the epoch a replay is on its way to
         epoch = int(epoch)
-        if epoch != self.epoch and epoch != self._through:
+        if epoch != self.epoch and not self.replay.catching_up_to(epoch):
             self.epoch, self._start, self._in_pass = epoch, 0, False
-            self._left_out = [j for j in self._left_out if j[0] >= epoch]
             self._continuing = None
-            self._through = None
+            self.replay.epoch_set(epoch)
 
     def state_dict(self) -> dict:
         """Epoch and samples consumed: enough to resume at the next sample at any world size.
@@ -323,11 +308,7 @@ class DistributedSampler(Replays, Sampler[int]):
                  "dataset_length": self.dataset_length, "seed": self.seed,
                  "shuffle": self.shuffle, "drop_last": self.drop_last,
                  "global_batch_size": self.global_batch_size}
-        ahead = [list(j) for j in sorted(self._left_out)
-                 if j[0] > self.epoch or (j[0] == self.epoch and j[1] >= consumed)]
-        if ahead:  # a replay's batches left out and not reached yet (replay.py)
-            state["left_out"] = ahead
-        state.update(self._replay_state())
+        state.update(self.replay.state(consumed))  # what a replay left out, the ledger (replay.py)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -355,12 +336,23 @@ class DistributedSampler(Replays, Sampler[int]):
                              f"{self.dataset_length} samples")
         self.epoch, self._start = int(state["epoch"]), consumed
         self._pass_start, self._steps_done, self._in_pass = consumed, 0, False
-        self._committed = self._next_from(self.epoch, consumed)
-        self._redo_from = None
-        self._left_out = [tuple(int(v) for v in j) for j in state.get("left_out", [])]
-        self._load_replay_state(state)
+        self.replay.load(state)
         self._continuing = None  # px.load sets it after restoring the generators
         self.restart = True  # a loader iterating now starts again from here
+
+    # -- what its replay part reads and moves (replay.py) ------------------------------------
+    def _pass_began(self) -> int | None:
+        """Where the pass in progress began in the epoch's order; None between passes."""
+        return self._pass_start if self._in_pass else None
+
+    def _restart_at(self, epoch: int, start: int) -> None:
+        """The next pass begins at `start` of `epoch`'s order, and the loader starts its
+        iteration again: where a recovery sends the sampler ([Note: a step redone] in
+        replay.py)."""
+        self._continuing = None
+        self.epoch, self._start = epoch, start
+        self._pass_start, self._steps_done, self._in_pass = start, 0, False
+        self.restart = True
 
     # -- a pass continued after a load ------------------------------------------------------
     def _on_continued_pass(self, restore) -> None:

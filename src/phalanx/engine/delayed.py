@@ -38,13 +38,27 @@ A non-finite loss is seen where its gradient would be applied, one step later: t
 `on_nonfinite` policy (faults/nonfinite.py) then drops that gradient (the step changes
 nothing) and raises or warns, on every rank.
 
-A checkpoint holds the gradient on its way (checkpoint/delayed.py): it is the same on every
-rank, so it is saved and resharded like a parameter, and a resume at any world size applies
-it at the next step, as the uninterrupted run would.
+A checkpoint holds the gradient on its way ([Note: the delayed gradient in a checkpoint]
+below): it is the same on every rank, so it is saved and resharded like a parameter, and a
+resume at any world size applies it at the next step, as the uninterrupted run would.
 
 Refused: zero3 (its gradients are reduced unit by unit as backward frees the unit, into the
 owned shard; a second buffer per unit would keep the full gradient it exists to avoid), fp16
 (a gradient scaled by one step's loss scale would be unscaled by the next one's).
+
+[Note: the delayed gradient in a checkpoint]
+After `optimizer.step()` one averaged gradient is still to be applied: it is part of the
+training state, and the engine's part `DelayedGrads` (part.py) gives it to a checkpoint. It is
+the same on every rank, so it is stored like a parameter (see [Note: what a checkpoint
+stores] in checkpoint/state.py): under `grad/<name>`, in element ranges of the pieces each
+rank holds, written by the rank that writes the parameter, and read back at any world size and
+strategy into the pieces the loading rank holds. Which parameters got a gradient on some rank
+is stored with the small state (`delayed` in it); a parameter that got none has no `grad/`
+tensor and is not stepped.
+
+A checkpoint with no `delayed` entry (saved with staleness=0, or before the first step) resumes
+with nothing to apply at the next step. A model prepared without staleness drops the stored
+gradient, with a warning.
 """
 
 from __future__ import annotations
@@ -53,6 +67,7 @@ import torch
 
 from ..comm import host
 from ..comm.collectives import Handle
+from .part import Part, Range, Saved
 
 __all__ = ["STALENESS", "check_staleness", "DelayedGrads"]
 
@@ -110,8 +125,12 @@ class _Flight:
         return reduced, self.buf[at:]
 
 
-class DelayedGrads:
+class DelayedGrads(Part):
     """The engine's part of staleness=1 (see [Note: staleness=1])."""
+
+    name = "grad"             # grad/<param>: [Note: the delayed gradient in a checkpoint]
+    small_at = ("delayed",)
+    continue_mode_ok = False  # its state spans steps: a lost step would leave the ranks apart
 
     def __init__(self, engine):
         self.engine = engine
@@ -209,7 +228,7 @@ class DelayedGrads:
         """After optimizer.step(): what this step started is applied at the next."""
         self.waiting, self.current, self.taken = self.current, [], False
 
-    # -- checkpoints (checkpoint/delayed.py) -------------------------------------------------------
+    # -- checkpoints: [Note: the delayed gradient in a checkpoint] ------------------------------
     def pending(self) -> list[tuple[object, torch.Tensor, list[bool]]] | None:
         """The averages the next step applies, waited for: (unit, owned reduced slice, used),
         or None when the next step applies nothing."""
@@ -238,3 +257,52 @@ class DelayedGrads:
         self.current, self.taken = [], False
         self.waiting = None if landed is None else [
             _Flight.done(unit, reduced, used) for unit, reduced, used in landed]
+
+    @torch.no_grad()
+    def state(self, saving) -> Saved:
+        """This rank's ranges of the gradient on its way, and the names of the parameters that
+        have one (the small values); nothing when the next step applies nothing."""
+        landed = self.pending()
+        if landed is None:
+            return Saved()
+        names = saving.names
+        used, out = [], []
+        for unit, reduced, flags in landed:
+            for i, p in enumerate(unit.params):
+                if flags[i] and id(p) in names:
+                    used.append(names[id(p)])
+            for piece in unit.pieces:
+                name = names.get(id(unit.params[piece.param_index]))
+                if name is None or not flags[piece.param_index] or not saving.writes(name):
+                    continue
+                values = reduced[piece.lo:piece.hi].to(unit.master_dtype)
+                out.append(Range(name, piece.start, piece.end, values, like=name))
+        return Saved(out, {"used": sorted(set(used))})
+
+    @torch.no_grad()
+    def load(self, loading) -> None:
+        """Make the stored gradient the one the next step applies; none stored: nothing."""
+        if loading.small is None:
+            self.restore(None)
+            return
+        used = set(loading.small["used"])
+        landed = []
+        for unit in self.engine.units:
+            names = [loading.names.get(id(p)) for p in unit.params]
+            flags = [name in used for name in names]
+            reduced = torch.zeros(unit.hi - unit.lo, dtype=unit.compute_dtype,
+                                  device=unit.bucket.device)
+            for piece in unit.pieces:
+                if flags[piece.param_index]:
+                    loading.read_into(names[piece.param_index], piece.start, piece.end,
+                                      reduced[piece.lo:piece.hi])
+            landed.append((unit, reduced, flags))
+        self.restore(landed)
+
+    @classmethod
+    def left_out(cls, loading) -> None:
+        """A model prepared without staleness drops the stored gradient, and rank 0 says so."""
+        if loading.small is not None and loading.comm.rank == 0:
+            loading.warn("the checkpoint holds an averaged gradient still to be applied "
+                         "(saved with staleness=1), and this model was prepared without "
+                         "staleness: it is dropped")

@@ -42,6 +42,48 @@ Buffers (BatchNorm's running statistics) are each rank's own between syncs; at t
 cycle (c = 0) the floating ones are averaged over the ranks and the others (a step count) take
 rank 0's values, so right after a plain DiLoCo sync every rank holds the same parameters and
 buffers.
+
+[Note: a DiLoCo checkpoint]
+DiLoCo's outer step is a part of the prepared model (part.py). Between two syncs every rank's
+weights and inner optimizer state are its own, so a checkpoint holds:
+  model/<name>                          the weights of the last sync (the weights every rank
+                                        shares): what `px.export`, a load into a model prepared
+                                        under another strategy, or a plain module gets;
+  diloco/outer/<name>/momentum_buffer   the outer SGD's momentum (written once, every rank
+                                        holds the same);
+  diloco/rank<r>/model/<name>           rank r's own weights at the save;
+  diloco/rank<r>/optim/<name>/<key>     rank r's own inner optimizer state (Adam's moments);
+  diloco/rank<r>/error/<name>           rank r's error feedback (a comm_dtype that rounds);
+  diloco/outer/<name>/in_flight         streaming: the average of the fragment sent and not
+                                        applied yet, for that fragment's parameters (waited
+                                        for at the save; the same on every rank);
+  the position in the cycle of sync_every steps (`inner_steps`: the steps since the sync under
+  plain DiLoCo) and the schedule (sync_every, fragments, delay, keep_local), in the small
+  state.
+The inner optimizer's state under `optim/` is, as under ddp, that of the rank that writes each
+parameter, for loads into a model that is not DiLoCo.
+
+A load restores the synced weights and the outer momentum on every rank. Then:
+  - at the world size of the save, each rank takes back its own weights, inner optimizer
+    state, error feedback, the position in the cycle and the average in flight (applied when
+    it is due), so the run goes on exactly as if it had not stopped, wherever in the interval
+    it was saved;
+  - at another world size, the run resumes from the last sync: the average in flight is
+    applied to the synced weights, every rank's weights are the synced ones, the count starts
+    again at 0, rank r takes saved rank (r mod N)'s inner optimizer state (N: the world size
+    of the save), and every rank the mean of the saved ranks' error feedback (what the
+    average still owes them). The inner steps made since the sync are lost, and a warning
+    says so: under plain DiLoCo how many (a save right after a sync loses none); under
+    streaming (fragments, a delay or keep_local) each rank's weights always hold steps made
+    since some fragment's sync. Where the algorithm does not depend on the world size
+    (sync_every=1 with an inner SGD without state, the pseudo-gradient then being the
+    learning rate times the mean gradient) the resumed run equals the uninterrupted one.
+A load into a model that is not DiLoCo (prepared under another strategy) takes the synced
+weights under model/ and the inner optimizer state under optim/, and nothing else: rank 0
+warns, naming what is left out (the inner steps since the sync, the outer momentum, an
+average in flight, the error feedback) and that a model prepared with the px.DiLoCo of the
+save keeps it. A plain module loaded without an optimizer (an evaluation; what px.export
+writes) takes the synced weights without a warning.
 """
 
 from __future__ import annotations
@@ -49,6 +91,8 @@ from __future__ import annotations
 import torch
 
 from .diloco_wire import Exchange, Wire
+from .optim import per_element
+from .part import Part, Range, Saved
 
 __all__ = ["OuterSync", "fragment_of"]
 
@@ -83,8 +127,12 @@ class _InFlight:
         return self.deltas
 
 
-class OuterSync:
+class OuterSync(Part):
     """The outer state of a DiLoCo model and its steps (see the Notes above)."""
+
+    name = "diloco"                          # [Note: a DiLoCo checkpoint]
+    small_at = ("stateful", "model.diloco")  # the count of inner steps, the schedule
+    continue_mode_ok = False  # its inner steps carry state from one sync to the next
 
     def __init__(self, config, engine, module: torch.nn.Module, comm):
         self.config = config
@@ -192,7 +240,7 @@ class OuterSync:
 
     def pending_average(self) -> tuple[int, list[torch.Tensor]] | None:
         """(fragment, its average) of the fragment in flight, waited for (a checkpoint keeps
-        it: checkpoint/diloco.py); None when none is."""
+        it: [Note: a DiLoCo checkpoint]); None when none is."""
         if self.in_flight is None:
             return None
         return self.in_flight.fragment, self.in_flight.averaged()
@@ -216,7 +264,7 @@ class OuterSync:
         for b in others:
             self.comm.broadcast(b, src=0, tag="diloco:buffers")
 
-    # -- what a checkpoint holds (checkpoint/diloco.py) ----------------------------------------
+    # -- what a checkpoint holds: [Note: a DiLoCo checkpoint] ----------------------------------
     def momentum_of(self, i: int) -> torch.Tensor | None:
         return self.outer.state.get(self.synced[i], {}).get("momentum_buffer")
 
@@ -238,3 +286,175 @@ class OuterSync:
             self.wire.errors.pop(i, None)
         else:
             self.wire.errors[i] = value.to(self.synced[i].dtype).view_as(self.synced[i]).clone()
+
+    def model_values(self) -> dict[int, torch.Tensor]:
+        """The model's trained parameters are saved as the weights of the last sync, which
+        every rank shares (see the Note)."""
+        return {id(p): self.synced[i] for i, p in enumerate(self.params)}
+
+    @torch.no_grad()
+    def state(self, saving) -> Saved:
+        """This rank's DiLoCo ranges, and the position in the cycle with the schedule, which
+        says what a resume from the synced weights loses (see the Note)."""
+        rank, optimizer = saving.comm.rank, saving.optimizer
+        out = []
+        in_flight = self.pending_average()
+        averages = {} if in_flight is None else dict(zip(self.fragments[in_flight[0]],
+                                                         in_flight[1]))
+        for i, p in enumerate(self.params):
+            name = saving.names.get(id(p))
+            if name is None:
+                continue
+            momentum = self.momentum_of(i)
+            if momentum is not None and saving.writes(name):
+                out.append(Range(f"outer/{name}/momentum_buffer", 0, p.numel(),
+                                 momentum.detach().reshape(-1), like=name))
+            if i in averages and saving.writes(name):
+                out.append(Range(f"outer/{name}/in_flight", 0, p.numel(),
+                                 averages[i].detach().reshape(-1), like=name))
+            out.append(Range(f"rank{rank}/model/{name}", 0, p.numel(),
+                             self.masters[i].detach().reshape(-1), like=name))
+            error = self.error_of(i)
+            if error is not None:
+                out.append(Range(f"rank{rank}/error/{name}", 0, p.numel(),
+                                 error.detach().reshape(-1), like=name))
+            if optimizer is None:
+                continue
+            master = self.masters[i]
+            for key, value in optimizer.state.get(master, {}).items():
+                if per_element(key, value, master.shape):
+                    out.append(Range(f"rank{rank}/optim/{name}/{key}", 0, p.numel(),
+                                     value.detach().reshape(-1), like=name))
+        config = self.config
+        small = {"inner_steps": self.inner_steps, "sync_every": config.sync_every,
+                 "fragments": config.fragments, "delay": config.delay,
+                 "keep_local": float(config.keep_local)}
+        return Saved(out, small)
+
+    @torch.no_grad()
+    def load(self, loading) -> None:
+        """After the model (and optimizer) were loaded: the outer state (see the Note). A
+        checkpoint saved without DiLoCo starts the outer state afresh from its weights."""
+        rank, world = loading.comm.rank, loading.comm.world
+        saved_world = loading.world_size
+        same = saved_world == world
+        tensors = set(loading.keys())
+        own = f"rank{rank % saved_world}"
+        mine, averages = [], {}
+        for i, p in enumerate(self.params):
+            name = loading.names.get(id(p))
+            if name is None:
+                continue
+            self.synced[i].copy_(self.masters[i])  # model/<name>: the synced weights
+            key = f"outer/{name}/momentum_buffer"
+            self.set_momentum(i, loading.read(key, 0, p.numel()).view(p.shape)
+                              if key in tensors else None)
+            key = f"outer/{name}/in_flight"
+            if key in tensors:
+                averages[i] = loading.read(key, 0, p.numel()).view(p.shape).to(
+                    self.synced[i].dtype)
+            key = f"{own}/model/{name}"
+            mine.append(loading.read(key, 0, p.numel()).view(p.shape)
+                        if same and key in tensors else None)
+            self.set_error(i, _saved_error(loading, tensors, name, p.numel(), rank,
+                                           saved_world, same))
+            if loading.optimizer is None:
+                continue
+            master = self.masters[i]
+            prefix = f"{own}/optim/{name}/"
+            for state_key, value in loading.optimizer.state.get(master, {}).items():
+                if prefix + state_key in tensors and per_element(state_key, value,
+                                                                 master.shape):
+                    loading.read_into(prefix + state_key, 0, p.numel(), value)
+        saved = loading.small or {}
+        steps = int(saved.get("inner_steps", 0))
+        in_flight = self._saved_in_flight(averages)
+        if same and all(m is not None for m in mine):
+            self.restore(mine, steps, in_flight)
+            return
+        self.restore(None, 0, in_flight)
+        if rank != 0:
+            return
+        if _streaming(saved):
+            loading.warn(f"px.load: this DiLoCo checkpoint was saved {steps} steps into a "
+                         f"cycle of {saved.get('sync_every')} at world size {saved_world} "
+                         f"(streaming); at world size {world} the run resumes from each "
+                         "fragment's last sync, and the inner steps each rank made since are "
+                         "not in it (resume at the same world size to lose none)")
+        elif steps:
+            loading.warn(f"px.load: this DiLoCo checkpoint was saved {steps} inner step(s) "
+                         f"after a sync at world size {saved_world}; at world size {world} the "
+                         "run resumes from that sync and those steps are not in it (save right "
+                         "after a sync, or resume at the same world size, to lose none)")
+
+    def _saved_in_flight(self, averages: dict) -> tuple | None:
+        """(fragment, its averages) from the `in_flight` tensors read, or None."""
+        if not averages:
+            return None
+        for k, members in enumerate(self.fragments):
+            if set(members) == set(averages):
+                return k, [averages[i] for i in members]
+        raise ValueError("px.load: this DiLoCo checkpoint holds the average of a fragment in "
+                         "flight whose parameters are no fragment of this model's DiLoCo: load "
+                         "it with the fragments= it was saved with (or load a checkpoint saved "
+                         "with no fragment in flight, e.g. right after a fragment was applied)")
+
+    @classmethod
+    def left_out(cls, loading) -> None:
+        """After a DiLoCo checkpoint was loaded into a model that is not DiLoCo: on rank 0, a
+        warning naming what the load left out, if anything (see the Note)."""
+        saved = loading.small
+        if saved is None or loading.comm.rank != 0 or \
+                (not loading.prepared and loading.optimizer is None):
+            return
+        keys = loading.keys()
+        lost = _steps_lost(saved)
+        left = [lost] if lost is not None else []
+        for suffix, what in (("/momentum_buffer", "the outer momentum"),
+                             ("/in_flight", "a fragment's average in flight (sent, not applied)")):
+            if any(k.startswith("outer/") and k.endswith(suffix) for k in keys):
+                left.append(what)
+        if any(k.startswith("rank") and "/error/" in k for k in keys):
+            left.append("each rank's error feedback")
+        if not left:
+            return
+        what = left[-1] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]
+        loading.warn(f"px.load: this checkpoint was saved under px.DiLoCo (world size "
+                     f"{loading.world_size}) and the model it is loaded into is not DiLoCo: it "
+                     f"takes the weights of the last sync and leaves out {what}. To go on from "
+                     "where the run stopped, load it into a model prepared with the px.DiLoCo "
+                     "it was saved with, at the same world size")
+
+
+def _streaming(saved: dict) -> bool:
+    """Whether the checkpoint's DiLoCo streams (fragments, a delay or keep_local): then each
+    rank's weights always hold inner steps made since some fragment's sync, where plain
+    DiLoCo's are the synced ones right after each sync. (A checkpoint of an older phalanx
+    records no schedule: plain.)"""
+    return saved.get("fragments", 1) != 1 or bool(saved.get("delay")) or \
+        bool(saved.get("keep_local"))
+
+
+def _steps_lost(saved: dict) -> str | None:
+    """The inner steps a resume from the synced weights loses, in words; None: none."""
+    steps = int(saved.get("inner_steps", 0))
+    if _streaming(saved):
+        return (f"the inner steps each rank made since each fragment's last sync (the save "
+                f"was {steps} steps into a cycle of {saved.get('sync_every')})")
+    return f"the {steps} inner step(s) each rank made since the last sync" if steps else None
+
+
+def _saved_error(loading, tensors: set, name: str, numel: int, rank: int, saved_world: int,
+                 same: bool):
+    """This rank's error feedback at the load: its own at the same world size, else the mean
+    of the saved ranks' (see the Note); None where none was saved."""
+    if same:
+        key = f"rank{rank}/error/{name}"
+        return loading.read(key, 0, numel) if key in tensors else None
+    keys = [f"rank{r}/error/{name}" for r in range(saved_world)]
+    if not all(k in tensors for k in keys):
+        return None
+    total = loading.read(keys[0], 0, numel).clone()
+    for key in keys[1:]:
+        total += loading.read(key, 0, numel)
+    return total / saved_world

@@ -40,12 +40,28 @@ P Q'^T, and the new mean error mean(e') = mean(M) - P Q'^T. With mean(M) = mean(
 the run's trajectory (parameters, Q, mean error) depends on the ranks' gradients only through
 their mean, which is the global batch's gradient at any world size. So a checkpoint keeps the
 mean over ranks of the error feedback (one all-reduce at save) and the Q, by parameter name as
-the optimizer state is kept (checkpoint/compression.py); a resume at any world size gives every
-rank that mean as its error feedback, and continues as the uninterrupted run would have (in
-float64, to round-off: tests/test_powersgd.py). A world of one runs the same algorithm, with
-collectives that move nothing, so one process on the global batch is the reference.
+the optimizer state is kept ([Note: PowerSGD in a checkpoint] below); a resume at any world size
+gives every rank that mean as its error feedback, and continues as the uninterrupted run would
+have (in float64, to round-off: tests/test_powersgd.py). A world of one runs the same algorithm,
+with collectives that move nothing, so one process on the global batch is the reference.
 (torch's DDP hook keeps its state per bucket index, which no other bucket layout or world size
 can read.)
+
+[Note: PowerSGD in a checkpoint]
+The compressor is a part of the engine (part.py), its state stored by parameter name, so it
+loads at any world size and strategy as the optimizer state does:
+
+    powersgd/reductions        how many gradient reductions ran (1 element): a resumed run
+                               past `start_step` compresses from its first step
+    powersgd/<param>/error     the MEAN over ranks of the parameter's error feedback, flat
+    powersgd/<param>/q         its warm-start Q (columns x rank), flat
+
+Only the mean of the error feedback is kept, and every rank of the resumed run starts from it
+(see the Note above), so this resumes exactly, at any world size. The tensors are written by
+one rank each, in turn. A checkpoint saved without PowerSGD loads into a model with it as a
+fresh start (no error, Q drawn anew, the count at 0); a saved Q of another rank than the
+loading run's is left out (drawn anew), the rest loads. A model prepared without PowerSGD
+leaves that state out, and says nothing (its `left_out` is the default).
 """
 
 from __future__ import annotations
@@ -56,11 +72,13 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.collectives import Handle
+from .part import Part, Range, Saved
 from .powersgd_config import PowerSGD
 
 __all__ = ["PowerSGDReducer"]
 
 _SEED = 0x5EED
+_COUNT = "reductions"  # the count's key in a checkpoint (under powersgd/)
 
 
 @dataclass(eq=False)
@@ -145,14 +163,19 @@ class _UnitPlan:
         return self.first, self.second
 
 
-class PowerSGDReducer:
+class PowerSGDReducer(Part):
     """The compressor of one engine: its plan per unit and its state per parameter.
 
     State, by the parameter's position among the engine's trainable parameters (the model's
     order, the same at any world size and strategy): `errors`, this rank's error feedback
     (n x m); `qs`, the warm-start Q (m x r), the same on every rank; `reductions`, how many
-    gradient reductions ran (compression starts at `config.start_step`).
+    gradient reductions ran (compression starts at `config.start_step`). A part of the engine
+    (part.py): see [Note: PowerSGD in a checkpoint].
     """
+
+    name = "powersgd"
+    small_at = ("powersgd",)  # (it keeps no small values: the count is a tensor)
+    continue_mode_ok = False  # its state spans steps: a lost step would leave the ranks apart
 
     def __init__(self, config: PowerSGD, units, params: list[torch.nn.Parameter]):
         self.config = config
@@ -318,7 +341,8 @@ class PowerSGDReducer:
                 group.errors = group.qs = None
 
     @torch.no_grad()
-    def load(self, number: int, error: torch.Tensor | None, q: torch.Tensor | None) -> None:
+    def load_param(self, number: int, error: torch.Tensor | None,
+                   q: torch.Tensor | None) -> None:
         """Set a parameter's state from a checkpoint (flat values; None: leave as is). The
         same error is given to every rank: see [Note: PowerSGD's state depends only on means
         over ranks]."""
@@ -329,6 +353,48 @@ class PowerSGDReducer:
             self._errors(mat.group, dtype, p.device)[mat.slot].copy_(error.view(mat.n, mat.m))
         if q is not None and self.config.warm_start:
             self._q(mat.group, dtype, p.device)[mat.slot].copy_(q.view(mat.m, mat.r))
+
+    # -- a checkpoint: [Note: PowerSGD in a checkpoint] --------------------------------------
+    @torch.no_grad()
+    def state(self, saving) -> Saved:
+        """This rank's share of the state to save; a collective (the mean of the errors)."""
+        comm = saving.comm
+        errors = self.mean_errors(comm)
+        tensors = {_COUNT: torch.tensor([self.reductions], dtype=torch.int64)}
+        for number, p in enumerate(self.params):
+            name = saving.names.get(id(p))
+            if name is None:
+                continue
+            if number in errors:
+                tensors[f"{name}/error"] = errors[number]
+            if number in self.qs:
+                tensors[f"{name}/q"] = self.qs[number]
+        out = []
+        for i, (key, value) in enumerate(tensors.items()):  # the same order on every rank
+            if i % comm.world == comm.rank:
+                values = value.detach().reshape(-1)
+                out.append(Range(key, 0, values.numel(), values))
+        return Saved(out)
+
+    @torch.no_grad()
+    def load(self, loading) -> None:
+        """The saved state of the parameters loaded (every rank reads the same: the mean
+        error, the Q, the count)."""
+        saved = set(loading.keys())
+        if _COUNT not in saved:
+            return
+        self.reductions = int(loading.read(_COUNT, 0, 1)[0])
+        for number, p in enumerate(self.params):
+            name = loading.names.get(id(p))
+            mat = self.matrices.get(number)
+            if name not in loading.loaded or mat is None:
+                continue
+            error, q = f"{name}/error", f"{name}/q"
+            self.load_param(
+                number,
+                loading.read(error, 0, p.numel()) if error in saved else None,
+                loading.read(q, 0, mat.m * mat.r)
+                if q in saved and loading.numel(q) == mat.m * mat.r else None)
 
     # -- the step report ------------------------------------------------------------------------
     def _count(self, comm, dense: int, sent: int) -> None:

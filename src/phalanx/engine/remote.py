@@ -126,9 +126,9 @@ class ShardService:
         ranks = dist.get_process_group_ranks(group)
         key = _KEY if world == dist.get_world_size() else \
             f"{_KEY}/ranks {','.join(map(str, ranks))}"
-        members = continuation.current()  # --on-failure continue: each generation its own keys
-        if members is not None:
-            key = f"{key}/gen{members.gen}"
+        gen = continuation.now().generation()  # --on-failure continue: each its own keys
+        if gen is not None:
+            key = f"{key}/gen{gen}"
         attempt = (self._asking_store.add(f"{key}/joined", 1) - 1) // world
         self.prefix = f"{key}/{attempt}"
         # Outside torch's registry (see the Note), bounded by the job's timeout; its ranks are
@@ -258,8 +258,7 @@ class ShardService:
         it); under continue mode a PeerError marked `gone` once a member is known gone (see
         the Note)."""
         store = self._asking_store
-        members = continuation.current()
-        if members is None:
+        if not continuation.continuing():
             store.wait([key], datetime.timedelta(seconds=self.timeout))
             return
         began = looked = time.monotonic()
@@ -270,10 +269,10 @@ class ShardService:
                 raise RuntimeError(f"no answer within {self.timeout:.0f} s")
             if now - looked > _LOOK:
                 looked = now
-                for rank, life in list(members.members):
-                    if members.gone(rank, life) is not None:
-                        raise _gone(f"rank {peer} cannot give {what}: launch rank {rank} "
-                                    "has left the job")
+                rank = continuation.now().member_gone()
+                if rank is not None:
+                    raise _gone(f"rank {peer} cannot give {what}: launch rank {rank} "
+                                "has left the job")
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
 

@@ -83,10 +83,10 @@ def run(argv: list[str]) -> tuple[int, object]:
 def _say_raised(exc: Exception) -> None:
     """Under `--on-failure continue`, tell the other workers that this one ends on an
     exception (they skip the step rather than redo it: phalanx/continuing/steps.py)."""
-    elastic = sys.modules.get("phalanx.continuing")
-    if elastic is not None:
+    continuation = sys.modules.get("phalanx.comm.continuation")  # None: phalanx never imported
+    if continuation is not None:
         with contextlib.suppress(Exception):
-            elastic.raised(exc)
+            continuation.now().raised(exc)
 
 
 def leave(code: int) -> None:

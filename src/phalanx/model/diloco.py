@@ -77,7 +77,7 @@ class DiLoCo:
     warns, naming what that leaves out (the inner steps since the sync, the outer momentum,
     an average in flight, the error feedback).
     """
-    # The checkpoint's layout: [Note: a DiLoCo checkpoint] in checkpoint/diloco.py.
+    # The checkpoint's layout: [Note: a DiLoCo checkpoint] in engine/diloco.py.
 
     sync_every: int
     outer_lr: float = 0.7

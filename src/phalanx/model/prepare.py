@@ -206,7 +206,6 @@ def _wrap(model, optimizer, spec: Spec, comm, built: _Built, build: Build):
         fill_shards(model, engine.held_pieces(), comm, built.dtypes, built.reading)
         engine.publish_masters()  # offload: what the gathers start from (engine/offload.py)
     outer = attach_diloco(spec.diloco, model, engine, optimizer, comm)  # None unless DiLoCo
-    boundary = continuation.step_boundary()  # --on-failure continue: continuing/steps.py
     note_run({"strategy": spec.strategy, "precision": spec.precision.name, "world": comm.world,
               "backend": comm.backend, "device": str(runtime.device()),
               "bucket_mb": spec.bucket_mb, "comm_dtype": spec.comm_dtype,
@@ -217,8 +216,8 @@ def _wrap(model, optimizer, spec: Spec, comm, built: _Built, build: Build):
                       across=engine.names_across()) if spec.step_stats else None
     if clock is not None and optimizer is not None:
         engine.watch_steps(optimizer, clock.step_done)
-    if clock is not None and boundary is not None:
-        boundary.events.watch(clock, engine)
+    if clock is not None:  # --on-failure continue: each change of members (continuing/)
+        continuation.now().watch_clock(clock, engine)
     if clock is not None and engine.compression is not None:
         clock.extras.append(engine.compression.step_report)
     if clock is not None and engine.host_link is not None:
@@ -227,7 +226,7 @@ def _wrap(model, optimizer, spec: Spec, comm, built: _Built, build: Build):
                              original_dtypes=original_dtypes, clock=clock,
                              device=runtime.device(), outer=outer, build=build,
                              optimizer=optimizer)
-    continuation.watch_model(wrapped)  # phalanx run --on-failure continue only
+    continuation.now().watch_model(wrapped)  # phalanx run --on-failure continue only
     return wrapped, optimizer
 
 
@@ -266,9 +265,9 @@ def attach_engine(model, optimizer, comm, build: Build, precision):
     engine.steps = build.steps
     if optimizer is not None:  # the step that collective records and reports name
         engine.watch_steps(optimizer, build.steps.tick)
-    boundary = continuation.step_boundary()  # --on-failure continue: continuing/steps.py
-    if boundary is not None and optimizer is not None:
-        engine.guard_steps(optimizer, lambda: boundary.before_step(engine.comm))
+    if continuation.continuing() and optimizer is not None:  # the vote: continuing/steps.py
+        continuing = continuation.now()
+        engine.guard_steps(optimizer, lambda: continuing.before_step(engine.comm))
     if spec.check_replicas_every is not None and optimizer is not None:
         names = [name for name, _ in model.named_parameters()]
         engine.watch_steps(optimizer, ReplicaCheck(model.parameters(), names, comm,

@@ -65,7 +65,7 @@ class PreparedModule(torch.nn.Module):
                  optimizer=None):
         super().__init__()
         self._clock = clock  # the step report's StepClock (observe/step_report.py), or None
-        self._diloco = outer  # DiLoCo's outer state, which a checkpoint holds (model/diloco.py)
+        self._diloco = outer  # DiLoCo's outer step, a part (engine/part.py), or None
         self._build = build  # builds the engine again for another layout (relayout.py)
         # the optimizer prepared with it (relayout.py), weakly: the model must not keep it
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
@@ -112,6 +112,17 @@ class PreparedModule(torch.nn.Module):
             weakref.finalize(self, remote.retire, engine.remote_id)
             remote.open(engine.remote_id)  # [Note: served once prepared] in remote.py
 
+    def _parts(self) -> list:
+        """The features beside the strategy whose state a checkpoint keeps: the engine's parts,
+        then DiLoCo's outer step (engine/part.py)."""
+        return [*self._engine.parts(), *([self._diloco] if self._diloco is not None else [])]
+
+    def _use_engine(self, engine) -> None:
+        """Run on `engine` from now on (relayout.py: the engine built again for another
+        layout): the parameters' places are the new engine's."""
+        self._engine = engine
+        self._storage = [self._where(p) for p in self._trainable]
+
     def _where(self, p):
         """The address of a parameter's values; under zero3, whose units' storage is freed and
         allocated again between uses (the address moves), the storage object itself."""
@@ -138,7 +149,7 @@ class PreparedModule(torch.nn.Module):
         began = time.perf_counter()
         grad = torch.is_grad_enabled()
         if grad:
-            continuation.iteration_starts()  # after a recovery, training goes on here (continuing/)
+            continuation.now().iteration_starts()  # after a recovery, training goes on here
         self._engine.before_forward(grad)
         if grad:
             self._check_trainable()

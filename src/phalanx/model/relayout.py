@@ -33,8 +33,7 @@ def relayout(prepared) -> None:
     prepared._engine.release()
     engine = attach_engine(prepared.module, optimizer, prepared._comm, prepared._build,
                            prepared._precision)
-    prepared._engine = engine
-    prepared._storage = [prepared._where(p) for p in prepared._trainable]
+    prepared._use_engine(engine)
     clock = prepared._clock
     if clock is not None:
         clock.groups = engine.groups()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..comm import gate
+from ..comm.gate import continuing
 from ..engine.hybrid import check_shard_size
 from ..engine.offload import OFFLOADS
 from ..engine.policy import FULL, POLICIES, SHARD, ShardPolicy, placed
@@ -170,7 +170,7 @@ class Spec:
         check_diloco_options(diloco, optimizer, comm_dtype=None, sync_batchnorm=False,
                              check_replicas_every=None)  # its optimizer; the rest: the rows
         refuse(spec, COMBINATIONS)
-        if gate.gate.active:  # phalanx run --on-failure continue
+        if continuing():  # phalanx run --on-failure continue
             refuse(spec, CONTINUE_MODE)
         # the rows' places, and the gathers only where there is something to gather
         policy = placed(policy, None if spec.offload is None else spec.offload.what)

@@ -118,12 +118,8 @@ class Gate:
 
 @dataclass
 class Continuing:
-    """continuing/__init__.py: continue mode's objects for this process (session.py makes them)."""
-    membership: object = None
-    steps: object = None
-    client: object = None
-    failed: bool = False  # the worker ends on an error: no ledger checked, no `done` said
-    models: list = field(default_factory=list)  # weak references to the prepared models
+    """comm/continuation.py: continue mode for this process, one object (`now()`)."""
+    session: object = None  # continuing/session.py's Session, made at px.init; None when off
 
 
 @dataclass

@@ -147,12 +147,10 @@ def init(backend: str | None = None, timeout: float = 600.0, processes=None,
         me.owns_group = True
         me.watch = (timeout, hang_after)
         groups.set_timeout(timeout)
-        continuation.start(env, backend, timeout, me.device)
+        continuation.start(env, backend, timeout, me.device, regrouped=_regrouped,
+                           lost=_stop_watching)
         leaving.call_at_exit(shutdown)  # the end of the script calls px.shutdown()
-        m = continuation.current()
-        m.on_regroup.append(_regrouped)
-        continuation.step_boundary().on_lost.append(_stop_watching)
-        if not m.joining:
+        if not continuation.now().joining():  # a replacement: watched once it is admitted
             _watch_hangs(timeout, hang_after)
         return
     if env.world_size > 1:
@@ -242,17 +240,15 @@ def _watch_hangs(timeout: datetime.timedelta, hang_after: float | None) -> None:
     except (ValueError, RuntimeError, AttributeError):  # a group made without a store
         return
     watch = me.hang_watch = HangWatch(store, me.rank, me.world_size, threshold)
-    steps = continuation.step_boundary()
-    if steps is not None:  # [Note: a member left behind], [Note: a member that hangs] (continuing/)
-        watch.on_tick, watch.on_hang = steps.watch_tick, continuation.current().remove_hung
+    # under continue mode: [Note: a member left behind], [Note: a member that hangs] (continuing/)
+    continuation.now().watch_hangs(watch)
 
 
-def _regrouped(group) -> None:
+def _regrouped(rank: int, world: int) -> None:
     """A new generation's group (continuing/membership.py): this rank's place in it, and a hang
     watcher over it (the old one stopped when the old group broke)."""
     me = process.state.world
-    m = continuation.current()
-    me.rank, me.world_size = m.rank, m.world
+    me.rank, me.world_size = rank, world
     me.comm = None
     _stop_watching()
     if me.watch is not None:
@@ -262,8 +258,7 @@ def _regrouped(group) -> None:
 def job_comm(**kwargs) -> Comm:
     """A new Comm over the job's group; for a replacement not yet admitted (continuing/), one
     that waits without a group, sized as the job, until its admission gives it one."""
-    m = continuation.current()
-    if m is not None and m.joining:
+    if continuation.now().joining():
         comm = Comm(None, device=device(), **kwargs)
         me = process.state.world
         comm.world, comm.rank, comm.waiting = me.world_size, me.rank, True
@@ -371,12 +366,12 @@ def shutdown() -> None:
                 fn()
             except Exception as exc:  # noqa: BLE001 - raised once the group is ended
                 error = error or exc
-        continuation.finish()  # phalanx run --on-failure continue: a loss after the last step
-        if continuation.current() is None:
+        continuation.now().finish()  # phalanx run --on-failure continue: a loss after the last step
+        if not continuation.continuing():
             leaving.leave("px.shutdown")
         elif dist.is_available() and dist.is_initialized():
             _barrier("px.shutdown")
-            continuation.finish()  # ... or in this very barrier
+            continuation.now().finish()  # ... or in this very barrier
     finally:
         _stop_watching()
         try:
@@ -384,7 +379,7 @@ def shutdown() -> None:
         finally:
             try:
                 leaving.done()
-                continuation.stop()
+                continuation.now().stop()
             finally:
                 process.reset()  # [Note: process-wide state] in process.py
     if error is not None:
