@@ -69,29 +69,8 @@ from ..comm import host
 from ..comm.collectives import Handle
 from .part import Part, Range, Saved
 
-__all__ = ["STALENESS", "check_staleness", "DelayedGrads"]
+__all__ = ["DelayedGrads"]
 
-STALENESS = (0, 1)
-
-
-def check_staleness(staleness, strategy: str, precision: str) -> int:
-    """The staleness asked for, or a ValueError naming the cause and the fix (raised on every
-    rank alike, before any collective: it depends on the arguments only)."""
-    if isinstance(staleness, bool) or staleness not in STALENESS:
-        raise ValueError(f"staleness={staleness!r}: 0 (the default: every step applies its own "
-                         "averaged gradient) or 1 (step t applies step t-1's, so its averaging "
-                         "has a whole step to finish)")
-    if staleness and strategy == "zero3":
-        raise ValueError("staleness=1 is not available with zero3: zero3 reduces each unit's "
-                         "gradient into its shard as backward frees the unit, and a delayed "
-                         "average would keep a full gradient buffer per unit in flight, the "
-                         "memory zero3 exists to save; use strategy='zero2' (sharded gradients "
-                         "and optimizer state) with staleness=1")
-    if staleness and precision == "fp16":
-        raise ValueError("staleness=1 is not available with precision='fp16': a gradient "
-                         "scaled by one step's loss scale would be unscaled by the next step's; "
-                         "use precision='bf16' (no loss scaling) or 'fp32'")
-    return int(staleness)
 
 
 class _Flight:

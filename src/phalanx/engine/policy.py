@@ -52,6 +52,25 @@ class ShardPolicy:
     masters: Place = DEVICE  # the masters and the optimizer state
     shards: Place = DEVICE   # zero3's parameter shards between uses
 
+    # What the row splits over a world of `world` ranks: nothing in a world of one, where the
+    # row's SHARD holds everything. The engine and each of its units read the row through
+    # these, so the decoding lives here once.
+    def shards_optimizer(self, world: int) -> bool:
+        """The optimizer state (and the masters) split 1/N per rank."""
+        return self.optimizer is SHARD and world > 1
+
+    def shards_grads(self, world: int) -> bool:
+        """Gradients reduced to the owned shard, the full bucket given back in backward."""
+        return self.grads is SHARD and world > 1
+
+    def reshards(self, world: int) -> bool:
+        """zero3: parameters exist only while their unit computes (zero3.py)."""
+        return self.params is SHARD and world > 1
+
+    def shards_on_host(self, world: int) -> bool:
+        """zero3 under offload="params": its parameter shards in host memory between uses."""
+        return self.shards is HOST and self.reshards(world)
+
 
 POLICIES = {
     "ddp": ShardPolicy("ddp", params=FULL, grads=FULL, optimizer=FULL),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["PowerSGD", "check_compression"]
+__all__ = ["PowerSGD"]
 
 
 @dataclass(frozen=True)
@@ -72,32 +72,3 @@ class PowerSGD:
 
 def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_compression(compression, strategy: str, precision: str, comm_dtype) -> None:
-    """Raise ValueError (or TypeError) naming the cause and the fix when `compression` cannot
-    be used with these options; called by `px.prepare` on every rank before any collective."""
-    if compression is None:
-        return
-    if not isinstance(compression, PowerSGD):
-        raise TypeError(f"compression={compression!r}: pass px.PowerSGD(rank=..., "
-                        "start_step=...) or None")
-    if strategy == "zero3":
-        raise ValueError(
-            "compression=PowerSGD(...) needs the whole gradient matrix of each parameter on "
-            "every rank to factor it, and zero3 reduces each unit's gradients straight to the "
-            "owned shards of parameters it gathers and frees, so no rank holds it. Use "
-            "strategy='zero2' (the optimizer state and gradients sharded, the parameters "
-            "whole) with PowerSGD, or zero3 without compression")
-    if comm_dtype is not None:
-        raise ValueError(
-            f"compression=PowerSGD(...) with comm_dtype={comm_dtype!r}: the two are not "
-            "combined (the factors are orthogonalized after the first all-reduce and carry the "
-            "error feedback; they travel in the gradients' own dtype). Pass one of them: "
-            "PowerSGD sends far fewer bytes than a 16-bit comm_dtype on its own")
-    if precision == "fp16":
-        raise ValueError(
-            "compression=PowerSGD(...) with precision='fp16': the error feedback carries "
-            "gradients from one step to the next, and under fp16 they are multiplied by a loss "
-            "scale that changes between steps. Use precision='bf16' (no loss scaling) or "
-            "'fp32' with PowerSGD")

@@ -15,13 +15,11 @@ Parameters are taken in reverse registration order, about the order backward pro
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 __all__ = ["find_blocks", "resolve_block_classes", "plan_units", "module_units", "unit_caps",
-           "unit_numels", "unit_roots", "check_gather_options", "step_runs", "step_run_bytes",
+           "unit_numels", "unit_roots", "step_runs", "step_run_bytes",
            "FIRST_UNIT_MIB", "borrows", "borrowing"]
 
 FIRST_UNIT_MIB = 1.0
@@ -255,26 +253,3 @@ def unit_roots(module: nn.Module, runs, block_classes=None) -> list[str]:
     blocks = [names_of[id(b)] for b in find_blocks(module, block_classes)]
     return [_callable_root(_common_prefix([n for p in run for n in owners.get(id(p), [""])]),
                            blocks, modules) for run in runs]
-
-
-def check_gather_options(strategy, prefetch, max_gathered_mb, reshard_after_forward) -> dict:
-    """zero3's gathering options: checked before any collective, refused elsewhere (the other
-    strategies keep whole parameters, so there is nothing to gather)."""
-    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
-                                 or prefetch < 0):
-        raise ValueError(f"prefetch={prefetch!r}: how many blocks to gather ahead, 0 or more "
-                         "(default 1)")
-    if max_gathered_mb is not None and not (
-            isinstance(max_gathered_mb, (int, float)) and not isinstance(max_gathered_mb, bool)
-            and math.isfinite(max_gathered_mb) and max_gathered_mb > 0):
-        raise ValueError(f"max_gathered_mb={max_gathered_mb!r}: a positive number of MiB, or "
-                         "None (no bound)")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
-    if strategy != "zero3" and (prefetch is not None or max_gathered_mb is not None
-                                or not reshard_after_forward):
-        raise ValueError(f"prefetch, max_gathered_mb and reshard_after_forward are zero3's: "
-                         f"strategy {strategy!r} keeps whole parameters and gathers nothing")
-    limit = None if max_gathered_mb is None else int(max_gathered_mb * 2**20)
-    return {"prefetch": 1 if prefetch is None else prefetch, "max_gathered_bytes": limit,
-            "reshard_after_forward": reshard_after_forward}

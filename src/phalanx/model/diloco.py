@@ -23,7 +23,7 @@ from ..comm.collectives import Comm
 from ..engine.diloco import OuterSync
 from .precision import COMM_DTYPES
 
-__all__ = ["DiLoCo", "split_strategy", "check_diloco_options", "inner_comm", "attach"]
+__all__ = ["DiLoCo", "split_strategy", "check_diloco_optimizer", "inner_comm", "attach"]
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,9 @@ def split_strategy(strategy):
     return None, strategy
 
 
-def check_diloco_options(diloco: DiLoCo | None, optimizer, *, comm_dtype, sync_batchnorm,
-                         check_replicas_every) -> None:
-    """What px.prepare's other options cannot be under DiLoCo (before any collective)."""
+def check_diloco_optimizer(diloco: DiLoCo | None, optimizer) -> None:
+    """DiLoCo needs the (inner) optimizer, whose parameters its fragments split: checked
+    before any collective (what its other options cannot be: model/spec.py's rows)."""
     if diloco is None:
         return
     if optimizer is None:
@@ -178,18 +178,6 @@ def check_diloco_options(diloco: DiLoCo | None, optimizer, *, comm_dtype, sync_b
         raise ValueError(f"DiLoCo(fragments={diloco.fragments}): this optimizer has "
                          f"{trainable} trainable parameter(s), and a fragment holds whole "
                          f"parameters: give fragments={trainable} or fewer")
-    if comm_dtype is not None:
-        raise ValueError("comm_dtype= compresses gradients, which DiLoCo never sends; give the "
-                         "pseudo-gradient's dtype to DiLoCo: px.DiLoCo(sync_every=H, "
-                         "comm_dtype=torch.bfloat16)")
-    if sync_batchnorm:
-        raise ValueError("sync_batchnorm=True communicates in every forward, and DiLoCo's inner "
-                         "steps communicate nothing (BatchNorm statistics are averaged at each "
-                         "sync); leave sync_batchnorm False")
-    if check_replicas_every is not None:
-        raise ValueError("check_replicas_every compares replicas that DiLoCo lets differ "
-                         "between syncs; leave it None")
-
 
 def inner_comm(comm: Comm) -> Comm:
     """The world of one that the inner steps' engine runs on: no process group, so nothing it

@@ -35,7 +35,7 @@ from ..engine.powersgd_config import PowerSGD
 from ..faults.nonfinite import MODES as NONFINITE_MODES
 from ..spec.precisions import PrecisionSpec, precision_spec
 from ..spec.strategies import strategy_name
-from .diloco import DiLoCo, check_diloco_options, split_strategy
+from .diloco import DiLoCo, check_diloco_optimizer, split_strategy
 from .precision import COMM_DTYPES
 
 __all__ = ["Spec", "Gathering", "Staleness", "Offload", "Rule", "COMBINATIONS", "CONTINUE_MODE",
@@ -167,8 +167,7 @@ class Spec:
             sync_batchnorm=bool(sync_batchnorm), broadcast_buffers=bool(broadcast_buffers),
             check_replicas_every=_replicas_every(check_replicas_every),
             on_nonfinite=_on_nonfinite(on_nonfinite), step_stats=bool(step_stats))
-        check_diloco_options(diloco, optimizer, comm_dtype=None, sync_batchnorm=False,
-                             check_replicas_every=None)  # its optimizer; the rest: the rows
+        check_diloco_optimizer(diloco, optimizer)
         refuse(spec, COMBINATIONS)
         if continuing():  # phalanx run --on-failure continue
             refuse(spec, CONTINUE_MODE)
