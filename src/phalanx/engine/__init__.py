@@ -1,19 +1,21 @@
 """The engine behind a prepared model, and the protocol the rest of phalanx calls it through.
 
 Layout: policy.py (a strategy as a residency row), units.py (which parameters form a unit, and
-under zero3 where it is gathered), buckets.py (flat gradient storage), reducer.py (hooks, launch
-order, end of backward), flat.py (a unit: owned shard, master pieces, unshard), flat_engine.py
-(the engine), state.py (its masters as the rest of phalanx reads them), remote.py (a peer's
-shards read by a rank alone), zero3.py (gathering and freeing units around their forward and
-backward; zero3_prefetch.py what it gathers ahead, zero3_release.py when a unit holding frozen
-parameters is freed in backward, zero3_roots.py checks that the ranks gather alike and guards
-modules used outside their root), optim.py (adopting the
-optimizer), amp.py (torch.amp's GradScaler routed to the engine's reduced gradients), vote.py
-(a step that raised on one rank dropped on every rank; zero3_replay.py its gathers),
-offload.py (masters and optimizer state in host memory, stepped there), flat_grads.py (a
-unit's gradients reduced and handed to the step), stepping.py (the step, a run of units at a
-time), clipping.py (the global norm; torch's clip_grad_norm_ routed to it), generations.py
-(what an engine does across continue mode's generations), powersgd.py (low-rank gradient
+under zero3 where it is gathered), buckets.py (flat gradient storage), flat.py (a unit: owned
+shard, master pieces, unshard, its gradients reduced and handed to the step), flat_engine.py
+(the engine, which owns the parts that follow, each a class of its own: reducer.py (hooks,
+launch order, end of backward), state.py (its masters as the rest of phalanx reads them, and
+what a peer asks for), stepping.py (the step, a run of units at a time), zero3.py (gathering
+and freeing units around their forward and backward; zero3_prefetch.py what it gathers ahead,
+zero3_release.py when a unit holding frozen parameters is freed in backward, zero3_roots.py
+checks that the ranks gather alike and guards modules used outside their root, zero3_replay.py
+the log of its gathers that a failed pass makes again), vote.py (a step that raised on one rank
+dropped on every rank), generations.py (what an engine does across continue mode's
+generations), optim.py (adopting the optimizer)), remote.py (a peer's shards read by a rank
+alone), amp.py (torch.amp's GradScaler routed to the engine's reduced gradients), offload.py
+(masters and optimizer state in host memory, stepped there), clipping.py (the global norm;
+torch's clip_grad_norm_ routed to it), part.py (a feature beside the strategy, as checkpoints
+and continue mode see it; every kind of one in part_kinds.py), powersgd.py (low-rank gradient
 compression in the reducer; its request in powersgd_config.py), delayed.py (`staleness=1`),
 diloco.py (DiLoCo's outer step), hybrid.py (`shard_size`: sharded within groups, replicated
 across them).
@@ -26,11 +28,11 @@ from typing import ContextManager, Protocol
 import torch
 
 from .clipping import route_torch_clip
-from .flat_engine import FlatEngine
+from .flat_engine import Features, FlatEngine, UnitOptions
 from .optim import ELEMENTWISE_OPTIMIZERS, optimizer_state_dict
-from .policy import POLICIES, SHARD, ShardPolicy, placed
+from .policy import POLICIES, ShardPolicy
 
-__all__ = ["Engine", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
+__all__ = ["Engine", "EngineSpec", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
            "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict"]
 
 
@@ -85,24 +87,33 @@ class Engine(Protocol):
     def set_elastic_state(self, state: dict | None) -> None: ...
 
 
-def build_engine(module, optimizer, comm, strategy: str, precision, bucket_mb: float,  # noqa: PLR0913
-                 gather_options: dict | None = None, block_classes=None,
-                 staleness: int = 0, replicas=None, compression=None,
-                 offload: str | None = None, buffers=None) -> Engine:
-    """gather_options: zero3's prefetch, max_gathered_bytes, reshard_after_forward (zero3.py);
-    block_classes: the classes whose instances are the repeated blocks (units.py);
-    staleness: 1 applies each step's averaged gradients at the next step (delayed.py);
-    replicas: shard_size's average across shard groups, `comm` being the group (hybrid.py);
-    compression: a px.PowerSGD or None (powersgd.py);
-    offload: "optimizer", "params" or None, the places of policy.py (offload.py);
-    buffers: what keeps the buffers equal at the end of each backward that synchronises
-        (model/buffers.py), or None."""
-    policy = placed(POLICIES[strategy], offload)
-    engine = FlatEngine(module, optimizer, comm, policy, precision=precision, bucket_mb=bucket_mb,
-                        gather_options=gather_options, block_classes=block_classes,
-                        staleness=staleness, replicas=replicas, compression=compression,
-                        buffers=buffers)
-    if (policy.grads is SHARD and comm.world > 1) or precision.loss_scaler is not None \
-            or staleness:
+class EngineSpec(Protocol):
+    """What the engine reads of px.prepare's resolved options (model/spec.py's `Spec`, which
+    stands a floor above and is handed down whole)."""
+
+    policy: ShardPolicy    # the strategy's residency row, with offload's places (policy.py)
+    bucket_mb: float       # a unit's size (units.py)
+    gathering: object      # zero3's Gathering (its `options()`: zero3.py's), or None
+    staleness_steps: int   # 1: each step applies the previous step's average (delayed.py)
+    compression: object    # a px.PowerSGD (powersgd.py), or None
+
+
+def build_engine(module, optimizer, comm, spec: EngineSpec, precision, *, block_classes=None,
+                 replicas=None, buffers=None, nonfinite=None, steps=None) -> Engine:
+    """The engine `spec` asks for over `comm`. precision: the runtime Precision
+    (model/precision.py: compute dtype, loss scaler); block_classes: the classes whose
+    instances are the repeated blocks (units.py); replicas: shard_size's average across shard
+    groups, `comm` being the group (hybrid.py); buffers: what keeps the buffers equal at the
+    end of each backward that synchronises (model/buffers.py), or None; nonfinite: the
+    NonFiniteWatch (faults/nonfinite.py), or None; steps: the model's StepCounter."""
+    policy = spec.policy
+    gather = spec.gathering.options() if spec.gathering is not None else None
+    engine = FlatEngine(module, optimizer, comm, policy, precision=precision,
+                        units=UnitOptions(spec.bucket_mb, block_classes, gather),
+                        features=Features(spec.staleness_steps, replicas, spec.compression,
+                                          buffers),
+                        nonfinite=nonfinite, steps=steps)
+    if policy.shards_grads(comm.world) or precision.loss_scaler is not None \
+            or spec.staleness_steps:
         route_torch_clip(engine)
     return engine

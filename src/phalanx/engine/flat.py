@@ -51,9 +51,10 @@ import torch
 
 from ..comm.collectives import Handle
 from .buckets import BufferPool, GradBucket
-from .flat_grads import UnitGradients
+from .policy import ShardPolicy
+from .vote import FAILED_AT
 
-__all__ = ["FlatUnit", "Piece"]
+__all__ = ["FlatUnit", "Piece", "UnitContext"]
 
 
 @dataclass
@@ -72,18 +73,37 @@ class Piece:
         return cls(index, 0, param.numel(), param, offset, offset + param.numel())
 
 
-class FlatUnit(UnitGradients):
-    """One run of parameters, laid out flat (see [Note: the shard is the truth])."""
+@dataclass(frozen=True)
+class UnitContext:
+    """What every unit of one engine shares: the strategy's row (policy.py) over a world of
+    `world` ranks and this rank's place in it; whether the optimizer is adopted (`adopt`: the
+    masters have storage of their own, see [Note: the shard is the truth]; otherwise each
+    parameter is its own master); the pool zero2 and zero3 lend bucket buffers from
+    (buckets.py); and offload's HostLink (offload.py), None keeping everything on the device."""
+    policy: ShardPolicy
+    world: int
+    rank: int
+    adopt: bool
+    pool: BufferPool | None = None
+    host: object = None
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], *, world: int, rank: int,  # noqa: PLR0913
-                 sharded: bool, compute_dtype: torch.dtype, adopt: bool,
-                 pool: BufferPool | None, reshards: bool = False, shard_grads: bool = False,
-                 frozen: list[torch.nn.Parameter] = (), host=None, shards_on_host: bool = False):
+
+class FlatUnit:
+    """One run of parameters, laid out flat (see [Note: the shard is the truth]): `params`,
+    the trainable ones, in the order of the gradient bucket; `frozen`, zero3's frozen
+    parameters gathered with them (see [Note: frozen parameters in a unit])."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter],
+                 frozen: list[torch.nn.Parameter] = (), *, compute_dtype: torch.dtype,
+                 context: UnitContext):
+        policy, world, rank = context.policy, context.world, context.rank
+        sharded = policy.shards_optimizer(world)
+        reshards = policy.reshards(world)
         self.index = index
         # offload (offload.py): the masters on the host, and with `shards_on_host` zero3's
         # shards between uses too; `host` is the HostLink, None keeps everything on the device
-        self.host = host
-        self.shards_on_host = shards_on_host
+        self.host = context.host
+        self.shards_on_host = policy.shards_on_host(world)
         self.kept: torch.Tensor | None = None  # zero3 offloaded: what the gathers start from
         self.params = params  # the trainable ones: the gradient bucket's, in its order
         # zero3: frozen parameters gathered with them (see [Note: frozen parameters in a unit])
@@ -102,8 +122,8 @@ class FlatUnit(UnitGradients):
         if params:
             alone = len(params) == 1 and params[0].numel() % (world if sharded else 1) == 0
             self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
-                                     dtype=compute_dtype, pool=pool,
-                                     tail_apart=shard_grads and (alone or reshards))
+                                     dtype=compute_dtype, pool=context.pool,
+                                     tail_apart=policy.shards_grads(world) and (alone or reshards))
         self.probe = None  # the tail's own collective, while the gradients' is in flight
         n = self.bucket.padded_numel if self.bucket is not None else 0
         shard = n // world if sharded else n
@@ -128,7 +148,7 @@ class FlatUnit(UnitGradients):
         self.nonfinite = False  # some rank flagged a non-finite loss (the bucket's signal)
         self.failed = False     # some rank's step raised (the signal: engine/vote.py)
         # The reduced flags and signal, on the device, until the end of backward reads them
-        # with every other unit's (see `take_flags` in flat_grads.py and host.py).
+        # with every other unit's (see `take_flags` below and host.py).
         self.tail: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
@@ -137,7 +157,7 @@ class FlatUnit(UnitGradients):
         self.frozen_pieces: list[Piece] = []  # of the frozen shard (param_index into members)
         self._received: torch.Tensor | None = None  # reduce-scatter's output, until finished
         self._sent_compressed = False
-        if adopt:
+        if context.adopt:
             self._lay_out_flat()
         else:  # each parameter is its own master, whole
             self.pieces = [Piece.whole(p, i, o)
@@ -329,6 +349,16 @@ class FlatUnit(UnitGradients):
         self.flat.copy_(values, non_blocking=True)
 
     @torch.no_grad()
+    def standalone(self) -> None:
+        """Give every member storage of its own again, zeros until its values are loaded (the
+        unit's engine is being replaced: model/relayout.py): a trainable parameter in its own
+        dtype, a frozen one of zero3's in the dtype it was cast to."""
+        for p in self.members:
+            dtype = self.master_dtype if p.requires_grad else self.compute_dtype
+            p.data = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            p.grad = None
+
+    @torch.no_grad()
     def load_master(self, values: list[torch.Tensor | None]) -> None:
         """Set the owned master (and frozen shard) from full-precision values of every member
         (None: keep)."""
@@ -337,6 +367,108 @@ class FlatUnit(UnitGradients):
             if v is not None:
                 piece.master.view(-1).copy_(v.reshape(-1)[piece.start:piece.end])
         self.refresh_kept()
+
+    # -- gradients: reduced over the ranks, and turned into what the step reads -------------
+    def reduce_grad(self, comm, comm_dtype: torch.dtype | None, shard: bool):
+        """Start averaging the unit's bucket over the ranks (asynchronously): all of it, in
+        place, where gradients stay full; to the owned shard where they are sharded (by
+        reduce-scatter or by all-reduce, as the Comm prefers). The used-flags ride along, or
+        go in a collective of their own beside the gradients' (a bucket whose tail is apart,
+        or a reduce-scatter). A reduce-scatter writes straight into the owned gradient when
+        nothing is accumulated there yet."""
+        bucket = self.bucket
+        buf = bucket.buffer
+        self._sent_compressed = comm_dtype is not None and comm_dtype != buf.dtype
+        if self._sent_compressed:
+            buf = bucket.copy_for_comm(comm_dtype)
+        tag = f"unit[{self.index}]:grads"
+        self._received = None
+        n = bucket.padded_numel
+        if not (shard and (comm.uses_reduce_scatter or bucket.tail_apart)):
+            return comm.all_reduce(buf, async_op=True, tag=tag)
+        if comm.uses_reduce_scatter:
+            if self.grad_shard is None:
+                self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
+                                              device=buf.device)
+            into = self.reduced is None and buf.dtype == self.grad_shard.dtype
+            self._received = self.grad_shard if into else \
+                torch.empty(self.hi - self.lo, dtype=buf.dtype, device=buf.device)
+            grads = comm.reduce_shard(buf[:n], self._received, tag=tag)
+        else:
+            grads = comm.all_reduce(buf[:n], async_op=True, tag=tag)
+        tail = bucket.tail() if bucket.tail_apart else buf[n:]
+        flags = comm.all_reduce(tail, async_op=True, tag=tag + ":flags")
+        self.probe = flags if bucket.tail_apart else None
+        return Handle(grads.works + flags.works, records=grads.records + flags.records)
+
+    def finish_grad(self, shard: bool) -> None:
+        """Turn the reduced bucket into what the step reads, once its collective is done, on
+        the device alone: which parameters got a gradient is read by the host later, with
+        every unit's, in `take_flags` (see host.py).
+
+        See [Note: gradients that never arrived] in reducer.py: under full gradients a parameter
+        still holding an accumulated `.grad` counts as used by itself (its slot is kept, its
+        flag set); sharded gradients leave `.grad` None, so the flags of earlier backwards since
+        zero_grad() are remembered in `take_flags`.
+        """
+        bucket = self.bucket
+        reduced = bucket.comm_buffer if self._sent_compressed \
+            else bucket.buffer
+        if shard:
+            tail = bucket.tail() if bucket.tail_apart else reduced[bucket.padded_numel:]
+            self.tail = tail.clone()  # the bucket's buffer is about to go
+            owned = self._received if self._received is not None \
+                else reduced[self.lo:self.hi]
+            self._received = self.probe = None
+            if self.grad_shard is None:
+                self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
+                                              device=owned.device)
+            # A second backward before zero_grad() accumulates, as in one process.
+            if owned is self.grad_shard:
+                pass  # reduce-scattered into it
+            elif self.reduced is None:
+                self.grad_shard.copy_(owned)
+            else:
+                self.grad_shard.add_(owned)
+            self.reduced = self.grad_shard
+            for p in self.params:
+                p.grad = None
+            bucket.free()
+            return
+        if reduced is not bucket.buffer:
+            bucket.buffer.copy_(reduced)  # the mean, into every element: `.grad` is the mean
+        # The bucket is kept and the parameters keep their views into it, so a second backward
+        # accumulates into it in place (the mean of a sum already equal on every rank plus the
+        # new gradients is that sum plus their mean).
+        self.tail = bucket.tail()
+        self.reduced = bucket.grads()[self.lo:self.hi]
+
+    def take_flags(self, tail: list[float], shard: bool) -> None:
+        """The host's part of finishing, given this unit's reduced flags and signal as read."""
+        used, self.nonfinite = [f > 0 for f in tail[:-1]], tail[-1] > 0
+        self.failed = tail[-1] >= FAILED_AT
+        self.tail = None
+        if shard:
+            if self.used is not None:
+                used = [a or b for a, b in zip(self.used, used)]
+            self.used = used
+            return
+        self.used = used
+        for i, p in enumerate(self.params):
+            p.grad = self.bucket.view(i) if used[i] else None
+
+    def set_piece_grads(self, grad: torch.Tensor | None) -> None:
+        """Point every piece's `.grad` at its slice of `grad` (the owned reduced gradient in the
+        master dtype), None for parameters that got no gradient on any rank."""
+        for piece in self.pieces:
+            if grad is None or not self.used[piece.param_index]:
+                piece.master.grad = None
+            else:
+                piece.master.grad = grad[piece.lo:piece.hi].view_as(piece.master)
+
+    def clear_reduced(self) -> None:
+        self.reduced = None
+        self.used = None
 
 
 def _has_room(p: torch.Tensor) -> bool:

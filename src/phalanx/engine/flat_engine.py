@@ -16,13 +16,21 @@ Per step, for every policy of policy.py:
 
 Under fp32 ddp the parameters are their own masters (flat.py) and the user's optimizer is left
 untouched: `optimizer.step()` reads the bucket views directly. Everything else, from the hooks
-to the unused-parameter rule and the launch order, is the same code (and generations.py).
+to the unused-parameter rule and the launch order, is the same code.
+
+The engine owns its parts, each a class of its own given what it needs when it is built: the
+units (flat.py), the reducer (reducer.py), zero3's gatherer (zero3.py), the masters as the rest
+of phalanx reads them (state.py), the stepper (stepping.py), the step vote (vote.py), its part
+in continue mode's generations (generations.py) and the optimizer's adapter (optim.py), beside
+the features of `parts()`. What it keeps itself is the wiring between them: the reducer's
+launch and finish of each unit, and the end of each backward ([Note: one host read per step]).
 """
 
 from __future__ import annotations
 
-import threading
 import time
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -34,53 +42,128 @@ from .amp import route_grad_scaler, scaler_in_use
 from .buckets import BufferPool, GradBucket
 from .clipping import clip_units
 from .delayed import DelayedGrads
-from .flat import FlatUnit
-from .generations import AcrossGenerations
-from .offload import HostLink
+from .flat import FlatUnit, UnitContext
+from .generations import Generations
+from .offload import HostLink, step_on_host
 from .optim import OptimizerAdapter
-from .policy import HOST, SHARD, ShardPolicy
+from .policy import HOST, ShardPolicy
 from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
 from .remote import service_for
-from .state import EngineState
-from .stepping import Stepping
+from .state import Masters
+from .stepping import Stepper
 from .units import borrows, module_units, step_run_bytes
 from .vote import StepVote
 from .zero3 import UnitGatherer
 
-__all__ = ["FlatEngine"]
+__all__ = ["FlatEngine", "UnitOptions", "Features"]
 
 
-class FlatEngine(EngineState, Stepping, AcrossGenerations):
-    """Implements the `Engine` protocol (engine/__init__.py) for every strategy of policy.py."""
+@dataclass(frozen=True)
+class UnitOptions:
+    """How an engine groups its parameters into units and, under zero3, gathers them.
+
+    bucket_mb: the size of a unit (units.py); block_classes: the classes whose instances are
+    the repeated blocks, a unit each (units.py); gather: zero3's prefetch, max_gathered_bytes
+    and reshard_after_forward (zero3.py's UnitGatherer), None for its defaults."""
+    bucket_mb: float = 25.0
+    block_classes: tuple[type, ...] | None = None
+    gather: dict | None = None
+
+
+@dataclass(frozen=True)
+class Features:
+    """What an engine runs beside its strategy, where asked for.
+
+    staleness: 1 applies each step's averaged gradients at the next step (delayed.py);
+    replicas: shard_size's average across shard groups, the engine's `comm` being the group
+        (hybrid.py); compression: a px.PowerSGD (powersgd.py); buffers: what keeps the buffers
+        equal at the end of each backward that synchronises (model/buffers.py)."""
+    staleness: int = 0
+    replicas: object = None
+    compression: object = None
+    buffers: object = None
+
+
+class FlatEngine:
+    """Implements the `Engine` protocol (engine/__init__.py) for every strategy of policy.py.
+
+    units: how the parameters form units (default `UnitOptions()`); features: what runs beside
+    the strategy (default none); nonfinite: the NonFiniteWatch of faults/nonfinite.py, or None;
+    steps: the model's StepCounter (comm/records.py), a fresh one by default."""
 
     def __init__(self, module: torch.nn.Module, optimizer, comm: Comm, policy: ShardPolicy, *,
-                 precision, bucket_mb: float = 25.0, gather_options: dict | None = None,
-                 block_classes: tuple[type, ...] | None = None, staleness: int = 0,
-                 replicas=None, compression=None, buffers=None):
-        self.comm = comm
-        self.buffers = buffers  # rank 0's buffers at each synchronised backward's end
-        self.built_at = comm.regroups  # the Comm's group this layout is for (laid_out_for)
-        self.replicas = replicas  # shard_size: the average across groups (hybrid.py)
-        self.policy = policy
-        self.precision = precision
+                 precision, units: UnitOptions | None = None, features: Features | None = None,
+                 nonfinite=None, steps: StepCounter | None = None):
+        units, features = units or UnitOptions(), features or Features()
+        self.comm, self.policy, self.precision = comm, policy, precision
         self.world, self.rank = comm.world, comm.rank
-        self.sharded = policy.optimizer is SHARD and self.world > 1
-        self.shard_grads = policy.grads is SHARD and self.world > 1
-        self.reshards = policy.params is SHARD and self.world > 1  # zero3: zero3.py
+        self.sharded = policy.shards_optimizer(self.world)
+        self.shard_grads = policy.shards_grads(self.world)
+        self.reshards = policy.reshards(self.world)  # zero3: zero3.py
         self.params = [p for p in module.parameters() if p.requires_grad]
-        compute = precision.compute_dtype
-        low = any(compute is not None and p.dtype != compute for p in self.params)
+        self.replicas = features.replicas  # shard_size: the average across groups (hybrid.py)
+        self.buffers = features.buffers  # rank 0's buffers at each synchronised backward's end
+        self.nonfinite = nonfinite  # a NonFiniteWatch (faults/nonfinite.py), or None
+        self.steps = steps if steps is not None else StepCounter()  # this model's optimizer steps
+        self.loss_scaler = precision.loss_scaler
         # offload: the masters (and with them the optimizer state) in host memory (offload.py)
         self.host_link = HostLink(next(module.parameters()).device) \
             if policy.masters is HOST and self.params else None
-        # The optimizer is adopted (its params become master pieces) unless every parameter is
-        # its own master: no sharding, no low precision and no offload.
-        self.adopt = self.sharded or low or staleness > 0 or self.host_link is not None
-        if self.adopt and optimizer is None and self.params:
+        self.adopt = self._adopts(optimizer, features.staleness)
+        self.pool, self.units, self.frozen_units = self._lay_out(module, units, features)
+        self.delayed = DelayedGrads(self) if features.staleness else None  # [Note: staleness=1]
+        self.compression = PowerSGDReducer(features.compression, self.units, self.params) \
+            if features.compression is not None and self.units else None
+        self.patience = 0.05   # seconds a root waits for its predecessors' flags (_may_wait)
+        self._gave_up = False  # a wait in this backward was given up (_may_wait)
+        self._unsettled: list[FlatUnit] = []  # finished in this backward, flags not read yet
+        # See [Note: waiting for a reduction in backward] in reducer.py: zero3 where a wait
+        # blocks the host (gloo; NCCL's holds the stream, and the host goes on gathering)
+        self._host_waits = self.reshards and bool(self.units) and not comm.polls
+        self.gatherer, self.remote = self._gathering(module, units)
+        self.masters = Masters(self.units, self.frozen_units, self.params, comm, policy,
+                               remote=self.remote, gatherer=self.gatherer,
+                               optimizer_parts=self._optimizer_parts)
+        self.remote_id = self.masters.remote_id  # this engine's name in the shard service
+        # See [Note: the step vote] in vote.py: an exception in one rank's step
+        self.vote = StepVote(self, self.replicas.job.world if self.replicas is not None
+                             else self.world)
+        self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
+                                   on_first_order=self._reorder if self.world > 1 else None,
+                                   max_in_flight=1 if self.shard_grads else None,
+                                   signal=self._signal, on_end=self._after_backward,
+                                   may_wait=self._may_wait if self._host_waits else None)
+        self.generations = Generations(comm, self.reducer)
+        # See [Note: fp32 gradients a few units at a time] in units.py
+        self.step_chunk_bytes = step_run_bytes(units.bucket_mb)
+        self.stepper = Stepper(self.units, self.params, self.masters, optimizer, comm, policy,
+                               delayed=self.delayed, loss_scaler=self.loss_scaler,
+                               step_chunk_bytes=self.step_chunk_bytes,
+                               on_host=partial(step_on_host, self)
+                               if self.host_link is not None else None)
+        self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
+        if self.optim is not None:  # [Note: torch.amp's GradScaler on a prepared model] in amp.py
+            route_grad_scaler()
+
+    # -- building ---------------------------------------------------------------------------
+    def _adopts(self, optimizer, staleness: int) -> bool:
+        """Whether the optimizer is adopted (its params become master pieces): unless every
+        parameter is its own master, with no sharding, no low precision, no staleness and no
+        offload."""
+        compute = self.precision.compute_dtype
+        low = any(compute is not None and p.dtype != compute for p in self.params)
+        adopt = self.sharded or low or staleness > 0 or self.host_link is not None
+        if adopt and optimizer is None and self.params:
             raise ValueError(
-                f"strategy {policy.name!r} with precision {precision.name!r} needs the optimizer: "
-                "px.prepare(model, optimizer, ...)")
+                f"strategy {self.policy.name!r} with precision {self.precision.name!r} needs the "
+                "optimizer: px.prepare(model, optimizer, ...)")
+        return adopt
+
+    def _lay_out(self, module: torch.nn.Module, options: UnitOptions, features: Features):
+        """The units, with gradients and (zero3) of frozen parameters only, and the pool their
+        buckets borrow from: (pool, units, frozen units)."""
+        compute = self.precision.compute_dtype
         # zero3 shards frozen parameters too, in the units of the modules that hold them
         # (see [Note: frozen parameters in a unit] in flat.py)
         members = [p for p in module.parameters()
@@ -90,9 +173,9 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         # In a world of one with nothing to adopt there is nothing to do: the module is trained
         # exactly as without phalanx, with no hooks at all.
         # (PowerSGD changes what a step applies, so a world of one runs it too: powersgd.py)
-        plain = self.world == 1 and not self.adopt and compression is None
-        runs = module_units(module, members, itemsize, bucket_mb, block_classes, compute) \
-            if members and not plain else []
+        plain = self.world == 1 and not self.adopt and features.compression is None
+        runs = module_units(module, members, itemsize, options.bucket_mb, options.block_classes,
+                            compute) if members and not plain else []
         # Units with gradients first (a bucket's index is its unit's), then frozen ones only.
         split = [([p for p in run if p.requires_grad], [p for p in run if not p.requires_grad])
                  for run in runs]
@@ -101,65 +184,53 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         # reduced but unfinished (max_in_flight below) and one filling. A unit of one
         # parameter needing no padding borrows none: its gradient is reduced in the tensor
         # autograd made (see [Note: a gradient reduced where autograd made it] in buckets.py).
-        self.pool = None
+        pool = None
         pooled = [run for run, _ in split if run and borrows([p.numel() for p in run],
                                                              self.world)]
         if self.shard_grads and pooled:
             largest = max(sum(p.numel() for p in run) + self.world for run in pooled)
             largest += max(len(run) for run in pooled)  # the flags (the signal: in the pad)
-            self.pool = BufferPool(largest, compute or pooled[0][0].dtype, pooled[0][0].device,
-                                   keep=2)
-        every = [FlatUnit(i, trained, world=self.world, rank=self.rank, sharded=self.sharded,
-                          compute_dtype=compute or (trained + frozen)[0].dtype,
-                          adopt=self.adopt, pool=self.pool, reshards=self.reshards,
-                          shard_grads=self.shard_grads, frozen=frozen, host=self.host_link,
-                          shards_on_host=policy.shards is HOST and self.reshards)
+            pool = BufferPool(largest, compute or pooled[0][0].dtype, pooled[0][0].device,
+                              keep=2)
+        context = UnitContext(self.policy, self.world, self.rank, adopt=self.adopt, pool=pool,
+                              host=self.host_link)
+        every = [FlatUnit(i, trained, frozen, compute_dtype=compute or (trained + frozen)[0].dtype,
+                          context=context)
                  for i, (trained, frozen) in enumerate(split)]
-        self.units = [u for u in every if u.params]       # with gradients: the reducer's
-        self.frozen_units = [u for u in every if not u.params]  # zero3: frozen ones only
-        self.delayed = DelayedGrads(self) if staleness else None  # [Note: staleness=1]
-        self.compression = PowerSGDReducer(compression, self.units, self.params) \
-            if compression is not None and self.units else None
-        self.gatherer = None
-        # See [Note: waiting for a reduction in backward] in reducer.py: zero3 where a wait
-        # blocks the host (gloo; NCCL's holds the stream, and the host goes on gathering)
-        self._host_waits = self.reshards and bool(self.units) and not comm.polls
+        return pool, [u for u in every if u.params], [u for u in every if not u.params]
+
+    def _gathering(self, module: torch.nn.Module, options: UnitOptions):
+        """zero3's gatherer (or None) and the shard service (remote.py; None unless the masters
+        are sharded): (gatherer, service). The gathers' group is made before the service (each
+        a collective of the ranks, in this order on every rank)."""
+        gathers = None
         if self.reshards and self.all_units:
             # Gathers on a group of their own: see [Note: two sequences of collectives]
-            self.gatherer = UnitGatherer(module, self.all_units, comm.apart("zero3:gathers"),
-                                         block_classes=block_classes,
-                                         **(gather_options or {}))
-        self.nonfinite = None  # a NonFiniteWatch (faults/nonfinite.py), set by px.prepare
-        # See [Note: the step vote] in vote.py: an exception in one rank's step
-        self.vote = StepVote(self, replicas.job.world if replicas is not None else self.world)
-        self.steps = StepCounter()  # this model's optimizer steps (px.prepare's own, once set)
-        self.reducer = GradReducer([u.bucket for u in self.units], self._launch, self._finish,
-                                   on_first_order=self._reorder if self.world > 1 else None,
-                                   max_in_flight=1 if self.shard_grads else None,
-                                   signal=self._signal, on_end=self._after_backward,
-                                   may_wait=self._may_wait if self._host_waits else None)
-        self._gave_up = False  # a wait in this backward was given up (_may_wait)
-        self.patience = 0.05   # seconds a root waits for its predecessors' flags (_may_wait)
-        if self._host_waits:
-            self.gatherer.finish_reductions = lambda: self.reducer.finish_done(self.patience)
+            gathers = self.comm.apart("zero3:gathers")
         # See [Note: reading a peer's shards] in remote.py: where this rank holds 1/N of the
-        # masters, a thread serves them (and the optimizer state) to a peer that asks, and
-        # `lock` keeps a step from changing them while they are read.
-        self.lock = threading.Lock()
-        self.version = 0  # optimizer.step() calls, counted under `lock`
-        self.masters_version = 0  # ... those of them that moved the masters (stepping.py)
-        self.remote = service_for(comm) if self.sharded else None
-        self.remote_id = self.remote.register(self) if self.remote is not None else None
-        if self.gatherer is not None and self.remote is not None:  # a forward on one rank alone
-            self.gatherer.fetch = lambda unit: self.fetch_unit(unit, unit.compute_dtype)
-        self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
-        if self.optim is not None:  # [Note: torch.amp's GradScaler on a prepared model] in amp.py
-            route_grad_scaler()
-        self.loss_scaler = precision.loss_scaler
-        self._unsettled: list[FlatUnit] = []  # finished in this backward, flags not read yet
-        self._overflow: bool | None = None    # fp16: read at the end of the last backward
-        # See [Note: fp32 gradients a few units at a time] in units.py
-        self.step_chunk_bytes = step_run_bytes(bucket_mb)
+        # masters, a thread serves them (and the optimizer state) to a peer that asks.
+        remote = service_for(self.comm) if self.sharded else None
+        if gathers is None:
+            return None, remote
+        return UnitGatherer(module, self.all_units, gathers, block_classes=options.block_classes,
+                            finish_reductions=self._finish_reductions if self._host_waits
+                            else None,
+                            fetch=self._fetch if remote is not None else None,
+                            **(options.gather or {})), remote
+
+    def _finish_reductions(self) -> None:
+        """The gatherer's, before a root's backward (see [Note: waiting for a reduction in
+        backward] in reducer.py)."""
+        self.reducer.finish_done(self.patience)
+
+    def _fetch(self, unit: FlatUnit) -> torch.Tensor:
+        """The gatherer's, in a forward on one rank alone: the unit's whole buffer read from
+        the peers, in its compute dtype (state.py's `fetch_unit`)."""
+        return self.masters.fetch_unit(unit, unit.compute_dtype)
+
+    def _optimizer_parts(self) -> dict:
+        """The masters' part, for a peer asking for the optimizer state (state.py)."""
+        return self.optim.local_parts()
 
     @property
     def all_units(self) -> list[FlatUnit]:
@@ -183,6 +254,18 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
             optimizer.register_step_post_hook(
                 lambda opt, args, kwargs: None if self.vote.dropped else fn())
 
+    def guard_steps(self, optimizer, before) -> None:
+        """Ask `before()` as every `optimizer.step()` of the user's loop begins whether the
+        step may change anything (continuing/steps.py); when not, its gradients are dropped first,
+        so the optimizer (adopted or the user's own) steps nothing."""
+        if self.optim is not None and self.optim.adopted:
+            self.optim.before_step = before
+        else:
+            def pre(opt, args, kwargs):
+                if not self.vote.dropped and not before():  # dropped: see engine/vote.py
+                    self.drop_grads()
+            optimizer.register_step_pre_hook(pre)
+
     def groups(self) -> list:
         """The process groups this engine issues on (the step report reads their records)."""
         comms = [self.comm] + ([self.gatherer.comm] if self.gatherer is not None else [])
@@ -205,6 +288,66 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
     def require_backward_grad_sync(self, value: bool) -> None:
         self.reducer.sync = bool(value)
 
+    # the masters, as the rest of phalanx reads and writes them (state.py)
+    def master_values(self) -> dict[int, torch.Tensor] | None:
+        return self.masters.values()
+
+    def full_master_values(self) -> dict[int, torch.Tensor]:
+        return self.masters.full_values()
+
+    def master_pieces(self) -> dict:
+        return self.masters.pieces()
+
+    def held_pieces(self) -> dict:
+        return self.masters.held_pieces()
+
+    def publish_masters(self) -> None:
+        self.masters.publish()
+
+    def load_masters(self, values: dict[int, torch.Tensor]) -> None:
+        self.masters.load(values)
+
+    def open_params(self) -> list:
+        return self.masters.open_params()
+
+    def close_params(self, opened: list) -> None:
+        self.masters.close_params(opened)
+
+    def peer_optimizer_parts(self) -> list[dict]:
+        """Every rank's optimizer parts, the peers' read one-sidedly (optim.py's state_dict)."""
+        return self.masters.peer_optimizer_parts()
+
+    def step_units(self, step_one):
+        """The adopted optimizer's step (optim.py): the stepper's (stepping.py)."""
+        return self.stepper.step_units(step_one)
+
+    # continue mode (generations.py)
+    def laid_out_for(self, comm) -> bool:
+        return self.generations.laid_out_for(comm)
+
+    def elastic_state(self) -> dict:
+        return self.generations.state(self.steps)
+
+    def set_elastic_state(self, state: dict | None) -> None:
+        self.generations.set_state(state, self.steps)
+
+    def release(self) -> None:
+        """Stop being the engine of its model, for a rebuilt one (model/relayout.py): the
+        optimizer given back, the gathers' hooks taken off, the reducer's hooks disarmed, this
+        engine no longer served to peers, and every parameter it holds standalone again (a
+        trainable one in its own dtype, a frozen one of zero3's in the dtype it was cast to);
+        their values are loaded next."""
+        if self.optim is not None:
+            self.optim.release()
+        if self.gatherer is not None:
+            self.gatherer.release()
+        self.reducer.disarm()
+        if self.remote is not None:
+            self.remote.retire(self.remote_id)
+        for unit in self.all_units:  # zero3's frozen parameters too, in their cast dtype
+            unit.standalone()
+
+    # -- backward ----------------------------------------------------------------------------
     def backward_started(self, grad: torch.Tensor | None = None) -> None:
         """From each output's node in backward, with the gradient arriving there."""
         if grad is not None and self.nonfinite is not None:
@@ -265,7 +408,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
         mine_value = bool(values[at]) if mine is not None else False
         at += mine is not None
         if overflow is not None:
-            self._overflow = bool(values[at])
+            self.stepper.note_overflow(bool(values[at]))
             at += 1
         if any(u.failed for u in units):  # what differed (roots, losses) was the failure's
             if watch is not None:
@@ -333,7 +476,6 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
             self.replicas.order(order)
         self.reducer.adopt_order(order.tolist())
 
-    # -- backward ----------------------------------------------------------------------------
     def _launch(self, bucket: GradBucket):
         if self.delayed is not None:
             return self.delayed.launch(self.units[bucket.index])
@@ -380,7 +522,7 @@ class FlatEngine(EngineState, Stepping, AcrossGenerations):
     def _forget_reduced(self) -> None:
         for unit in self.units:
             unit.clear_reduced()
-        self._overflow = None
+        self.stepper.note_overflow(None)
 
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

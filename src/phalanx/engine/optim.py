@@ -212,7 +212,7 @@ class OptimizerAdapter:
                 p.grad.zero_()
 
     # -- state_dict ---------------------------------------------------------------------------
-    def _local_parts(self) -> dict[int, list]:
+    def local_parts(self) -> dict[int, list]:
         """position (single-process index) -> [(start, end, {key: value})] for this rank."""
         parts: dict[int, list] = {}
         state = self.optimizer.state
@@ -261,16 +261,22 @@ class OptimizerAdapter:
         """See [Note: the optimizer's state_dict]."""
         if self.engine.sharded:  # the peers' shares read one-sidedly (engine/remote.py)
             return self._assemble(self.engine.peer_optimizer_parts())
-        return self._assemble([self._local_parts()])
+        return self._assemble([self.local_parts()])
 
     def full_state_dict(self) -> dict:
         """The single-process state on every rank; a collective under sharding."""
         if not self.adopted:
             return self.optimizer.state_dict()
-        local = self._local_parts()
+        local = self.local_parts()
         if not self.engine.sharded:
             return self._assemble([local])
         return self._assemble(self.engine.comm.all_gather_object(local, tag="optimizer state"))
+
+    def native_load(self, state_dict: dict) -> None:
+        """The optimizer's own `load_state_dict`, over the master pieces (see
+        `native_load_state_dict`)."""
+        with self.holding_masters():
+            self._user["load_state_dict"](state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The single-process format; each saved group's "params" names its parameters in the
@@ -350,11 +356,7 @@ def native_load_state_dict(optimizer):
     adapter = adapter_of(optimizer)
     if adapter is None or not adapter.adopted:
         return optimizer.load_state_dict
-
-    def load(state_dict):
-        with adapter.holding_masters():
-            adapter._user["load_state_dict"](state_dict)
-    return load
+    return adapter.native_load
 
 
 def optimizer_state_dict(optimizer) -> dict:

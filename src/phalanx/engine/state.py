@@ -1,24 +1,68 @@
-"""The state of a flat engine as the rest of phalanx reads and writes it: masters, by
-parameter and in full, and what a peer asks this rank for (remote.py).
+"""The masters of a flat engine as the rest of phalanx reads and writes them: by parameter and
+in full, the parameters refreshed from them, and what a peer asks this rank for (remote.py).
 
-A mixin of `FlatEngine` (flat_engine.py), which holds the units, the communicator, the lock and
-the shard service these methods use.
+`Masters` is a part of `FlatEngine` (flat_engine.py), which hands its protocol's methods on the
+masters (`master_values`, `load_masters`, ...) to it. It holds the lock a step takes while it
+changes the masters, and the versions the steps count, which the shard service reads with every
+request (see [Note: reading a peer's shards] in remote.py): the service is given this part, and
+serves what it holds.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Callable
 
 import torch
 
 from ..comm.gate import continuing, lost, step_lost
 from .flat import FlatUnit, Piece
+from .policy import ShardPolicy
 from .remote import PeerError
 
-__all__ = ["EngineState"]
+__all__ = ["Masters"]
 
 
-class EngineState:
+class Masters:
+    """The masters of `units` (and zero3's frozen shards of `frozen_units`), laid out by the
+    engine under `policy` over `comm`.
+
+    remote: the shard service other ranks read from (remote.py), or None; this part registers
+        itself there, under `remote_id`.
+    gatherer: zero3's UnitGatherer, or None: whether a read of the peers is a forward's.
+    optimizer_parts: fn() -> this rank's optimizer state in the adapter's per-piece format
+        (optim.py's `local_parts`), for a peer that asks for it.
+    """
+
+    def __init__(self, units: list[FlatUnit], frozen_units: list[FlatUnit], params: list,
+                 comm, policy: ShardPolicy, *, remote, gatherer,
+                 optimizer_parts: Callable[[], dict]):
+        self.units = units
+        self.all_units = units + frozen_units
+        self.params = params
+        self.comm = comm
+        self.world, self.rank = comm.world, comm.rank
+        self.sharded = policy.shards_optimizer(self.world)
+        self.reshards = policy.reshards(self.world)
+        self.gatherer = gatherer
+        self._optimizer_parts = optimizer_parts
+        # See [Note: reading a peer's shards] in remote.py: where this rank holds 1/N of the
+        # masters, a thread serves them (and the optimizer state) to a peer that asks, and
+        # `lock` keeps a step from changing them while they are read.
+        self.lock = threading.Lock()
+        self.version = 0  # optimizer.step() calls, counted under `lock`
+        self.masters_version = 0  # ... those of them that moved the masters (stepping.py)
+        self.remote = remote
+        self.remote_id = remote.register(self) if remote is not None else None
+
+    def stepped(self, moved: bool) -> None:
+        """An `optimizer.step()` is over (under `lock`): one more version of the optimizer
+        state, and of the masters where it moved them."""
+        self.version += 1
+        self.masters_version += moved
+
     @torch.no_grad()
-    def master_values(self) -> dict[int, torch.Tensor] | None:
+    def values(self) -> dict[int, torch.Tensor] | None:
         """id(param) -> its full master value, where this rank holds all of it without a
         collective (not sharded); None when the masters are sharded."""
         if self.sharded:
@@ -33,7 +77,7 @@ class EngineState:
         return out
 
     @torch.no_grad()
-    def master_pieces(self) -> dict[int, list[Piece]]:
+    def pieces(self) -> dict[int, list[Piece]]:
         """id(param) -> the pieces of its master that this rank holds, for every trainable
         parameter: the owned slices when sharded, the whole parameter otherwise (a parameter
         that is its own master is its own piece). Edits made behind phalanx's back are taken
@@ -48,11 +92,11 @@ class EngineState:
         return out
 
     def held_pieces(self) -> dict[int, list[Piece]]:
-        """`master_pieces()`, and under zero3 also the pieces of every frozen parameter's
+        """`pieces()`, and under zero3 also the pieces of every frozen parameter's
         shard this rank holds (in the compute dtype: [Note: frozen parameters in a unit] in
         flat.py): every parameter held in pieces, for what reads or writes them all (a
         checkpoint, a meta build's values, pretrained weights)."""
-        out = self.master_pieces()
+        out = self.pieces()
         for unit in self.all_units:
             for p in unit.frozen:  # none of its elements may be this rank's
                 out.setdefault(id(p), [])
@@ -61,8 +105,8 @@ class EngineState:
         return out
 
     @torch.no_grad()
-    def publish_masters(self) -> None:
-        """Refresh the parameters from masters written in place (through `master_pieces`):
+    def publish(self) -> None:
+        """Refresh the parameters from masters written in place (through `pieces`):
         a collective when the masters are sharded, so every rank calls it. (zero3 keeps no
         parameters between steps: the next forward gathers them from the masters, or under
         offload from `kept`, refreshed here.)"""
@@ -74,7 +118,7 @@ class EngineState:
             unit.unshard(self.comm, async_op=False)
 
     @torch.no_grad()
-    def load_masters(self, values: dict[int, torch.Tensor]) -> None:
+    def load(self, values: dict[int, torch.Tensor]) -> None:
         """Set the masters (and zero3's frozen shards) from full-precision values, keyed by
         id(param); then refresh the parameters from them (no collective: every rank was given
         the same values)."""
@@ -91,7 +135,7 @@ class EngineState:
         """zero3: give every freed unit's parameters their storage back, unfilled, so that a
         load through the user's module can write them; returns the units opened, for
         `close_params`. No collective: the loaded values are every rank's alike, and
-        `load_masters` takes each rank's slices of them. Nothing under the other strategies."""
+        `load` takes each rank's slices of them. Nothing under the other strategies."""
         return [unit for unit in self.all_units if unit.allocate()]
 
     def close_params(self, opened: list[FlatUnit]) -> None:
@@ -101,7 +145,7 @@ class EngineState:
 
     # -- a peer's shards (remote.py) ----------------------------------------------------------
     def serve(self, kind: str, arg) -> tuple[dict, list[torch.Tensor]]:
-        """What a peer asked for (under the engine's lock, on the service's thread): "master",
+        """What a peer asked for (under `lock`, on the service's thread): "master",
         this rank's slice of unit `arg`'s masters; "optimizer", this rank's optimizer state
         (the adapter's per-piece parts: their skeleton in the header, their tensors joined)."""
         if kind == "master":
@@ -109,7 +153,7 @@ class EngineState:
             unit.sync_master_from_cache()
             return {}, [t.detach().to("cpu", copy=True) for t in unit.held()]
         if kind == "optimizer":
-            skeleton, tensors = _pack(self.optim._local_parts())
+            skeleton, tensors = _pack(self._optimizer_parts())
             return {"skeleton": skeleton}, tensors
         raise ValueError(f"unknown request {kind!r}")
 
@@ -154,12 +198,12 @@ class EngineState:
         return out
 
     @torch.no_grad()
-    def full_master_values(self) -> dict[int, torch.Tensor]:
+    def full_values(self) -> dict[int, torch.Tensor]:
         """id(param) -> its whole master (the truth: fp32 under bf16), for every trainable
         parameter, and under zero3 every frozen one's whole value: this rank's own where it
         holds all of it, else read one unit at a time from the peers onto the CPU (no
         collective: one rank may call it alone)."""
-        local = self.master_values()
+        local = self.values()
         if local is not None:
             return {k: v.detach().clone() for k, v in local.items()}
         out = {}
@@ -178,7 +222,7 @@ class EngineState:
         parts = []
         for peer in range(self.world):
             if peer == self.rank:
-                parts.append(self.optim._local_parts())
+                parts.append(self._optimizer_parts())
             else:
                 header, tensors = next(answers)
                 parts.append(_unpack(header["skeleton"], tensors))

@@ -1,23 +1,59 @@
 """The step of the flat engine: every unit with a reduced gradient steps its master pieces
 through the user's optimizer, a run of units at a time, and publishes the update.
 
-A mixin of `FlatEngine` (flat_engine.py), whose attributes it reads.
+`Stepper` is a part of `FlatEngine` (flat_engine.py), given at construction what it steps (the
+units, the masters' part of state.py, the user's optimizer) and how (under fp16 the loss
+scaler, with the overflow flag the end of backward read; under offload the host's step).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
 from .flat import FlatUnit
-from .offload import host_kernels, step_on_host
+from .offload import host_kernels
+from .policy import ShardPolicy
+from .state import Masters
 from .units import step_runs
 
-__all__ = ["Stepping"]
+__all__ = ["Stepper"]
 
 
-class Stepping:
+class Stepper:
+    """The step of `units` (see the module's docstring).
+
+    params: the trainable parameters, whose `.grad` a step without a backward reads.
+    delayed: staleness=1's DelayedGrads (delayed.py), or None.
+    loss_scaler: fp16's DynamicLossScaler, or None.
+    step_chunk_bytes: the size of a run of units (see [Note: fp32 gradients a few units at a
+        time] in units.py).
+    on_host: offload's step, fn(ready units, unscale, step_one) (offload.py's `step_on_host`),
+        or None where the masters are on the device.
+    """
+
+    def __init__(self, units: list[FlatUnit], params: list, masters: Masters, optimizer,
+                 comm, policy: ShardPolicy, *, delayed, loss_scaler, step_chunk_bytes: int,
+                 on_host: Callable | None):
+        self.units = units
+        self.params = params
+        self.masters = masters
+        self.optimizer = optimizer
+        self.comm = comm
+        self.reshards = policy.reshards(comm.world)
+        self.delayed = delayed
+        self.loss_scaler = loss_scaler
+        self.step_chunk_bytes = step_chunk_bytes
+        self.on_host = on_host
+        self.overflow: bool | None = None  # fp16: read at the end of the last backward
+
+    def note_overflow(self, found: bool | None) -> None:
+        """fp16: whether some rank's reduced gradients overflowed, as the end of the backward
+        read it (None: not read there; the step checks then)."""
+        self.overflow = found
+
     def step_units(self, step_one):
         """Run `step_one()` (the user's optimizer step) over the master pieces of every unit
         that has a reduced gradient, those pieces holding their gradient in the master dtype,
@@ -26,14 +62,13 @@ class Stepping:
         gradients given to the parameters by hand, if any (`_step_given_grads`)."""
         if self.delayed is None and all(u.reduced is None for u in self.units):
             return self._step_given_grads(step_one)
-        with self.lock:  # see [Note: reading a peer's shards] in remote.py
+        with self.masters.lock:  # see [Note: reading a peer's shards] in remote.py
             try:
                 if self.delayed is not None:
                     self.delayed.take()
                 return self._step_units(step_one)
             finally:
-                self.version += 1
-                self.masters_version += 1
+                self.masters.stepped(moved=True)
                 if self.delayed is not None:
                     self.delayed.stepped()
 
@@ -51,9 +86,9 @@ class Stepping:
         # this rank's masters at the version before (its model's state dict, which
         # get_state_dict reads first) is answered ([Note: reading a peer's shards] in
         # remote.py).
-        inert = all(g.get("lr", 1.0) == 0 for g in self.optim.optimizer.param_groups) and \
+        inert = all(g.get("lr", 1.0) == 0 for g in self.optimizer.param_groups) and \
             not any(bool(g.any()) for g in given.values())
-        with self.lock:  # see [Note: reading a peer's shards] in remote.py
+        with self.masters.lock:  # see [Note: reading a peer's shards] in remote.py
             try:
                 if not given:
                     return False
@@ -64,15 +99,14 @@ class Stepping:
                         piece.master.grad = None if grad is None else \
                             grad.detach().reshape(-1)[piece.start:piece.end].to(
                                 piece.master.device, unit.master_dtype).view_as(piece.master)
-                with host_kernels(self.optim.optimizer) if self.host_link is not None \
+                with host_kernels(self.optimizer) if self.on_host is not None \
                         else contextlib.nullcontext():
                     step_one()
             finally:
                 for unit in self.units:
                     unit.set_piece_grads(None)
-                self.version += 1
-                self.masters_version += not inert
-        self.publish_masters()
+                self.masters.stepped(moved=not inert)
+        self.masters.publish()
         return True
 
     def _step_units(self, step_one) -> bool:
@@ -81,15 +115,15 @@ class Stepping:
             return False
         unscale = 1.0
         if self.loss_scaler is not None:
-            found = self._overflow if self._overflow is not None else \
+            found = self.overflow if self.overflow is not None else \
                 self.loss_scaler.found_inf([u.reduced for u in ready], self.comm)
-            self._overflow = None
+            self.overflow = None
             unscale = 1.0 / self.loss_scaler.scale
             self.loss_scaler.update(found)
             if found:
                 return False
-        if self.host_link is not None:  # the masters are on the host: offload.py
-            step_on_host(self, ready, unscale, step_one)
+        if self.on_host is not None:  # the masters are on the host: offload.py
+            self.on_host(ready, unscale, step_one)
             return True
         works, raised = [], None
         for run in self._step_runs(ready, unscale):

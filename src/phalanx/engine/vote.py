@@ -171,7 +171,7 @@ class StepVote:
             return ("gradient compression keeps error-feedback state on each rank that the "
                     "dropped step would still change")
         if engine.gatherer is not None:
-            return engine.gatherer.log.blocker(engine.gatherer)
+            return engine.gatherer.replay_blocker()
         return None
 
     def catch_up(self) -> None:
@@ -203,7 +203,7 @@ class StepVote:
         try:
             self.failing = _described(exc)
             if engine.gatherer is not None:
-                engine.gatherer.log.replay(engine.gatherer)
+                engine.gatherer.replay()
             if sync:
                 reducer.end_backward()  # on to the engine's end of backward: voted_down
             else:  # said by the next backward that communicates

@@ -73,16 +73,18 @@ what it needs.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.autograd import Variable
 
 from .._tree import map_tensors
 from .units import unit_roots
-from .zero3_prefetch import Prefetching
+from .zero3_prefetch import Prefetcher
 from .zero3_release import BackwardRelease
-from .zero3_replay import GatherLog
-from .zero3_roots import compare_roots, guard_modules, raise_if_differed
+from .zero3_replay import ROOTS, GatherLog
+from .zero3_roots import RootChecks, guard_modules
 
 __all__ = ["UnitGatherer"]
 
@@ -106,7 +108,7 @@ class _Root:
         return sum(u.full_bytes for u in self.units if not u.gathered)
 
 
-class UnitGatherer(Prefetching):
+class UnitGatherer:
     """The hooks of [Note: zero3's gather and free] and [Note: prefetch] for one model.
 
     prefetch: how many roots ahead to gather while the current one computes (0: none).
@@ -114,11 +116,18 @@ class UnitGatherer(Prefetching):
         short of it (a root needed now is gathered whatever its size).
     reshard_after_forward: False keeps each unit gathered from its forward to its backward
         (less communication, more memory); the model's own root always stays (see the Note).
+    finish_reductions: fn() the engine's, run before a root's backward makes its gradients:
+        the reductions issued before it are finished where safe (see [Note: waiting for a
+        reduction in backward] in reducer.py), or None.
+    fetch: fn(unit) -> its whole buffer read from the peers (engine/remote.py): how a forward
+        without gradients gathers, with no collective, so that one rank may run it alone; None
+        gathers collectively there too.
     """
 
     def __init__(self, module: nn.Module, units, comm, *, prefetch: int = 1,
                  max_gathered_bytes: int | None = None, reshard_after_forward: bool = True,
-                 block_classes=None):
+                 block_classes=None, finish_reductions: Callable[[], None] | None = None,
+                 fetch: Callable | None = None):
         self.comm = comm
         self.units = list(units)
         self.prefetch = prefetch
@@ -142,7 +151,7 @@ class UnitGatherer(Prefetching):
         # collectively like the rest of it (see [Note: a forward without gradients]).
         self._grad_forward = True
         hooks.append(module.register_forward_pre_hook(self._model_forward_starts, prepend=True))
-        hooks += guard_modules(self, modules)  # a module called outside its root's forward
+        hooks += guard_modules(modules, self.roots, self.units, self.entered)  # outside its root
         self.in_forward = False  # the model's (outermost) forward is running
         self._late: set[int] = set()  # roots entered at a use of their parameters (zero3_roots)
         self._active: set[int] = set()        # roots whose forward is running
@@ -152,19 +161,28 @@ class UnitGatherer(Prefetching):
         self._forward_order: list[int] = []   # ... and the last complete forward's
         self._backward_seen: list[int] = []
         self._backward_order: list[int] = []
-        self._prefetched: set[int] = set()    # roots gathered ahead and not used yet
         self.peak_bytes = 0                   # the most full parameters gathered at once
-        self.prefetched = 0                   # roots gathered ahead (counted for tests/reports)
-        self.prefetched_unused = 0            # ... and freed without being used
-        self._checks: list = []               # see zero3_roots.compare_roots
-        self._deferred = None  # backward: (root, roots to prefetch once its units are freed)
-        self.finish_reductions = None  # the engine's: finish reductions before a root's backward
-        # unit -> its whole buffer read from the peers (engine/remote.py): how a forward
-        # without gradients gathers, with no collective, so that one rank may run it alone
-        self.fetch = None
-        self.log = GatherLog()  # this pass's collectives, the last pass's (zero3_replay.py)
+        self.checks = RootChecks(comm, self.roots)  # [Note: every rank runs the same roots]
+        self.finish_reductions = finish_reductions
+        self.fetch = fetch
+        # this pass's collectives, the last pass's (zero3_replay.py)
+        self.log = GatherLog(began=self._orders, ended=self._ended_orders)
         self.freeing = BackwardRelease(self._root_backward_done)  # zero3_release.py
+        self.prefetcher = Prefetcher(self.roots, prefetch, max_gathered_bytes,
+                                     unshard=self._unshard, gathered_bytes=self.gathered_bytes,
+                                     after_issue=self._note_peak,
+                                     waits_for_root=self.freeing.waits_for_root)
         self._root_of = {id(u): r for r in self.roots for u in r.units}
+
+    @property
+    def prefetched(self) -> int:
+        """Roots gathered ahead so far (counted for tests and reports)."""
+        return self.prefetcher.count
+
+    @property
+    def prefetched_unused(self) -> int:
+        """... and of them, those freed without being used."""
+        return self.prefetcher.unused
 
     def release(self) -> None:
         """Take this gatherer's hooks off the model (its engine is being replaced)."""
@@ -180,27 +198,56 @@ class UnitGatherer(Prefetching):
     def gathered_bytes(self) -> int:
         return sum(u.full_bytes for u in self.units if u.gathered)
 
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+
     def gather(self, units) -> None:
         if any(not u.gathered for u in units):
-            self.flush()  # every rank issues its gathers in one order
+            self.prefetcher.flush()  # every rank issues its gathers in one order
         works = [self._unshard(u) for u in units if not u.gathered]
         for unit in units:
             unit.wait_gathered()
         for work in works:
             if work is not None:
                 work.wait()
-        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+        self._note_peak()
 
     def _unshard(self, unit):
-        self.log.note(self, unit.index)
+        self.log.note(unit.index)
         return unit.unshard(self.comm, async_op=True)
 
     def free_all(self) -> None:
-        self.flush()
+        self.prefetcher.flush()
         for unit in self.units:
             unit.reshard()
-        self.prefetched_unused += len(self._prefetched)
-        self._prefetched.clear()
+        self.prefetcher.drop()
+
+    # -- the orders a pass follows, as the log of its collectives keeps them (zero3_replay.py)
+    def _orders(self) -> tuple:
+        """The orders this pass follows: the last forward's and the last backward's."""
+        return tuple(self._forward_order), tuple(self._backward_order)
+
+    def _ended_orders(self) -> tuple:
+        """The orders a whole pass leaves, at its backward's end."""
+        return tuple(self._forward_seen or self._forward_order), tuple(self._backward_order)
+
+    def replay_blocker(self) -> str | None:
+        """Why this rank cannot make the rest of the pass's gathers, or None (see [Note:
+        replaying a pass's gathers] in zero3_replay.py)."""
+        return self.log.blocker()
+
+    def replay(self) -> None:
+        """Make the rest of the last whole pass's gathers (`replay_blocker` said it may), then
+        stand where the others stand after the pass: the orders they learnt from it, nothing
+        gathered (see [Note: replaying a pass's gathers] in zero3_replay.py)."""
+        forward, backward = self.log.replay(self.comm, self.units)
+        self._forward_order, self._backward_order = list(forward), list(backward)
+        self._forward_seen, self._backward_seen = [], []
+        self.prefetcher.forget_deferred()  # issued by nobody: freeing would otherwise issue it
+        self._callback_queued = False
+        self._active.clear()
+        self._recomputed = []
+        self.free_all()
 
     def forward_starts(self) -> None:
         """Before each forward of the prepared model: the last forward's order is the one to
@@ -227,6 +274,11 @@ class UnitGatherer(Prefetching):
         self._grad_forward = torch.is_grad_enabled()
         self.in_forward = True
 
+    def entered(self, root: _Root) -> bool:
+        """Whether `root`'s forward is running, or `root` was entered now at a use of its
+        parameters (`enter_late`): the check of zero3_roots.py's guard."""
+        return root.index in self._active or self.enter_late(root)
+
     def enter_late(self, root: _Root) -> bool:
         """See [Note: a root whose module is not called] in zero3_roots.py: gather `root` at
         a use of its parameters, where the model's forward (or a backward) runs; False where
@@ -245,20 +297,19 @@ class UnitGatherer(Prefetching):
                 unit.reshard()
         self._late.clear()
         if self.comm.world > 1 and torch.is_grad_enabled():
-            compare_roots(self)
-        for index in self._prefetched:  # the forward took another path than the last one
+            seen = list(self._forward_seen)
+            self.log.note(ROOTS)  # see [Note: replaying a pass's gathers]
+            self.checks.compare(seen)
+        for index in self.prefetcher.drop():  # the forward took another path than the last one
             for unit in self.roots[index].units:
                 unit.reshard()
-        self.prefetched_unused += len(self._prefetched)
-        self._prefetched.clear()
 
     def take_checks(self) -> list:
         """The (roots seen, same on every rank) of the forwards since the last backward."""
-        checks, self._checks = self._checks, []
-        return checks
+        return self.checks.take()
 
     def raise_if_differed(self, checks: list, same: list) -> None:
-        raise_if_differed(self, checks, same)
+        self.checks.raise_if_differed(checks, same)
 
     def reduced(self, unit) -> None:
         """From the engine: every gradient of `unit` is out, it may be freed (see [Note:
@@ -268,18 +319,18 @@ class UnitGatherer(Prefetching):
         self.freeing.gradients_out(unit)
         if self.freeing.may_free(unit, self._root_of[id(unit)]):
             unit.reshard()
-        self._flush_when_released()
+        self.prefetcher.flush_when_released()
 
     def _root_backward_done(self, root) -> None:
         for unit in root.units:
             if self.freeing.may_free(unit, root):
                 unit.reshard()
-        self._flush_when_released()
+        self.prefetcher.flush_when_released()
 
     def _before(self, root: _Root):
         def hook(_module, _args):
             self._active.add(root.index)
-            self._prefetched.discard(root.index)
+            self.prefetcher.used(root.index)
             recomputing = _in_backward()
             if not self._grad_forward and not recomputing and self.fetch is not None:
                 for unit in root.units:  # see [Note: a forward without gradients]
@@ -296,7 +347,7 @@ class UnitGatherer(Prefetching):
             self.gather(root.units)
             if not recomputing:
                 self._forward_seen.append(root.index)
-                self._prefetch(self._forward_order, self._forward_seen)
+                self.prefetcher.plan(self._forward_order, self._forward_seen)
         return hook
 
     def _after(self, root: _Root):
@@ -336,7 +387,7 @@ class UnitGatherer(Prefetching):
     def _before_backward(self, root: _Root, key: int):
         def hook(grad):
             self.freeing.gradient_of(key)  # the roots whose input it is are done with it
-            self._prefetched.discard(root.index)
+            self.prefetcher.used(root.index)
             self.gather(root.units)
             self.backward_started()  # in case backward began elsewhere than at the output node
             seen = self._backward_seen
@@ -344,7 +395,7 @@ class UnitGatherer(Prefetching):
                 if self.finish_reductions is not None:  # the reductions before it, where safe
                     self.finish_reductions()
                 seen.append(root.index)
-                self._prefetch(self._backward_order, seen, defer=True)
+                self.prefetcher.plan(self._backward_order, seen, defer=True)
             return grad
         return hook
 
@@ -355,4 +406,4 @@ class UnitGatherer(Prefetching):
         if self._backward_seen:
             self._backward_order, self._backward_seen = self._backward_seen, []
         self.free_all()
-        self.log.close(self)
+        self.log.close()

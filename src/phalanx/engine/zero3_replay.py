@@ -24,6 +24,8 @@ learnt from it, nothing gathered.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 __all__ = ["ROOTS", "GatherLog"]
@@ -32,68 +34,65 @@ ROOTS = -1  # the roots' signature exchange at the end of a forward (zero3_roots
 MOST = 1 << 16  # entries kept in one pass (forwards with gradients and no backward add up)
 
 
-def _orders(gatherer) -> tuple:
-    return tuple(gatherer._forward_order), tuple(gatherer._backward_order)
-
-
 class GatherLog:
-    """The collectives of a gatherer's group, this pass's and the last whole pass's."""
+    """The collectives of a gatherer's group, this pass's and the last whole pass's.
 
-    def __init__(self):
+    began: fn() -> the gatherer's orders now (forward's, backward's: what its prefetching and
+        keeping follow), which a pass begins from.
+    ended: fn() -> the orders a whole pass leaves (what the others learnt from it).
+    """
+
+    def __init__(self, began: Callable[[], tuple], ended: Callable[[], tuple]):
+        self._began_now = began
+        self._ended_now = ended
         self.entries: list[int] = []   # unit indexes, and ROOTS
         self.began: tuple | None = None
         self.last: tuple | None = None  # (began, entries, ended) of the last whole pass
 
-    def note(self, gatherer, entry: int) -> None:
+    def note(self, entry: int) -> None:
         if not self.entries:
-            self.began = _orders(gatherer)
+            self.began = self._began_now()
         if len(self.entries) < MOST:
             self.entries.append(entry)
         else:  # too long a pass to keep: it, and the next, are unknown
             self.began = ()
 
-    def close(self, gatherer) -> None:
+    def close(self) -> None:
         """The end of a pass's backward (its deferred gathers issued)."""
         if self.began == ():
             self.last = None
         elif self.entries:
-            ended = (tuple(gatherer._forward_seen or gatherer._forward_order),
-                     tuple(gatherer._backward_order))
-            self.last = (self.began, self.entries, ended)
+            self.last = (self.began, self.entries, self._ended_now())
         self.entries, self.began = [], None
 
-    def blocker(self, gatherer) -> str | None:
+    def blocker(self) -> str | None:
         """Why the rest of this pass cannot be known, or None (see the Note)."""
         if self.last is None:
             return "zero3 has not seen a whole step yet, so the gathers to come are unknown"
         began, entries, _ = self.last
-        now = self.began if self.entries else _orders(gatherer)
+        now = self.began if self.entries else self._began_now()
         if began != now or entries[:len(self.entries)] != self.entries:
             return ("zero3 gathers in an order it has not settled yet (the first two steps, or "
                     "a model whose path changed), so the gathers to come are unknown")
         return None
 
     @torch.no_grad()
-    def replay(self, gatherer) -> None:
-        """Make the rest of the last whole pass's collectives (`blocker` said it may)."""
+    def replay(self, comm, units: list) -> tuple:
+        """Make the rest of the last whole pass's collectives (`blocker` said it may) on the
+        gatherer's `comm`, each of `units` gathered, waited for and freed at once; returns the
+        orders that pass ended with, for the gatherer to stand where the others stand."""
         _, entries, ended = self.last
-        units = {u.index: u for u in gatherer.units}
+        by_index = {u.index: u for u in units}
         for entry in entries[len(self.entries):]:
             if entry == ROOTS:
-                nobody = torch.full((2,), -1, dtype=torch.int64, device=gatherer.comm.device)
-                gatherer.comm.all_gather_list(nobody, tag="zero3:roots")
+                nobody = torch.full((2,), -1, dtype=torch.int64, device=comm.device)
+                comm.all_gather_list(nobody, tag="zero3:roots")
                 continue
-            unit = units[entry]
+            unit = by_index[entry]
             unit.wait_gathered()
-            work = unit.unshard(gatherer.comm, async_op=True)
+            work = unit.unshard(comm, async_op=True)
             if work is not None:
                 work.wait()
             unit.reshard()
-        gatherer._forward_order, gatherer._backward_order = list(ended[0]), list(ended[1])
-        gatherer._forward_seen, gatherer._backward_seen = [], []
-        gatherer._deferred = None  # issued by nobody: freeing would otherwise issue it
-        gatherer._callback_queued = False
-        gatherer._active.clear()
-        gatherer._recomputed = []
-        gatherer.free_all()
         self.entries, self.began = [], None
+        return ended

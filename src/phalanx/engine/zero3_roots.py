@@ -30,72 +30,86 @@ ends, without gradients). Outside the model's forward and any backward such a ca
 from __future__ import annotations
 
 import zlib
+from typing import Callable
 
 import torch
 
-from .zero3_replay import ROOTS
-
-__all__ = ["compare_roots", "raise_if_differed", "guard_modules", "engine_roots"]
+__all__ = ["RootChecks", "guard_modules", "engine_roots"]
 
 
-def compare_roots(gatherer) -> None:
-    """Exchange the signature of the roots `gatherer` (zero3.py's UnitGatherer) saw in this
-    forward now, compare on the device; the host reads the answer with the step's one read."""
-    seen = list(gatherer._forward_seen)
-    gatherer.log.note(gatherer, ROOTS)  # see [Note: replaying a pass's gathers]
-    mine = torch.tensor([len(seen), zlib.crc32(repr(seen).encode())], dtype=torch.int64,
-                        device=gatherer.comm.device)
-    signatures = torch.stack(gatherer.comm.all_gather_list(mine, tag="zero3:roots"))
-    checks = gatherer._checks
-    checks.append((seen, (signatures == signatures[0]).all()))
-    if len(checks) > 64:  # forwards with gradients but no backward: keep the first
-        first, _ = checks[0]
-        gatherer._checks = [(first, torch.stack([c for _, c in checks[:-1]]).all()), checks[-1]]
+class RootChecks:
+    """[Note: every rank runs the same roots] for one gatherer (zero3.py): each forward's
+    signature compared across the ranks on the device, kept until the step's one read.
+
+    comm: the gatherer's group. roots: its roots, by index (their names, for the error)."""
+
+    def __init__(self, comm, roots: list):
+        self.comm = comm
+        self.roots = roots
+        self.pending: list = []  # (roots seen, same on every rank) per forward since the read
+
+    def compare(self, seen: list[int]) -> None:
+        """Exchange the signature of the roots `seen` in this forward now, compare on the
+        device; the host reads the answer with the step's one read."""
+        mine = torch.tensor([len(seen), zlib.crc32(repr(seen).encode())], dtype=torch.int64,
+                            device=self.comm.device)
+        signatures = torch.stack(self.comm.all_gather_list(mine, tag="zero3:roots"))
+        checks = self.pending
+        checks.append((seen, (signatures == signatures[0]).all()))
+        if len(checks) > 64:  # forwards with gradients but no backward: keep the first
+            first, _ = checks[0]
+            self.pending = [(first, torch.stack([c for _, c in checks[:-1]]).all()), checks[-1]]
+
+    def take(self) -> list:
+        """The (roots seen, same on every rank) of the forwards since the last backward."""
+        checks, self.pending = self.pending, []
+        return checks
+
+    def raise_if_differed(self, checks: list, same: list) -> None:
+        """After the step's read (`same`: one value per check): name where the ranks went
+        different ways, on every rank (they all read the same answers)."""
+        failed = next((seen for (seen, _), ok in zip(checks, same) if not ok), None)
+        if failed is None:
+            return
+        paths = self.comm.all_gather_object(
+            [self.roots[i].name or "the model" for i in failed], tag="zero3:roots")
+        first = next((i for i in range(max(map(len, paths)))
+                      if len({tuple(p[i:i + 1]) for p in paths}) > 1), 0)
+        ran = ", ".join(f"rank {r} {p[first] if first < len(p) else 'nothing'!r}"
+                        for r, p in enumerate(paths))
+        raise RuntimeError(
+            f"zero3: the ranks gathered different modules in this forward (gather {first + 1}: "
+            f"{ran}). Each is gathered by a collective every rank joins in the same order, so "
+            "a branch that depends on the rank must stay inside one module gathered as a whole "
+            "(a repeated block; px.prepare(..., blocks=[its class]) makes one), or the choice "
+            "the same on every rank; strategy='zero2' keeps whole parameters. (Found at the "
+            "end of backward, before the optimizer step: nothing was applied.)")
 
 
-def raise_if_differed(gatherer, checks: list, same: list) -> None:
-    """After the step's read (`same`: one value per check): name where the ranks went
-    different ways, on every rank (they all read the same answers)."""
-    failed = next((seen for (seen, _), ok in zip(checks, same) if not ok), None)
-    if failed is None:
-        return
-    paths = gatherer.comm.all_gather_object(
-        [gatherer.roots[i].name or "the model" for i in failed], tag="zero3:roots")
-    first = next((i for i in range(max(map(len, paths)))
-                  if len({tuple(p[i:i + 1]) for p in paths}) > 1), 0)
-    ran = ", ".join(f"rank {r} {p[first] if first < len(p) else 'nothing'!r}"
-                    for r, p in enumerate(paths))
-    raise RuntimeError(
-        f"zero3: the ranks gathered different modules in this forward (gather {first + 1}: "
-        f"{ran}). Each is gathered by a collective every rank joins in the same order, so "
-        "a branch that depends on the rank must stay inside one module gathered as a whole "
-        "(a repeated block; px.prepare(..., blocks=[its class]) makes one), or the choice "
-        "the same on every rank; strategy='zero2' keeps whole parameters. (Found at the "
-        "end of backward, before the optimizer step: nothing was applied.)")
-
-
-def guard_modules(gatherer, modules: dict) -> list:
+def guard_modules(modules: dict, roots: list, units: list,
+                  entered: Callable[[object], bool]) -> list:
     """Hooks on every module that registers parameters of a root other than itself: called
     while that root's forward is not running, it would compute on freed storage (or on whatever
     happens to be gathered), so the root is entered there (see [Note: a root whose module is
     not called]) or the call refused (a check of a flag per call). `modules`: the model's, by
-    qualified name. Returns the hooks' handles."""
-    root_of = {id(u): r for r in gatherer.roots for u in r.units}
-    unit_of = {id(p): u for u in gatherer.units for p in u.members}
+    qualified name; `roots` and `units`: the gatherer's; `entered(root)`: whether the root's
+    forward runs, or it was entered now (the gatherer's). Returns the hooks' handles."""
+    root_of = {id(u): r for r in roots for u in r.units}
+    unit_of = {id(p): u for u in units for p in u.members}
     handles = []
     for name, sub in modules.items():
         mine = {root_of[id(unit_of[id(p)])] for p in sub._parameters.values()
                 if p is not None and id(p) in unit_of}
         if any(root.name != name for root in mine):
             handles.append(sub.register_forward_pre_hook(
-                _guard(gatherer, name, sorted(mine, key=lambda r: r.index))))
+                _guard(name, sorted(mine, key=lambda r: r.index), entered)))
     return handles
 
 
-def _guard(gatherer, name: str, roots: list):
+def _guard(name: str, roots: list, entered: Callable[[object], bool]):
     def hook(_module, _args):
         for root in roots:
-            if root.index not in gatherer._active and not gatherer.enter_late(root):
+            if not entered(root):
                 raise RuntimeError(
                     f"zero3: module {name!r} was called on its own, but its parameters are "
                     f"gathered only during the forward of {root.name or 'the model'!r} (between "

@@ -253,16 +253,12 @@ def attach_engine(model, optimizer, comm, build: Build, precision):
     shard_comm, replicas = shard_groups(inner_comm(comm) if spec.diloco is not None else comm,
                                         shard_size_in(build.shard_size, comm.world))
     broadcast = spec.broadcast_buffers and spec.diloco is None
-    engine = build_engine(model, optimizer, shard_comm, spec.strategy, precision,
-                          spec.bucket_mb,
-                          None if spec.gathering is None else spec.gathering.options(),
-                          build.block_classes, staleness=spec.staleness_steps,
-                          replicas=replicas, compression=spec.compression,
-                          offload=None if spec.offload is None else spec.offload.what,
-                          buffers=BufferBroadcast.of(model, comm) if broadcast else None)
-    if spec.on_nonfinite is not None:
-        engine.nonfinite = NonFiniteWatch(spec.on_nonfinite, engine.comm)  # DiLoCo: own
-    engine.steps = build.steps
+    watch = NonFiniteWatch(spec.on_nonfinite, shard_comm) \
+        if spec.on_nonfinite is not None else None  # DiLoCo: its own
+    engine = build_engine(model, optimizer, shard_comm, spec, precision,
+                          block_classes=build.block_classes, replicas=replicas,
+                          buffers=BufferBroadcast.of(model, comm) if broadcast else None,
+                          nonfinite=watch, steps=build.steps)
     if optimizer is not None:  # the step that collective records and reports name
         engine.watch_steps(optimizer, build.steps.tick)
     if continuation.continuing() and optimizer is not None:  # the vote: continuing/steps.py
