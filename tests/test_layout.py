@@ -223,3 +223,12 @@ def test_no_import_hides_inside_a_function():
     from the interpreter: only a command's light start and a spawned child have them."""
     _, lazy = floor_arrows()
     assert not lazy, f"phalanx imports inside functions: {', '.join(lazy)}"
+
+
+def test_the_comm_keeps_the_name_the_docs_gave_it():
+    """`phalanx.collectives.Comm` (px.prepare's `comm=`) was documented before the communication
+    layer had its folder; it still names the same class."""
+    from phalanx.collectives import Comm as documented
+    from phalanx.comm.collectives import Comm
+
+    assert documented is Comm
