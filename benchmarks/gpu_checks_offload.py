@@ -38,7 +38,7 @@ def _memory_rank(dry: bool) -> dict:
     """On each of 2 ranks: allocated between steps for every case of CASES, after 2 steps of
     batch 4 (the model: GPT-2 124M, TINY on the CPU dry run)."""
     from gpt import n_params
-    from gpu_checks import gpt, train
+    from gpu_common import gpt, train
 
     import phalanx as px
     from phalanx.testing import engine_of
@@ -109,7 +109,7 @@ def register_offload_checks(check, verdict, gpt, one_group):
         copy the parameters up), both AdamW with fused=True; and the host step's share of
         phalanx's step from its step report."""
         from gpt import tokens
-        from gpu_checks import _timed
+        from gpu_common import _timed
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,

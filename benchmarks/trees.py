@@ -55,9 +55,11 @@ def main() -> None:
     parser.add_argument("before")
     parser.add_argument("after")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        parser.error("give the benchmark after --: ... -- benchmarks/ddp.py --models mlp")
+    cut = argv.index("--")
+    args, command = parser.parse_args(argv[:cut]), argv[cut + 1:]
     got = {"before": [], "after": []}
     for _ in range(args.repeats):
         for which in ("before", "after"):

@@ -232,3 +232,21 @@ def test_the_comm_keeps_the_name_the_docs_gave_it():
     from phalanx.comm.collectives import Comm
 
     assert documented is Comm
+
+
+def test_no_import_circle_between_the_benchmarks():
+    """benchmarks/ imports its own modules by name (a check module, a model, a timer): none of
+    them, at the top or inside a function, closes a circle."""
+    where = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    names = {f[:-3] for f in os.listdir(where) if f.endswith(".py")}
+    graph = {}
+    for name in names:
+        tree = ast.parse(open(os.path.join(where, name + ".py")).read())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                deps.add(node.module or "")
+        graph[name] = {d for d in deps if d in names and d != name}
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
