@@ -574,7 +574,9 @@ def test_hybrid_sharding_goes_on_through_a_loss_and_back(tmp_path, strategy):
     and the layout is groups of 2 again. Refused under continue before ("shard_size is not
     supported yet"); now the uninterrupted run's result."""
     reference = _reference(tmp_path)
+    # the survivors wait at step 8 for the replacement to ask (an event, not a clock: on a
+    # loaded machine it started only after the job had ended, and was never admitted)
     weights, stdout, stderr = _job(tmp_path, "--kill", "1@3", "--sleep", "0.05", "--strategy",
-                                   strategy, "--shard-size", 2, n=4)
+                                   strategy, "--shard-size", 2, "--wait-for-joiner", 8, n=4)
     _close(weights, reference, stderr)
     assert "redone by 3 ranks" in stderr and "joined at step" in stderr, stderr
