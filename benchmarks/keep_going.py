@@ -48,7 +48,7 @@ def worker(args) -> None:
     import torch
 
     import phalanx as px
-    import phalanx.continuing as elastic
+    import phalanx.continuing as continuing
 
     sys.path.insert(0, str(HERE.parent))
     from ddp import make
@@ -75,7 +75,7 @@ def worker(args) -> None:
         optimizer.step()
         optimizer.zero_grad()
         step += 1
-        steps = elastic.now().steps if elastic.continuing() else None  # continuing/steps.py
+        steps = continuing.now().steps if continuing.continuing() else None  # continuing/steps.py
         done = steps is None or steps.last_voted == steps.calls  # a lost step is dropped
         print(f"TICK rank={rank} life={life} restart={restart} step={step} done={int(done)} "
               f"at={loader.sampler.position() // 48} world={px.world_size()} "

@@ -94,7 +94,7 @@ def measure(strategy, precision, bucket_mb):
     # The configured buffers beyond the formula: zero2's pool of two bucket buffers (each the
     # largest unit that borrows, in the compute dtype) and, under mixed precision, the fp32
     # gradient of the units being stepped (see [Note: fp32 gradients a few units at a time] in
-    # engine/flat_engine.py).
+    # engine/units.py).
     engine = model._engine
     pool = engine.pool
     allowance = pool.keep * pool.numel * torch.empty((), dtype=pool.dtype).element_size() \

@@ -39,7 +39,6 @@ class RunningSum(Part):
 
     name = "running_sum"
     small_at = ("running_sum",)
-    continue_mode_ok = True
 
     def __init__(self, params):
         self.params = list(params)
@@ -181,15 +180,15 @@ def _parts_and_fields():
         model, opt = px.prepare(model, opt, **options)
         missing = sorted(n for n in fields if not hasattr(model, n))
         parts = model._parts()
-        found.append((missing, [(type(p).__name__, Part in type(p).__mro__, p.name, p.small_at,
-                                 p.continue_mode_ok) for p in parts]))
+        found.append((missing, [(type(p).__name__, Part in type(p).__mro__, p.name, p.small_at)
+                                for p in parts]))
     return found
 
 
 def test_phalanx_parts_keep_their_names_and_a_prepared_model_has_its_protocol():
-    want = [[], [], [("DelayedGrads", True, "grad", ("delayed",), False)],
-            [("PowerSGDReducer", True, "powersgd", ("powersgd",), False)],
-            [("OuterSync", True, "diloco", ("stateful", "model.diloco"), False)]]
+    want = [[], [], [("DelayedGrads", True, "grad", ("delayed",))],
+            [("PowerSGDReducer", True, "powersgd", ("powersgd",))],
+            [("OuterSync", True, "diloco", ("stateful", "model.diloco"))]]
     for found in run_ranks(_parts_and_fields, 2, timeout=120):
         assert [missing for missing, _ in found] == [[]] * len(want), found
         assert [parts for _, parts in found] == want

@@ -134,13 +134,13 @@ if life == 1 and args.die_joining:  # the replacement dies while loading the oth
 
     api.load_checkpoint = lambda *a, **k: die()
 if first and args.die_admitting == rank:  # dies while admitting a replacement
-    import phalanx.continuing as elastic
+    import phalanx.continuing as continuing
     import phalanx.continuing.joining as joining
 
     sync = joining.sync_engines
 
     def sync_or_die(comm):
-        if any(other > 0 for _, other in elastic.now().membership.members):
+        if any(other > 0 for _, other in continuing.now().membership.members):
             die()
         return sync(comm)
     joining.sync_engines = sync_or_die

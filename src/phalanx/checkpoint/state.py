@@ -31,7 +31,7 @@ from ..model.prepared_protocol import Prepared
 from ..world.runtime import default_comm
 from .common import model_key, optim_key
 
-__all__ = ["ModelState", "OptimizerState", "Range"]
+__all__ = ["ModelState", "OptimizerState"]
 
 
 @dataclass

@@ -3,4 +3,5 @@ phalanx issues goes (`collectives.py`), its completion (`completion.py`), its re
 (`records.py`) and its checked form (`mismatch.py`); the groups phalanx makes (`groups.py`);
 objects on the wire (`pickled.py`); the one place a device value is read on the host
 (`host.py`); and the wire's switch for a lost step under `--on-failure continue` (`gate.py`,
-`cut.py`), the part of continue mode every collective reads."""
+`cut.py`), the part of continue mode every collective reads, and the calls the floors below
+make of continue mode (`continuation.py`)."""

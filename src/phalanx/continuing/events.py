@@ -85,12 +85,12 @@ class Events:
         """A prepared model's step clock: its report shows each change, and it reads the new
         group's records after one."""
         self.clocks.add(clock)
-        clock.elastic_engine = weakref.ref(engine)
+        clock.continuing_engine = weakref.ref(engine)
         clock.extras.append(self.take)
 
     def regrouped(self, group) -> None:
         for clock in list(self.clocks):
-            engine = clock.elastic_engine()
+            engine = clock.continuing_engine()
             if engine is not None:
                 clock.groups = engine.groups()
 

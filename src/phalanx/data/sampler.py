@@ -262,7 +262,7 @@ class DistributedSampler(Sampler[int]):
     def _batch_consumed(self, at: tuple | None = None) -> None:
         """The loop is served the pass's batch `at` (epoch, position, size), by default the
         one after those it took."""
-        if at is None:
+        if at is None and self.replay.ledger is not None:  # continue mode counts it (ledger.py)
             pos = self.position()
             at = (self.epoch, pos, min(self.global_batch_size, self._end(self._pass_start) - pos))
         self.replay.batch_consumed(at)  # See [Note: the ledger] in ledger.py

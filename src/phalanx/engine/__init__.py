@@ -15,7 +15,7 @@ generations), optim.py (adopting the optimizer)), remote.py (a peer's shards rea
 alone), amp.py (torch.amp's GradScaler routed to the engine's reduced gradients), offload.py
 (masters and optimizer state in host memory, stepped there), clipping.py (the global norm;
 torch's clip_grad_norm_ routed to it), part.py (a feature beside the strategy, as checkpoints
-and continue mode see it; every kind of one in part_kinds.py), powersgd.py (low-rank gradient
+see it; every kind of one in part_kinds.py), powersgd.py (low-rank gradient
 compression in the reducer; its request in powersgd_config.py), delayed.py (`staleness=1`),
 diloco.py (DiLoCo's outer step), hybrid.py (`shard_size`: sharded within groups, replicated
 across them).

@@ -109,7 +109,6 @@ class DelayedGrads(Part):
 
     name = "grad"             # grad/<param>: [Note: the delayed gradient in a checkpoint]
     small_at = ("delayed",)
-    continue_mode_ok = False  # its state spans steps: a lost step would leave the ranks apart
 
     def __init__(self, engine):
         self.engine = engine

@@ -132,7 +132,6 @@ class OuterSync(Part):
 
     name = "diloco"                          # [Note: a DiLoCo checkpoint]
     small_at = ("stateful", "model.diloco")  # the count of inner steps, the schedule
-    continue_mode_ok = False  # its inner steps carry state from one sync to the next
 
     def __init__(self, config, engine, module: torch.nn.Module, comm):
         self.config = config

@@ -241,7 +241,7 @@ class FlatEngine:
     def parts(self) -> list:
         """The features this engine runs beside its strategy (PowerSGD's compressor, staleness'
         delayed gradients), in a fixed order: what checkpoints walk for the state each keeps
-        across steps, and what continue mode asks whether it may run."""
+        across steps (continue mode's refusals of them: model/spec.py's CONTINUE_MODE)."""
         return [part for part in (self.compression, self.delayed) if part is not None]
 
     def watch_steps(self, optimizer, fn) -> None:

@@ -1,4 +1,4 @@
-"""A part: a feature that runs beside a strategy, as checkpoints and continue mode see it.
+"""A part: a feature that runs beside a strategy, as checkpoints see it.
 
 PowerSGD's compressor (powersgd.py) and `staleness=1`'s delayed gradients (delayed.py) are
 parts of an engine (`Engine.parts()`); DiLoCo's outer step (diloco.py) is a part of the
@@ -91,7 +91,6 @@ class Part(Protocol):
 
     name: str                  # its tensors' prefix in a checkpoint: `<name>/<key>`
     small_at: tuple[str, ...]  # where state.pt keeps its small values (a path of keys)
-    continue_mode_ok: bool     # `--on-failure continue` may run it (comm/continuation.py)
 
     def state(self, saving: Saving) -> Saved:
         """This rank's part of the state to save (every rank calls it: it may be a collective)."""

@@ -13,4 +13,4 @@ from .powersgd import PowerSGDReducer
 
 __all__ = ["KINDS"]
 
-KINDS = (PowerSGDReducer, DelayedGrads, OuterSync)  # the order a load hands them their state
+KINDS = (PowerSGDReducer, DelayedGrads, OuterSync)  # the order of a load's word on those absent

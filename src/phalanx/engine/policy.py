@@ -82,7 +82,7 @@ POLICIES = {
 
 def placed(policy: ShardPolicy, offload: str | None) -> ShardPolicy:
     """`policy` with the places `offload` asks for (None: all on the device); the combination
-    was checked by engine/offload.py's `check_offload`."""
+    was checked by model/spec.py's COMBINATIONS."""
     if offload is None:
         return policy
     return replace(policy, masters=HOST, shards=HOST if offload == "params" else DEVICE)

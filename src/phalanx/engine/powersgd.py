@@ -175,7 +175,6 @@ class PowerSGDReducer(Part):
 
     name = "powersgd"
     small_at = ("powersgd",)  # (it keeps no small values: the count is a tensor)
-    continue_mode_ok = False  # its state spans steps: a lost step would leave the ranks apart
 
     def __init__(self, config: PowerSGD, units, params: list[torch.nn.Parameter]):
         self.config = config

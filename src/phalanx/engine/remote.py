@@ -21,12 +21,12 @@ take part: each rank runs a `ShardService` thread that serves its shards to a pe
   answers until its end ([Note: a rank's end] in leaving.py).
 - The values are consistent: a request names how many optimizer steps the asking rank has
   taken with that model, and the server waits until its model has taken as many before it
-  reads, under the engine's lock, which `optimizer.step()` holds while it changes masters and
-  optimizer state and while it counts the step. A peer cannot step past the asking rank: its
-  next step needs the asking rank's gradients (a collective) and, under zero3, its next forward
-  the asking rank's gathers. A peer already past it (the asking rank acts between its backward
-  and its step while the peers stepped) cannot give the old values, and the asking rank gets
-  an error saying when to call instead.
+  reads, under the masters' lock (engine/state.py's `Masters`), which `optimizer.step()` holds
+  while it changes masters and optimizer state and while it counts the step. A peer cannot
+  step past the asking rank: its next step needs the asking rank's gradients (a collective)
+  and, under zero3, its next forward the asking rank's gathers. A peer already past it (the
+  asking rank acts between its backward and its step while the peers stepped) cannot give the
+  old values, and the asking rank gets an error saying when to call instead.
 - A peer that does not answer within the job's timeout (`px.init(timeout=)`): the asking rank
   raises `PeerError` naming the peer and what it asked for. Under `phalanx run --on-failure
   continue` a peer that died never answers, and neither does a survivor that has given up
@@ -41,13 +41,13 @@ take part: each rank runs a `ShardService` thread that serves its shards to a pe
 
 [Note: a model dropped while a peer reads it]
 Every rank may call `state_dict()` and return (a function's model goes with it) while a slower
-peer still reads this rank's shards of that model. So the service holds each model's engine
-itself, and when the user's prepared model is gone it keeps the engine until a blocking
-collective on the job's group, issued after that, has returned on this rank: every peer has then
-issued it, so every peer's main thread is past its reads (they are synchronous). A dropped
-model is therefore freed at the next blocking collective (a barrier, the next `px.prepare`,
-a buffer broadcast or roots check of the next forward, clipping) or at `px.shutdown()`, not at
-the moment it is dropped.
+peer still reads this rank's shards of that model. So the service holds each model's masters
+(engine/state.py's `Masters`, which keeps its engine) itself, and when the user's prepared
+model is gone it keeps the engine until a blocking collective on the job's group, issued after
+that, has returned on this rank: every peer has then issued it, so every peer's main thread is
+past its reads (they are synchronous). A dropped model is therefore freed at the next blocking
+collective (a barrier, the next `px.prepare`, a buffer broadcast or roots check of the next
+forward, clipping) or at `px.shutdown()`, not at the moment it is dropped.
 
 [Note: served once prepared]
 A rank returns from `px.prepare` and may read its peers' shards at once (`state_dict()` right

@@ -4,7 +4,6 @@ agent) and `px.spawn` (a function on N workers of this machine, from a notebook 
 
 
 # The package, by role:
-#   env.py         where this process sits in the job: what the launcher's variables say
 #   cli.py         `phalanx run`: the flags, their checks, and `main`, from command line to exit
 #                  status (its docstring is `phalanx run --help`)
 #   agent.py       the elastic agent that runs this node's workers and announces restarts

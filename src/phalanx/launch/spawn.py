@@ -140,7 +140,7 @@ def _free_port() -> int:
 
 
 # The handler `_ctrl_c_held` replaced, while it holds; a worker forked meanwhile reads it first
-# to put it back. Not a job's state (see [Note: process-wide state] in runtime.py).
+# to put it back. Not a job's state (see [Note: process-wide state] in world/process.py).
 _ctrl_c_handler = None
 
 

@@ -149,7 +149,7 @@ class _Built:
 
 
 def _refuse_compiled_zero3(model, spec: Spec, comm) -> None:
-    if spec.reshards and comm.world > 1 and uncompiled(model) is not model:
+    if spec.policy.reshards(comm.world) and uncompiled(model) is not model:
         # tried: nanoGPT's order under zero3 fails inside dynamo's guards (IndexError in
         # produce_guards), tracing the hooks that gather and free each block
         raise ValueError(
@@ -171,7 +171,7 @@ def _build(model, optimizer, spec: Spec, comm, init):
     init = init if weights is None else weights
     reading = weights.plan(uncompiled(model), comm) if weights is not None else None
     # zero3 draws (or reads) the values after the engine is built, keeping each rank's shards
-    shards_only = on_meta and spec.reshards and comm.world > 1 and (
+    shards_only = on_meta and spec.policy.reshards(comm.world) and (
         init is None or reading is not None)
     if on_meta:  # every rank draws (or reads) the same values: no broadcast after
         materialize(uncompiled(model), optimizer, runtime.device(), comm, init,

@@ -40,8 +40,8 @@ def relayout(prepared) -> None:
         clock.across = engine.names_across()
         if optimizer is not None:
             engine.watch_steps(optimizer, clock.step_done)
-        if getattr(clock, "elastic_engine", None) is not None:
-            clock.elastic_engine = weakref.ref(engine)
+        if getattr(clock, "continuing_engine", None) is not None:
+            clock.continuing_engine = weakref.ref(engine)
     if engine.remote is not None:  # see [Note: served once prepared] in engine/remote.py
         weakref.finalize(prepared, engine.remote.retire, engine.remote_id)
         engine.remote.open(engine.remote_id)

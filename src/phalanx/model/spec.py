@@ -39,7 +39,7 @@ from .diloco import DiLoCo, check_diloco_optimizer, split_strategy
 from .precision import COMM_DTYPES
 
 __all__ = ["Spec", "Gathering", "Staleness", "Offload", "Rule", "COMBINATIONS", "CONTINUE_MODE",
-           "gathering_of", "refuse"]
+           "gathering_of", "refuse", "first_refusal"]
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,6 @@ class Spec:
         """The parameters are sharded between uses and gathered while a unit computes (zero3)."""
         return self.policy.params is SHARD
 
-    @property
-    def shards_state(self) -> bool:
-        """Each rank keeps a shard of the optimizer state (zero1, zero2, zero3)."""
-        return self.policy.optimizer is SHARD
-
     def shard_size_for(self, world: int) -> int | None:
         """The shard group's size in a world of `world` ranks (None: all of them)."""
         return check_shard_size(self.shard_size, self.policy, world, self.staleness_steps)
@@ -188,11 +183,16 @@ class Rule:
     says: Callable[[Spec], str]
 
 
+def first_refusal(spec: Spec, rules: tuple[Rule, ...]) -> str | None:
+    """The message of the first rule of `rules` that applies to `spec` (None: none does)."""
+    return next((rule.says(spec) for rule in rules if rule.applies(spec)), None)
+
+
 def refuse(spec: Spec, rules: tuple[Rule, ...]) -> None:
     """Raise the first rule of `rules` that applies to `spec`, as a ValueError."""
-    for rule in rules:
-        if rule.applies(spec):
-            raise ValueError(rule.says(spec))
+    refusal = first_refusal(spec, rules)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 _CONTINUE = "phalanx run --on-failure continue: "

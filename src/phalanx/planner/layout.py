@@ -176,9 +176,10 @@ def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int,
     trainable ones). A root's backward gather is started by a hook on its output, which a root whose
     output needs no gradient never gets: one holding no trainable parameter that runs before every
     one that does (known from a module or a config: a recorded run gives 0). From what a run's
-    engine recorded (`desc.zero3_roots`, see `engine_roots`); from a module, the engine's own roots,
-    the last registered taken as the last to run; from a config, the engine's own roots of the
-    module the config describes (`config_roots`); from a bare count, none."""
+    engine recorded (`desc.zero3_roots`, see engine/zero3_roots.py's `engine_roots`); from a
+    module, the engine's own roots, the last registered taken as the last to run; from a
+    config, the engine's own roots of the module the config describes (`config_roots`); from a
+    bare count, none."""
     learning: dict = {}  # root -> holds a trainable parameter (from a module or a config)
     if desc.zero3_roots is not None:
         pairs = [(root, numel) for root, numel in desc.zero3_roots]

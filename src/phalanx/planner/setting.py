@@ -28,7 +28,7 @@ import torch
 from ..engine.offload import OFFLOADS
 from ..engine.policy import POLICIES, SHARD, ShardPolicy, placed
 from ..model.precision import COMM_DTYPES
-from ..model.spec import COMBINATIONS, Gathering, Offload, Spec, gathering_of
+from ..model.spec import COMBINATIONS, Gathering, Offload, Spec, first_refusal, gathering_of
 from ..spec.precisions import PrecisionSpec, precision_spec
 from ..spec.strategies import STRATEGIES, STRATEGY_ALIASES, strategy_name
 from .finetune import check_finetune
@@ -329,7 +329,7 @@ def _planned(policy: ShardPolicy, t: Training) -> tuple[Spec, str | None]:
                 bucket_mb=t.bucket_mb, gathering=gathering, shard_size=t.shard_size,
                 staleness=None, compression=None,
                 offload=None if t.offload is None else Offload(t.offload), diloco=None)
-    refusal = next((rule.says(spec) for rule in COMBINATIONS if rule.applies(spec)), None)
+    refusal = first_refusal(spec, COMBINATIONS)
     return replace(spec, policy=placed(policy, t.offload)), refusal
 
 

@@ -4,7 +4,8 @@
 Each part of `state` belongs to one module, which alone reads and changes it: the world of
 runtime.py (rank, device, the job's group and its Comm, the hang watcher), the groups phalanx
 made (groups.py), the live Comms and step counters, weakly (records.py), the host reads
-(host.py), this rank's end (leaving.py), continue mode's objects and its switch (continuing/),
+(host.py), this rank's end (leaving.py), continue mode's session (comm/continuation.py;
+continuing/session.py sets it) and its switch (comm/gate.py),
 px.log's open files (observe/metrics.py), the shard services (engine/remote.py), the background
 saves (checkpoint/saving.py) and global_mean's totals (data/loss.py). `px.shutdown()`
 (runtime.py) ends what runs (saves, the hang watcher, the services, the groups) and then calls
