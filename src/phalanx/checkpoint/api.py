@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 import warnings
 
 import torch
@@ -15,6 +14,14 @@ from ..world import runtime
 from ..world.runtime import default_comm
 from .common import LOSS_SCALER, MODEL, STATE_FILE, agree, mismatches, set_rng_state, under
 from .dcp import is_dcp_checkpoint, load_dcp
+from .export import (
+    Entry,
+    check_options,
+    output_dtype,
+    plan,
+    why_not_directory,
+    write_plan,
+)
 from .ownership import adopt, checkpoints_of, job_ids
 from .parts import load_parts
 from .reader import CheckpointError, Reader, newest_intact, read_manifest, verify_files
@@ -202,49 +209,129 @@ def _match(model_state: ModelState, manifest: dict) -> tuple[set[str], list[str]
 
 
 # -- export -----------------------------------------------------------------------------------
-def export(path, model) -> str:
+def export(path, model, dtype=None, max_shard_size=None, merge_lora=False) -> str:
     """Write the full weights of `px.unwrap(model)` (fp32 masters for trained parameters, the
     original dtypes elsewhere) to one safetensors file under the module's own names, loadable
     with `model.load_state_dict(safetensors.torch.load_file(path))`. A collective: rank 0
-    writes, with the other ranks' shards of the masters gathered to it."""
+    writes, one tensor at a time, a sharded tensor piece by piece from the ranks that hold
+    its pieces, so no rank ever holds a copy of the model.
+
+    `dtype=` (a floating torch dtype) casts every floating tensor to it. `max_shard_size=`
+    ("5GB", "500MB" or a number of bytes) writes Hugging Face's sharded layout into the
+    directory `path` instead: `model-00001-of-0000N.safetensors` files and
+    `model.safetensors.index.json`. `merge_lora=True` is not available yet (refused)."""
+    # [Note: an export streams] in export.py
+    call = "px.export(path, model)"
     example = "px.export('model.safetensors', model)"
-    check_path("px.export(path, model)", path, "the file to write", example)
-    check_model("px.export(path, model)", model, example)
+    check_path(call, path, "the file to write", example)
+    check_model(call, model, example)
+    limit = check_options(call, path, dtype, max_shard_size, merge_lora)
     state = ModelState(model)
     comm = state.comm
     target = os.path.abspath(os.fspath(path))
-    agree(comm, why_not_export_target(target) if comm.rank == 0 else None,
-          f"px.export({os.fspath(path)!r})")
-    owner = {name: 0 for name in state.writer_of()}  # what every rank holds whole: rank 0's
-    local = [(r.name, r.start, r.end, r.values.detach().cpu().clone()) for r in state.ranges(owner)]
-    gathered = comm.gather_object(local, dst=0, tag="export")
-    error = None
+    problem = None
     if comm.rank == 0:
-        try:
-            full = {}
-            shapes = state.shapes()
-            for name, (shape, dtype) in shapes.items():
-                full[name] = torch.empty(shape, dtype=dtype)
-            for part in gathered:
-                for name, start, end, values in part:
-                    full[name[len(MODEL):]].view(-1)[start:end] = values
-            for alias, name in state.aliases.items():
-                full[alias] = full[name].clone()
-            _write_atomically(target, full)
-        except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
-            error = f"{type(exc).__name__}: {exc}"
+        problem = why_not_export_target(target) if limit is None else why_not_directory(target)
+    agree(comm, problem, f"px.export({os.fspath(path)!r})")
+    shapes = state.shapes()
+    entries = []
+    for name in state.module.state_dict(keep_vars=True):
+        source = state.aliases.get(name, name)
+        shape, held = shapes[source]
+        entries.append(Entry(name, source, shape, output_dtype(held, dtype)))
+    owner = {name: 0 for name in state.writer_of()}  # what every rank holds whole: rank 0's
+
+    buffer = [torch.empty(0, dtype=torch.uint8, device=comm.device)]
+
+    def received(n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where a broadcast piece lands: one buffer for the whole export, grown to the largest
+        piece (a fresh tensor for each piece would raise the peak by several pieces, as the
+        allocator and the collectives release them later)."""
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if buffer[0].numel() < nbytes:
+            buffer[0] = None
+            buffer[0] = torch.empty(nbytes, dtype=torch.uint8, device=comm.device)
+        return buffer[0][:nbytes].view(dtype)
+
+    def pieces(entry: Entry):
+        if entry.source in owner:  # held whole: written from rank 0's own copy
+            yield from _held(state, entry) if comm.rank == 0 else []
+            return
+        # sharded: rank 0 writes its own pieces, then each other piece in turn, broadcast by
+        # the rank that holds it (every rank learns the pieces' places first)
+        mine = _held(state, entry) if state.writes_shards else []
+        places = comm.all_gather_object([(start, v.numel()) for start, v in mine],
+                                        tag="export")
+        if comm.rank == 0:
+            yield from mine
+        for rank, spans in enumerate(places[1:], start=1):
+            for i, (start, n) in enumerate(spans):
+                if (start, n) in places[0]:  # the same piece as rank 0's (DiLoCo's whole values)
+                    continue
+                if comm.rank == rank:
+                    piece = mine[i][1].to(comm.device)
+                else:
+                    piece = received(n, entry.dtype)
+                comm.broadcast(piece, src=rank, tag="export")
+                if comm.rank == 0:
+                    yield start, piece.cpu()
+                del piece
+
+    error = write_plan(target, plan(entries, limit), pieces, comm.rank == 0, limit is not None)
     agree(comm, error, f"px.export({os.fspath(path)!r})")
     return os.fspath(path)
 
 
-def export_checkpoint(checkpoint, out) -> str:
+@torch.no_grad()
+def _held(state: ModelState, entry: Entry) -> list[tuple[int, torch.Tensor]]:
+    """This rank's pieces of `entry`'s tensor as (first element, 1-D values in the entry's
+    dtype) on the CPU, as `ModelState.ranges` reads them: views where no cast is needed."""
+    name = entry.source
+    t = state.tensors[name]
+    saved_as = state.saved_as.get(id(t))
+    if saved_as is not None:  # a part's value for it (DiLoCo: the last sync's weights)
+        held = [(0, saved_as)]
+    elif name in state.pieces:  # a frozen shard is in the compute dtype: widened first
+        held = [(p.start, p.master) for p in state.pieces[name]]
+    else:
+        held = [(0, t)]
+    out = []
+    for start, values in held:
+        values = values.detach().reshape(-1).cpu().to(state.dtype_of(name))
+        out.append((start, values.to(entry.dtype)))
+    return out
+
+
+def export_checkpoint(checkpoint, out, dtype=None, max_shard_size=None) -> str:
     """`phalanx export CKPT OUT`: the model's full weights from a checkpoint, offline (no
-    process group), as one safetensors file."""
+    process group), as one safetensors file, or with `max_shard_size` as Hugging Face's
+    sharded layout in the directory OUT; read and written one tensor at a time."""
+    call = "phalanx export CKPT OUT"
+    limit = check_options(call, out, dtype, max_shard_size, False)
     checkpoint = os.path.abspath(os.fspath(checkpoint))
-    problem = why_not_export_target(os.path.abspath(os.fspath(out)))
+    target = os.path.abspath(os.fspath(out))
+    problem = why_not_export_target(target) if limit is None else why_not_directory(target)
     if problem is not None:
         raise CheckpointError(problem)
-    _write_atomically(os.path.abspath(os.fspath(out)), full_weights(checkpoint))
+    manifest = read_manifest(checkpoint)
+    problems = verify_files(checkpoint, manifest, sorted(manifest["files"]))
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    saved = under(MODEL, manifest["tensors"])
+    names = {name: name for name in saved}
+    names.update(manifest.get("aliases", {}))  # tied weights, under both names
+    entries = [Entry(name, source, list(saved[source]["shape"]),
+                     output_dtype(getattr(torch, saved[source]["dtype"]), dtype))
+               for name, source in names.items()]
+    reader = Reader(checkpoint, manifest)
+    try:
+        error = write_plan(target, plan(entries, limit),
+                           lambda e: [(0, reader.full(MODEL + e.source).reshape(-1))],
+                           True, limit is not None)
+    finally:
+        reader.close()
+    if error is not None:
+        raise CheckpointError(error)
     return os.fspath(out)
 
 
@@ -264,18 +351,3 @@ def full_weights(checkpoint: str) -> dict:
     for alias, name in manifest.get("aliases", {}).items():  # tied weights, under both names
         full[alias] = full[name].clone()
     return full
-
-
-def _write_atomically(path: str, tensors: dict) -> None:
-    from safetensors.torch import save_file  # (only exports need it)
-
-    tmp = f"{path}.partial-{uuid.uuid4().hex[:12]}"
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-        problem = why_not_export_target(path)  # again: see [Note: a save removes only checkpoints]
-        if problem is not None:
-            raise CheckpointError(problem)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

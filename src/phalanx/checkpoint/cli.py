@@ -7,7 +7,9 @@ parameters in their own dtype; a tied weight under each of its names), so
 
     model.load_state_dict(safetensors.torch.load_file("OUT.safetensors"))
 
-restores the plain model.
+restores the plain model. `--dtype bfloat16` casts the floating tensors; `--max-shard-size 5GB`
+writes Hugging Face's sharded layout into the directory OUT instead (as `px.export` does with
+`dtype=` and `max_shard_size=`). Tensors are read and written one at a time.
 """
 
 from __future__ import annotations
@@ -16,23 +18,41 @@ import argparse
 
 __all__ = ["add_arguments", "main"]
 
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory (px.save)")
-    parser.add_argument("out", metavar="OUT", help="the safetensors file to write")
+    parser.add_argument("out", metavar="OUT", help="the safetensors file to write (a directory "
+                        "with --max-shard-size)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="cast the floating tensors to this dtype (default: as saved)")
+    parser.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="write Hugging Face's sharded layout into the directory OUT, files "
+                             "of at most SIZE (e.g. 5GB, 500MB)")
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
     from phalanx.spec.command_error import CommandError
 
     from .api import export_checkpoint
     from .reader import CheckpointError
 
+    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     try:
-        export_checkpoint(args.checkpoint, args.out)
-    except CheckpointError as exc:
+        export_checkpoint(args.checkpoint, args.out, dtype=dtype,
+                          max_shard_size=_size(getattr(args, "max_shard_size", None)))
+    except (CheckpointError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     except OSError as exc:
         raise CommandError(f"cannot write {args.out}: {exc.strerror or exc}") from None
     print(f"wrote {args.out}")
     return 0
+
+
+def _size(text: str | None):
+    """--max-shard-size as px.export takes it: a size with its unit ("5GB"), or digits alone,
+    a number of bytes."""
+    return int(text) if text is not None and text.isdigit() else text
