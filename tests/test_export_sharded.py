@@ -11,7 +11,6 @@ are refused before any collective, naming the fix; so is `merge_lora=True`, not 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -22,6 +21,7 @@ import sys
 import pytest
 import torch
 from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
+from resident import reset_peak, status, trim
 from torch import nn
 
 import phalanx as px
@@ -180,25 +180,6 @@ def test_the_command_line_export_takes_dtype_and_max_shard_size(tmp_path):
 LAYERS, WIDTH = 24, 1024  # 24 layers of 4 MiB: a 100 MB fp32 model
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1)) * 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark becomes the current resident set
-
-
-def _trim() -> None:
-    """Give the heap's free memory back to the system, so that what an export allocates shows
-    as a rise of the resident set rather than reusing pages already counted."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def _peak_rise(path, strategy):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
@@ -207,11 +188,11 @@ def _peak_rise(path, strategy):
     rises = []
     for kwargs in ({}, {"max_shard_size": "20MB"}):
         gc.collect()
-        _trim()
-        _reset_peak()
-        before = _status("VmHWM")
+        trim()
+        reset_peak()
+        before = status("VmHWM")
         px.export(path + str(len(rises)) + ("" if kwargs else ".safetensors"), model, **kwargs)
-        rises.append(_status("VmHWM") - before)
+        rises.append(status("VmHWM") - before)
     return rises
 
 

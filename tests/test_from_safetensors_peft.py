@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from resident import reset_peak, status
 from safetensors.torch import save_file
 from test_from_safetensors import default_dtype, write
 
@@ -502,11 +503,6 @@ def test_prompt_learning_and_modules_to_save_read_the_plain_models_names(tmp_pat
 
 
 # -- memory -------------------------------------------------------------------------------------
-def _status(key):
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(key + ":")).split()[1]) * 1024
-
-
 def _peak(directory, route):
     """The rise of this rank's resident high-water mark while the LoRA model is built and
     prepared under zero3 with the base weights of `directory`: "meta" (built on meta,
@@ -514,9 +510,8 @@ def _peak(directory, route):
     torch.set_num_threads(1)
     warm = nn.Linear(2, 2)  # what a first prepare allocates once (gloo, imports) is not counted
     px.prepare(warm, torch.optim.SGD(warm.parameters(), lr=0.1), strategy="zero3")
-    baseline = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts from here
+    baseline = status("VmRSS")
+    reset_peak()  # the high-water mark starts from here
     if route == "meta":
         model = lora_model(BIG, meta=True)
         init = px.from_safetensors(directory)
@@ -527,7 +522,7 @@ def _peak(directory, route):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model, opt = px.prepare(model, opt, strategy="zero3", init=init)
     held = sum(t.numel() * t.element_size() for u in engine_of(model).all_units for t in u.held())
-    return _status("VmHWM") - baseline, held
+    return status("VmHWM") - baseline, held
 
 
 def _big_file(tmp_path) -> tuple[str, int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from resident import reset_peak, status
 
 import phalanx as px
 from phalanx.testing import run_ranks
@@ -250,23 +251,16 @@ def test_a_reset_parameters_writing_outside_its_module_is_refused_by_name_under_
     assert all(run_ranks(_reach_out, 2, timeout=120))
 
 
-def _status(key):
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith(key + ":"))
-    return int(line.split()[1]) * 1024
-
-
 def _prepare_peak(init):
     torch.set_num_threads(1)
     warm = nn.Linear(2, 2)  # what a first prepare allocates once (gloo, imports) is not counted
     px.prepare(warm, torch.optim.SGD(warm.parameters(), lr=0.1), strategy="zero3")
-    baseline = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts from here
+    baseline = status("VmRSS")
+    reset_peak()  # the high-water mark starts from here
     with torch.device("meta"):
         model = Chain([nn.Linear(1024, 1024) for _ in range(32)])
     px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3", init=init)
-    return _status("VmHWM") - baseline
+    return status("VmHWM") - baseline
 
 
 def _reset_all(model):
