@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.collectives import Comm
-from ..engine.optim import adapter_of, held_groups, native_load_state_dict, per_element
+from ..engine.optim import Held, adapter_of, held_groups, native_load_state_dict, per_element
 from ..engine.part import Range
 from ..model.prepare import prepared_or_none, uncompiled
 from ..model.prepared_protocol import Prepared
@@ -185,11 +185,19 @@ class OptimizerState:
             raise ValueError("the optimizer holds tensors that are not parameters of the model "
                              "given to px.save/px.load; pass the model it was built over")
         self.group_names = [[model.names[id(p)] for p in g] for g in groups]
-        # the tensors the optimizer holds now (master pieces once adopted) -> (name, piece)
-        self.held: dict[int, tuple[str, object]] = {}
-        for name, pieces in model.pieces.items():
-            for piece in pieces if name in model.trainable else []:
-                self.held[id(piece.master)] = (name, piece)
+        # What the optimizer keys its state by, with the elements of a parameter each stands
+        # for (engine/optim.py's `Held`): the adapter's holders once adopted (the master
+        # pieces, and an owner's whole parameter: engine/owners.py), else the parameters.
+        if adapter is not None and adapter.adopted:
+            holders = [(model.names[id(h.param)], h) for h in adapter.holders()
+                       if id(h.param) in model.names]
+        else:
+            holders = [(name, Held(model.trainable[name], piece.start, piece.end, piece.master,
+                                   piece.master.shape))
+                       for name, pieces in model.pieces.items() if name in model.trainable
+                       for piece in pieces]
+        self.holders = holders
+        self.held: dict[int, tuple[str, Held]] = {id(h.tensor): (name, h) for name, h in holders}
 
     def hyperparameters(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -199,18 +207,17 @@ class OptimizerState:
         """This rank's per-element state as ranges, and the rest of the state (step counts,
         anything not shaped like the parameter) by name, from the piece that starts at 0."""
         out, whole = [], {}
-        for name, pieces in self.model.pieces.items():
-            if name not in self.model.trainable or not self.model.writes(name, owner):
+        for name, held in self.holders:
+            if not self.model.writes(name, owner):
                 continue
-            for piece in pieces:
-                for key, value in self.optimizer.state.get(piece.master, {}).items():
-                    if per_element(key, value, piece.master.shape):
-                        out.append(Range(optim_key(name, key), piece.start, piece.end,
-                                         value.detach().reshape(-1)))
-                    elif piece.start == 0:
-                        whole.setdefault(name, {})[key] = (
-                            value.detach().cpu().clone() if isinstance(value, torch.Tensor)
-                            else value)
+            for key, value in self.optimizer.state.get(held.tensor, {}).items():
+                if per_element(key, value, held.shape):
+                    out.append(Range(optim_key(name, key), held.start, held.end,
+                                     value.detach().reshape(-1)))
+                elif held.start == 0:
+                    whole.setdefault(name, {})[key] = (
+                        value.detach().cpu().clone() if isinstance(value, torch.Tensor)
+                        else value)
         return out, whole
 
     def check(self, saved: dict) -> None:
@@ -225,12 +232,12 @@ class OptimizerState:
         state, groups, position = {}, [], 0
         for g, group in enumerate(held_groups(self.optimizer)):  # the master pieces
             for m in group:
-                name, piece = self.held.get(id(m), (None, None))
+                name, held = self.held.get(id(m), (None, None))
                 if name is not None and name in names:
                     entry = dict(saved["whole"].get(name, {}))
                     for key in saved["keys"].get(name, []):
-                        values = reader.read(optim_key(name, key), piece.start, piece.end)
-                        entry[key] = values.view(piece.master.shape)
+                        values = reader.read(optim_key(name, key), held.start, held.end)
+                        entry[key] = values.view(held.shape)
                     if entry:
                         state[position] = entry
                 position += 1

@@ -359,6 +359,22 @@ class Comm:
         return self._issue(rec, lambda a: dist.broadcast(tensor, src=root, group=self.group,
                                                          async_op=a), async_op)
 
+    @_guarded(lambda self, output, tensor, output_splits, input_splits, async_op=False,
+              tag=None: _nothing(self, async_op=async_op))
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], async_op: bool = False, tag: str | None = None):
+        """Send `tensor[sum(input_splits[:r]):][:input_splits[r]]` to rank r, and receive rank
+        r's part for this rank into the same place of `output` by `output_splits` (both 1-D).
+        Rank r's input_splits[me] must equal this rank's output_splits[r]. The record's bytes
+        are what this rank sends."""
+        if self._alone():
+            output.copy_(tensor)
+            return Handle([]) if async_op else None
+        rec = self._begin("all_to_all", self._nbytes(tensor), tag)
+        return self._issue(rec, lambda a: dist.all_to_all_single(
+            output, tensor, list(output_splits), list(input_splits), group=self.group,
+            async_op=a), async_op)
+
     # -- object collectives and barrier ------------------------------------------------------
     # Objects travel as pickles in byte tensors, as torch.distributed's object collectives
     # do, but made here so that the record holds the bytes that really moved: one all-gather

@@ -31,7 +31,7 @@ def _checking() -> bool:
 CHECK_COLLECTIVES = _checking()
 KIND_CODES = {kind: i for i, kind in enumerate(
     ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
-     "gather_object", "barrier"], start=1)}
+     "gather_object", "barrier", "all_to_all"], start=1)}
 
 
 class CollectiveMismatch(RuntimeError):

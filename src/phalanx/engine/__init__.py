@@ -29,11 +29,12 @@ import torch
 
 from .clipping import route_torch_clip
 from .flat_engine import Features, FlatEngine, UnitOptions
-from .optim import ELEMENTWISE_OPTIMIZERS, optimizer_state_dict
+from .optim import optimizer_state_dict
+from .optimizer_kinds import element_wise, matrix_wise
 from .policy import POLICIES, ShardPolicy
 
 __all__ = ["Engine", "EngineSpec", "FlatEngine", "build_engine", "POLICIES", "ShardPolicy",
-           "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict"]
+           "element_wise", "matrix_wise", "optimizer_state_dict"]
 
 
 class Engine(Protocol):

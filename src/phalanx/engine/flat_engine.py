@@ -36,7 +36,7 @@ import torch
 
 from ..comm import host
 from ..comm.collectives import Comm
-from ..comm.gate import step_lost
+from ..comm.gate import continuing, step_lost
 from ..comm.records import StepCounter
 from .amp import route_grad_scaler, scaler_in_use
 from .buckets import BufferPool, GradBucket
@@ -45,7 +45,9 @@ from .delayed import DelayedGrads
 from .flat import FlatUnit, UnitContext
 from .generations import Generations
 from .offload import HostLink, step_on_host
-from .optim import OptimizerAdapter
+from .optim import OptimizerAdapter, optimizer_groups
+from .optimizer_kinds import whole_rule
+from .owners import WholeParams
 from .policy import HOST, ShardPolicy
 from .powersgd import PowerSGDReducer
 from .reducer import GradReducer
@@ -135,13 +137,16 @@ class FlatEngine:
                                    signal=self._signal, on_end=self._after_backward,
                                    may_wait=self._may_wait if self._host_waits else None)
         self.generations = Generations(comm, self.reducer)
+        # See [Note: whole parameters on owner ranks] in owners.py
+        self.wholes = self._wholes(module, optimizer)
         # See [Note: fp32 gradients a few units at a time] in units.py
         self.step_chunk_bytes = step_run_bytes(units.bucket_mb)
         self.stepper = Stepper(self.units, self.params, self.masters, optimizer, comm, policy,
                                delayed=self.delayed, loss_scaler=self.loss_scaler,
                                step_chunk_bytes=self.step_chunk_bytes,
                                on_host=partial(step_on_host, self)
-                               if self.host_link is not None else None)
+                               if self.host_link is not None else None,
+                               wholes=self.wholes)
         self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
         if self.optim is not None:  # [Note: torch.amp's GradScaler on a prepared model] in amp.py
             route_grad_scaler()
@@ -198,6 +203,32 @@ class FlatEngine:
                           context=context)
                  for i, (trained, frozen) in enumerate(split)]
         return pool, [u for u in every if u.params], [u for u in every if not u.params]
+
+    def _wholes(self, module: torch.nn.Module, optimizer) -> WholeParams | None:
+        """A matrix-wise optimizer's parameters stepped whole on owner ranks (owners.py),
+        where the optimizer state is sharded; None where every parameter steps in pieces."""
+        rule = whole_rule(optimizer) if optimizer is not None else None
+        if rule is None or not self.sharded or not self.adopt:
+            return None
+        groups = optimizer.param_groups
+        wholes = WholeParams(self.units, rule, {p: groups[g] for p, g in
+                                                optimizer_groups(optimizer, module).items()},
+                             self.comm)
+        if not wholes:
+            return None
+        name = type(optimizer).__name__
+        if self.host_link is not None:
+            raise ValueError(
+                f"offload='optimizer' with {name}, which needs whole matrices: the owners' "
+                "exchange runs on the device and is not written for masters in host memory; "
+                "use offload=None (zero3 shards the state 1/N per rank), or an element-wise "
+                "optimizer such as AdamW")
+        if continuing():
+            raise ValueError(
+                f"--on-failure continue with {name} under a sharded strategy: a step lost "
+                "mid-exchange would leave the owners' matrices half-written; use strategy="
+                "'ddp', an element-wise optimizer such as AdamW, or --on-failure stop")
+        return wholes
 
     def _gathering(self, module: torch.nn.Module, options: UnitOptions):
         """zero3's gatherer (or None) and the shard service (remote.py; None unless the masters

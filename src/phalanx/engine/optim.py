@@ -17,8 +17,11 @@ the masters there), a clip over the optimizer's parameters, a name per learning 
 The optimizer's state (`optimizer.state`) stays keyed by the master pieces.
 
 Sharding the optimizer is exact for optimizers whose update of each element depends only on
-that element's gradient, its own state and the group's hyper-parameters, which is why others
-are refused rather than silently stepped differently.
+that element's gradient, its own state and the group's hyper-parameters; an optimizer that
+needs some parameters whole (Muon, Adafactor) steps each of those on one owner rank instead
+(owners.py); any other is refused rather than silently stepped differently
+(optimizer_kinds.py). What the optimizer steps and keys its state by is a *holder* (`Held`):
+a master piece, or an owner's whole parameter.
 
 [Note: the optimizer's state_dict]
 `optimizer.state_dict()` has the format of a single process: state keyed by the position of
@@ -38,16 +41,26 @@ from __future__ import annotations
 
 import types
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OptimizerAdapter", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_dict", "adapter_of",
-           "held_groups", "native_load_state_dict", "per_element"]
+from .optimizer_kinds import check_declared
 
-ELEMENTWISE_OPTIMIZERS = tuple(
-    getattr(torch.optim, name) for name in
-    ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
-     "RMSprop", "Rprop") if hasattr(torch.optim, name))
+__all__ = ["OptimizerAdapter", "Held", "optimizer_state_dict", "adapter_of", "held_groups",
+           "native_load_state_dict", "per_element"]
+
+
+@dataclass(frozen=True, eq=False)
+class Held:
+    """A tensor the adopted optimizer steps and keys its state by (`tensor`: a master piece,
+    or an owner's whole parameter, owners.py), standing for the elements [start, end) of the
+    flattened `param`; per-element state has `shape`."""
+    param: torch.Tensor
+    start: int
+    end: int
+    tensor: torch.Tensor
+    shape: torch.Size
 
 # The adapter lives on the optimizer it adopts (an attribute, not a global table: a table keyed
 # weakly by the optimizer would still keep it alive through the adapter, which refers to it).
@@ -101,7 +114,7 @@ class OptimizerAdapter:
             self._user = {"step": optimizer.step}
             optimizer.step = types.MethodType(_watched(engine.vote, optimizer.step), optimizer)
             return
-        _check_elementwise(optimizer)
+        check_declared(optimizer)
         # a state loaded before prepare, in the single-process format (see the Note)
         loaded = optimizer.state_dict() if _has_stepped(optimizer) else None
         missing = [p for p in engine.params if p not in group_of]
@@ -109,13 +122,23 @@ class OptimizerAdapter:
             raise ValueError(
                 f"{len(missing)} trainable parameter(s) of the model are not in the optimizer; "
                 "add them, or set requires_grad=False on the ones you do not train")
-        self.pieces_of: dict[int, list] = {}
+        # what the optimizer steps: the master pieces, but for a parameter stepped whole on
+        # its owner (owners.py), the owner's whole tensor, and nothing on the other ranks
+        wholes = engine.wholes
+        holders = []
         for unit in engine.units:
             for piece in unit.pieces:
-                self.pieces_of.setdefault(id(unit.params[piece.param_index]), []).append(piece)
+                p = unit.params[piece.param_index]
+                if wholes is None or wholes.of(p) is None:
+                    holders.append(Held(p, piece.start, piece.end, piece.master,
+                                        piece.master.shape))
+        for w in wholes.owned() if wholes is not None else []:
+            holders.append(Held(w.param, 0, w.numel, w.tensor, w.param.shape))
+        self.holders_of: dict[int, list[Held]] = {}
+        for h in holders:
+            self.holders_of.setdefault(id(h.param), []).append(h)
         # what each group steps: see [Note: the param groups hold the user's parameters ...]
-        self.held = [[piece.master for unit in engine.units for piece in unit.pieces
-                      if group_of[unit.params[piece.param_index]] == g]
+        self.held = [[h.tensor for h in holders if group_of[h.param] == g]
                      for g in range(len(optimizer.param_groups))]
         with self.holding_masters():
             _init_state_for_masters(optimizer)
@@ -217,17 +240,21 @@ class OptimizerAdapter:
         parts: dict[int, list] = {}
         state = self.optimizer.state
         for index, p in enumerate(q for group in self.original for q in group):
-            for piece in self.pieces_of.get(id(p), []):
-                s = state.get(piece.master)
+            for held in self.holders_of.get(id(p), []):
+                s = state.get(held.tensor)
                 if not s:
                     continue
                 entry = {}
                 for key, value in s.items():
                     entry[key] = ("elements", value.detach().reshape(-1).clone()) \
-                        if per_element(key, value, piece.master.shape) \
+                        if per_element(key, value, held.shape) \
                         else ("whole", value.clone() if isinstance(value, torch.Tensor) else value)
-                parts.setdefault(index, []).append((piece.start, piece.end, entry))
+                parts.setdefault(index, []).append((held.start, held.end, entry))
         return parts
+
+    def holders(self) -> list[Held]:
+        """Every holder this rank's optimizer steps (see the module's docstring)."""
+        return [h for hs in self.holders_of.values() for h in hs]
 
     def _assemble(self, all_parts: list[dict]) -> dict:
         params = [q for group in self.original for q in group]
@@ -306,19 +333,19 @@ class OptimizerAdapter:
                 "nothing would be loaded. Use the unflattened form (the default options) or "
                 "px.load")
         state, groups, position = {}, [], 0
-        piece_index = {id(m): i for i, m in enumerate(m for g in self.held for m in g)}
+        position_of = {id(m): i for i, m in enumerate(m for g in self.held for m in g)}
         for index, p in enumerate(params):
             saved_id = saved_ids[index]
             s = saved_state.get(saved_id, saved_state.get(str(saved_id)))
             if s is None:
                 continue
-            for piece in self.pieces_of.get(id(p), []):
+            for held in self.holders_of.get(id(p), []):
                 entry = {}
                 for key, value in s.items():
                     if per_element(key, value, p.shape):
-                        value = value.reshape(-1)[piece.start:piece.end].view_as(piece.master)
+                        value = value.reshape(-1)[held.start:held.end].view(held.shape)
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                state[piece_index[id(piece.master)]] = entry
+                state[position_of[id(held.tensor)]] = entry
         for g, held in enumerate(self.held):
             groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"},
                            "params": list(range(position, position + len(held)))})
@@ -366,15 +393,6 @@ def optimizer_state_dict(optimizer) -> dict:
     if adapter is None:
         return optimizer.state_dict()
     return adapter.full_state_dict()
-
-
-def _check_elementwise(optimizer) -> None:
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise ValueError(
-            f"{type(optimizer).__name__} is not an optimizer whose update is element-wise, so "
-            f"sharding or mixed precision would change its update; use one of {names}, or "
-            "strategy='ddp' with precision='fp32'")
 
 
 def _has_stepped(optimizer) -> bool:

@@ -32,11 +32,13 @@ class Stepper:
         time] in units.py).
     on_host: offload's step, fn(ready units, unscale, step_one) (offload.py's `step_on_host`),
         or None where the masters are on the device.
+    wholes: a matrix-wise optimizer's parameters stepped whole on their owners (owners.py),
+        or None.
     """
 
     def __init__(self, units: list[FlatUnit], params: list, masters: Masters, optimizer,
                  comm, policy: ShardPolicy, *, delayed, loss_scaler, step_chunk_bytes: int,
-                 on_host: Callable | None):
+                 on_host: Callable | None, wholes=None):
         self.units = units
         self.params = params
         self.masters = masters
@@ -47,6 +49,7 @@ class Stepper:
         self.loss_scaler = loss_scaler
         self.step_chunk_bytes = step_chunk_bytes
         self.on_host = on_host
+        self.wholes = wholes or None
         self.overflow: bool | None = None  # fp16: read at the end of the last backward
 
     def note_overflow(self, found: bool | None) -> None:
@@ -99,9 +102,15 @@ class Stepper:
                         piece.master.grad = None if grad is None else \
                             grad.detach().reshape(-1)[piece.start:piece.end].to(
                                 piece.master.device, unit.master_dtype).view_as(piece.master)
+                if self.wholes is not None:
+                    pending = self.wholes.start_gather(self.units, lambda w: w.mine.master.grad)
+                    if pending is not None:
+                        pending.finish()
                 with host_kernels(self.optimizer) if self.on_host is not None \
                         else contextlib.nullcontext():
                     step_one()
+                if self.wholes is not None:
+                    self.wholes.scatter(self.units)
             finally:
                 for unit in self.units:
                     unit.set_piece_grads(None)
@@ -126,18 +135,26 @@ class Stepper:
             self.on_host(ready, unscale, step_one)
             return True
         works, raised = [], None
-        for run in self._step_runs(ready, unscale):
+        runs = self._step_runs(ready, unscale)
+        # See [Note: whole parameters on owner ranks] in owners.py: each run's owners' gather
+        # is on the wire while the run before it steps
+        pending = self._start_gather(runs[0], unscale)
+        for k, run in enumerate(runs):
             for unit in run:
-                unit.sync_master_from_cache()  # See [Note: the shard is the truth] in flat.py
                 grad = unit.reduced
                 if grad.dtype != unit.master_dtype or unscale != 1.0:
                     grad = grad.to(unit.master_dtype).mul_(unscale)
                 unit.set_piece_grads(grad)
+            if pending is not None:
+                pending.finish()
+            pending = self._start_gather(runs[k + 1], unscale) if k + 1 < len(runs) else None
             if raised is None:
                 try:
                     step_one()
                 except BaseException as exc:  # noqa: BLE001 - raised once the others are let go
                     raised = exc
+            if self.wholes is not None:
+                self.wholes.scatter(run)
             for unit in run:
                 unit.set_piece_grads(None)
                 if not self.reshards:  # zero3 gathers at the next forward (zero3.py)
@@ -149,10 +166,28 @@ class Stepper:
             raise raised        # [Note: a step that raised in the optimizer] in vote.py
         return True
 
+    def _start_gather(self, run: list[FlatUnit], unscale: float):
+        """Take edits behind phalanx's back into the run's masters ([Note: the shard is the
+        truth] in flat.py), then start the owners' gather of its whole parameters (owners.py;
+        None without any)."""
+        for unit in run:
+            unit.sync_master_from_cache()
+        if self.wholes is None:
+            return None
+
+        def grad_of(w):  # this rank's slice of the reduced gradient, as the step gives it
+            grad = w.unit.reduced[w.mine.lo:w.mine.hi]
+            if grad.dtype != w.unit.master_dtype or unscale != 1.0:
+                grad = grad.to(w.unit.master_dtype, copy=True).mul_(unscale)
+            return grad
+        return self.wholes.start_gather(run, grad_of)
+
     def _step_runs(self, ready: list[FlatUnit], unscale: float) -> list[list[FlatUnit]]:
         """The units stepped together (see [Note: fp32 gradients a few units at a time] in
-        units.py)."""
-        if all(u.reduced.dtype == u.master_dtype for u in ready) and unscale == 1.0:
+        units.py); with whole parameters always a few units at a time, so that a run's
+        owners' exchange overlaps the step of the run before."""
+        if all(u.reduced.dtype == u.master_dtype for u in ready) and unscale == 1.0 \
+                and self.wholes is None:
             return [ready]
         sizes = [u.reduced.numel() * torch.finfo(u.master_dtype).bits // 8 for u in ready]
         return [[ready[i] for i in run] for run in step_runs(sizes, self.step_chunk_bytes)]
