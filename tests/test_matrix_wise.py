@@ -287,3 +287,46 @@ def test_low_precision_owners_step_what_ddp_steps(precision):
     for rank, got in enumerate(run_ranks(_low_precision, 2, args=(precision,), timeout=120)):
         for strategy in ("zero2", "zero3"):
             assert _max_diff(got[strategy], got["ddp"]) < 1e-10, f"{precision} {strategy} {rank}"
+
+
+def _matrices():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48, bias=False), nn.Tanh(), nn.Linear(48, 48, bias=False),
+                         nn.Tanh(), nn.Linear(48, 5, bias=False))
+
+
+def _exchanged_bytes(strategy, steps=2):
+    from phalanx.comm import records
+    model = _matrices()
+    model, opt = px.prepare(model, torch.optim.Muon(model.parameters(), lr=0.02),
+                            strategy=strategy)
+
+    def step():
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    step()
+    records.reset_counts()
+    for _ in range(steps):
+        step()
+    return records.bytes_by_kind().get("all_to_all", 0) / steps
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_planned_exchange_matches_the_collectives_counter(world):
+    """The planner's all-to-all payload per step (memory.py's WholeTerms: 3E/n elements of the
+    master dtype a rank) is the mean over the ranks of what the Comm counted."""
+    for strategy in ("zero1", "zero3"):
+        counted = run_ranks(_exchanged_bytes, world, args=(strategy,), timeout=120)
+        planned = px.plan(_matrices(), gpus=world, optimizer="muon", strategy=strategy,
+                          backend="gloo", input_shape="32")[strategy]
+        assert sum(counted) / world == pytest.approx(
+            planned.comm_payload_bytes["all_to_all"], rel=1e-3), (strategy, counted)
+        ddp = px.plan(_matrices(), gpus=world, optimizer="muon", strategy="ddp",
+                      backend="gloo", input_shape="32")["ddp"]
+        assert "all_to_all" not in ddp.comm_payload_bytes
+        elementwise = px.plan(_matrices(), gpus=world, optimizer="sgd-momentum",
+                              strategy=strategy, backend="gloo", input_shape="32")[strategy]
+        # the owner's working memory: the largest matrix (48 x 48) whole, gradient and master,
+        # and Muon's temporaries for it
+        assert planned.step_working_bytes - elementwise.step_working_bytes >= 2 * 48 * 48 * 4

@@ -23,7 +23,7 @@ from ..engine.policy import DEVICE, FULL, SHARD
 from ..engine.units import step_run_bytes
 from ..model.spec import Spec
 from .alternatives import alternatives
-from .comm import collectives, step_time
+from .comm import Collective, collectives, step_time
 from .finetune import finetuned
 from .hybrid import across_groups
 from .layout import alike, engine_units, lending, owned_elements, zero3_gathering
@@ -34,6 +34,7 @@ from .memory import (
     optimizer_state_elements,
     peak_bytes,
     step_working_bytes,
+    whole_terms,
 )
 from .model_desc import ModelDesc, describe, input_from_shape
 from .offload import device_states, host_side, offload_seconds
@@ -156,6 +157,14 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     replicated = not prec.mixed  # ddp without masters: the model's own parameters, as they are
     run_bytes = step_run_bytes(train.bucket_mb)
 
+    def _owners(policy, n):
+        """A matrix-wise optimizer's owners' exchange and working memory under a sharded
+        optimizer (memory.py's WholeTerms), or None."""
+        if policy.optimizer is not SHARD:
+            return None
+        return whole_terms(work.optimizer, desc.trainable_shapes, desc.trainable_params,
+                           prec.master_bytes or prec.weight_bytes, n, nominal)
+
     @functools.lru_cache(maxsize=None)  # recommend() asks zero3 at many n, and again
     def memory_at(policy, n):
         """Model states and buffers on the device, its step temporaries and peak, and what
@@ -185,6 +194,8 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
             step_bytes = step_working_bytes(work.optimizer, prec, stepped,
                                             foreach=hw.backend == "nccl", per_unit=not own,
                                             run_bytes=run_bytes)
+            owners = _owners(policy, n)
+            step_bytes += owners.working if owners is not None else 0
         else:
             step_bytes = 0  # the step runs on the host
             host = host_side(policy, prec, stepped, owned_state, owned_f,
@@ -206,6 +217,9 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
         gathered = prec.weight_bytes * (desc.params if gathers else desc.trainable_params)
         kept = prec.weight_bytes * gathering[1] if gathers else 0
         colls = collectives(row, grad_comm, gathered, n, reduce_scatter, kept)
+        owners = _owners(row, n)
+        if owners is not None:  # a matrix-wise optimizer: engine/owners.py
+            colls.append(Collective("all_to_all", owners.payload, "after_step"))
         within = hw.intra if n < world and hw.gpus % n == 0 else hw.bandwidth  # a group in a node
         uploads = None if host is None else {
             phase_: b / (hw.host_gbps * 1e9) for phase_, b in host.gather_up_bytes.items()}

@@ -90,11 +90,57 @@ from ..engine.policy import SHARD, ShardPolicy
 from ..engine.units import step_runs
 from ..spec.precisions import PrecisionSpec
 
-__all__ = ["OPTIMIZERS", "optimizer_state_elements", "ModelStates",
-           "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes"]
+__all__ = ["OPTIMIZERS", "MATRIX_WISE", "optimizer_state_elements", "ModelStates",
+           "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes", "WholeTerms",
+           "whole_terms"]
 
-# Optimizer-state elements per trainable parameter, for element-wise optimizers.
-OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adafactor": None}
+# Optimizer-state elements per trainable parameter, for element-wise optimizers (and Muon's
+# momentum); Adafactor's depend on the shapes.
+OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adafactor": None, "muon": 1}
+
+# The matrix-wise optimizers (engine/optimizer_kinds.py) and which parameters, by shape, each
+# steps whole on an owner rank under a sharded optimizer (engine/owners.py): Muon its
+# matrices, Adafactor every parameter (its update is scaled by the parameter's RMS).
+MATRIX_WISE = {"muon": lambda shape: len(shape) == 2, "adafactor": lambda shape: True}
+
+
+@dataclass(frozen=True)
+class WholeTerms:
+    """What a matrix-wise optimizer adds on n ranks of a sharded optimizer (see [Note: whole
+    parameters on owner ranks] in engine/owners.py): `payload` bytes a rank hands to the
+    owners' all-to-alls per step (its slices of every whole parameter's gradient and master,
+    2E/n, and its owned parameters' slices back, E/n, in the master dtype), and
+    `working` bytes an owner holds during the step beyond its shard: the largest whole
+    parameter's gradient and master, and the optimizer's temporaries for it (Muon: the update in
+    the master dtype, two bf16 Newton-Schulz iterates and two min(r, c)^2 bf16 Gram matrices;
+    Adafactor: the update)."""
+    payload: int
+    working: int
+
+
+def whole_terms(optimizer: str, shapes, trainable: int, master_bytes: int, n: int,
+                nominal=None) -> WholeTerms | None:
+    """The owners' terms (None for an element-wise optimizer, or on one rank). Without shapes
+    (a bare count) the stand-in square matrices of `nominal` are used."""
+    rule = MATRIX_WISE.get(optimizer)
+    if rule is None or n <= 1:
+        return None
+    if shapes is None:
+        h = nominal.hidden
+        shapes = [(h, h)] * max(1, trainable // (h * h))
+    whole = [tuple(shape) for shape in shapes if rule(shape)]
+    if not whole:
+        return None
+    elements = sum(math.prod(shape) for shape in whole)
+    largest = max(whole, key=math.prod)
+    numel = math.prod(largest)
+    if optimizer == "muon":
+        k = min(largest[-2:]) if len(largest) >= 2 else 1
+        temporaries = numel * master_bytes + 2 * 2 * numel + 2 * 2 * k * k
+    else:
+        temporaries = numel * master_bytes
+    return WholeTerms(payload=-(-3 * elements * master_bytes // n),
+                      working=2 * numel * master_bytes + temporaries)
 
 
 def _adafactor_elements(shapes) -> int:
