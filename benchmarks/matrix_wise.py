@@ -96,7 +96,8 @@ def main(argv=None):
     rounds = [{c: max(r[0][i][c] for r in results) for c in COMPETITORS}
               for i in range(args.rounds)]
     for c in COMPETITORS:
-        print(f"  {c[0]:>5} + {c[1]:<5} median step {statistics.median(r[c] for r in rounds):.3f} s")
+        median = statistics.median(r[c] for r in rounds)
+        print(f"  {c[0]:>5} + {c[1]:<5} median step {median:.3f} s")
     for other in (("ddp", "muon"), ("zero2", "adamw")):
         ratios = [r["zero2", "muon"] / r[other] for r in rounds]
         print(f"  zero2+muon / {other[0]}+{other[1]}: median {statistics.median(ratios):.2f} "
