@@ -97,6 +97,7 @@ class EngineSpec(Protocol):
     gathering: object      # zero3's Gathering (its `options()`: zero3.py's), or None
     staleness_steps: int   # 1: each step applies the previous step's average (delayed.py)
     compression: object    # a px.PowerSGD (powersgd.py), or None
+    step_in_backward: bool  # each unit stepped as its gradient is reduced (stepping.py)
 
 
 def build_engine(module, optimizer, comm, spec: EngineSpec, precision, *, block_classes=None,
@@ -112,9 +113,9 @@ def build_engine(module, optimizer, comm, spec: EngineSpec, precision, *, block_
     engine = FlatEngine(module, optimizer, comm, policy, precision=precision,
                         units=UnitOptions(spec.bucket_mb, block_classes, gather),
                         features=Features(spec.staleness_steps, replicas, spec.compression,
-                                          buffers),
+                                          buffers, spec.step_in_backward),
                         nonfinite=nonfinite, steps=steps)
     if policy.shards_grads(comm.world) or precision.loss_scaler is not None \
-            or spec.staleness_steps:
+            or spec.staleness_steps or spec.step_in_backward:
         route_torch_clip(engine)
     return engine

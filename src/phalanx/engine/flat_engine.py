@@ -80,11 +80,14 @@ class Features:
     staleness: 1 applies each step's averaged gradients at the next step (delayed.py);
     replicas: shard_size's average across shard groups, the engine's `comm` being the group
         (hybrid.py); compression: a px.PowerSGD (powersgd.py); buffers: what keeps the buffers
-        equal at the end of each backward that synchronises (model/buffers.py)."""
+        equal at the end of each backward that synchronises (model/buffers.py);
+    step_in_backward: each unit stepped as soon as its gradient is reduced ([Note: the step
+        in backward] in stepping.py)."""
     staleness: int = 0
     replicas: object = None
     compression: object = None
     buffers: object = None
+    step_in_backward: bool = False
 
 
 class FlatEngine:
@@ -112,7 +115,16 @@ class FlatEngine:
         # offload: the masters (and with them the optimizer state) in host memory (offload.py)
         self.host_link = HostLink(next(module.parameters()).device) \
             if policy.masters is HOST and self.params else None
+        self.step_in_backward = features.step_in_backward  # [Note: the step in backward]
         self.adopt = self._adopts(optimizer, features.staleness)
+        self.stepped_in_backward = False  # some unit stepped in the last backward
+        self._publishing: list = []       # their updates' gathers, waited at backward's end
+        self._deferred: list = []         # their whole parameters, stepped at backward's end
+        # the step's collectives in backward go on a group of their own: a sequence ordered
+        # by the units' finishing (the same on every rank), apart from the reductions', which
+        # one rank may launch before another finishes ([Note: the step in backward])
+        self.backward_steps = comm.apart("step in backward") \
+            if self.step_in_backward and self.world > 1 else comm
         self.pool, self.units, self.frozen_units = self._lay_out(module, units, features)
         self.delayed = DelayedGrads(self) if features.staleness else None  # [Note: staleness=1]
         self.compression = PowerSGDReducer(features.compression, self.units, self.params) \
@@ -158,7 +170,11 @@ class FlatEngine:
         offload."""
         compute = self.precision.compute_dtype
         low = any(compute is not None and p.dtype != compute for p in self.params)
-        adopt = self.sharded or low or staleness > 0 or self.host_link is not None
+        adopt = self.sharded or low or staleness > 0 or self.host_link is not None \
+            or self.step_in_backward
+        if self.step_in_backward and optimizer is None and self.params:
+            raise ValueError("step_in_backward=True steps the optimizer inside backward, so it "
+                             "needs the optimizer: px.prepare(model, optimizer, ...)")
         if adopt and optimizer is None and self.params:
             raise ValueError(
                 f"strategy {self.policy.name!r} with precision {self.precision.name!r} needs the "
@@ -406,6 +422,15 @@ class FlatEngine:
         (zero3_roots.py). Nothing of it when the step is lost (continuing/): what came back is
         this rank's own, and the step is thrown away. A signal that says some rank's step
         raised drops the step on every rank instead ([Note: the step vote] in vote.py)."""
+        publishing, self._publishing = self._publishing, []
+        for work in publishing:  # [Note: the step in backward] in stepping.py
+            work.wait()
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            with self.vote.stepping():
+                self.stepper.step_deferred(deferred, self.optim.step_unit, self.backward_steps)
+        if self.stepped_in_backward:
+            self.masters.stepped(moved=True)
         if step_lost():
             self._unsettled = []
             self.vote.failing = None
@@ -542,7 +567,29 @@ class FlatEngine:
         unit.finish_grad(shard=self.shard_grads)
         if self.replicas is not None:
             self.replicas.average(unit, self.shard_grads, self.precision.comm_dtype)
+        if self.step_in_backward and self.optim is not None and not step_lost():
+            self._step_now(unit)
+            return
         self._unsettled.append(unit)
+
+    def _step_now(self, unit: FlatUnit) -> None:
+        """See [Note: the step in backward] in stepping.py: read this unit's flags and signal
+        now (a host read per unit), and step it unless some rank's step failed or its loss was
+        non-finite; then the end of backward decides as always, from the flags as read."""
+        values = host.read(unit.tail.float())
+        unit.take_flags(values, shard=self.shard_grads)
+        if unit.failed or unit.nonfinite:
+            unit.tail = torch.tensor(values, device=self.comm.device)  # read again at the end
+            self._unsettled.append(unit)
+            return
+        with self.vote.stepping():
+            work, deferred = self.stepper.step_now(unit, self.optim.step_unit,
+                                                   self.backward_steps)
+        if work is not None:
+            self._publishing.append(work)
+        if deferred is not None:
+            self._deferred.append(deferred)
+        self.stepped_in_backward = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget reduced gradients (the prepared model's and the adopted optimizer's
@@ -560,6 +607,12 @@ class FlatEngine:
         """Clip by the global norm over all ranks and shards (clipping.py); nothing to clip,
         and no collective, in a step voted down (vote.py)."""
         self.vote.catch_up()
+        if self.step_in_backward:
+            raise RuntimeError(
+                "clip_grad_norm_ with step_in_backward=True: each unit was stepped in backward "
+                "as soon as its gradient was reduced, before the global norm over every "
+                "gradient existed; prepare without step_in_backward to clip by the global norm "
+                "(a per-parameter clip inside the optimizer's step still works)")
         if self.vote.dropped:
             return self.vote.zero(self.params[0] if self.params else None)
         if self.delayed is not None:  # the gradient the step applies: delayed.py

@@ -140,6 +140,7 @@ class OptimizerAdapter:
         # what each group steps: see [Note: the param groups hold the user's parameters ...]
         self.held = [[h.tensor for h in holders if group_of[h.param] == g]
                      for g in range(len(optimizer.param_groups))]
+        self._unit_groups: dict[int, list] = {}  # step_unit's, by unit index
         with self.holding_masters():
             _init_state_for_masters(optimizer)
         # Plain functions bound to the optimizer rather than this object's methods: an LR
@@ -179,6 +180,24 @@ class OptimizerAdapter:
             for group, params in zip(self.optimizer.param_groups, shown):
                 group["params"] = params
 
+    def step_unit(self, unit) -> None:
+        """The optimizer's own step over `unit`'s holders alone: its param groups hold only
+        those for the call ([Note: the step in backward] in stepping.py)."""
+        lists = self._unit_groups.get(unit.index)
+        if lists is None:  # once per unit: its holders, group by group
+            mine = {id(h.tensor) for p in unit.params for h in self.holders_of.get(id(p), [])}
+            lists = self._unit_groups[unit.index] = [[t for t in held if id(t) in mine]
+                                                     for held in self.held]
+        groups = self.optimizer.param_groups
+        shown = [group["params"] for group in groups]
+        for group, held in zip(groups, lists):
+            group["params"] = held
+        try:
+            self._user["step"]()
+        finally:
+            for group, params in zip(self.optimizer.param_groups, shown):
+                group["params"] = params
+
     def release(self) -> None:
         """Give the optimizer back as the user built it: its groups' parameters, its own
         methods, no state (an engine rebuilt for another layout adopts it again and loads its
@@ -213,6 +232,11 @@ class OptimizerAdapter:
         vote = self.engine.vote
         vote.catch_up()
         if vote.dropped:  # see [Note: the step vote] in vote.py: nothing, anywhere
+            return loss
+        if self.engine.stepped_in_backward:  # [Note: the step in backward] in stepping.py
+            self.engine.stepped_in_backward = False
+            for fn in self.after_step:
+                fn()
             return loss
         if self.before_step is not None and not self.before_step():
             self.engine.drop_grads()  # the step is thrown away: it changes nothing

@@ -119,14 +119,16 @@ class WholeParams:
         return [w for w in self.wholes if id(w.unit) in units and _has_grad(w)]
 
     @torch.no_grad()
-    def start_gather(self, run: list[FlatUnit], grad_of) -> "_Gathering | None":
+    def start_gather(self, run: list[FlatUnit], grad_of, comm=None) -> "_Gathering | None":
         """Put on the wire every owner's whole gradient and master for the parameters of
         `run` (`grad_of(w)`: this rank's slice of w's gradient, in the master dtype); its
-        `finish()` waits and lays them into the owners' `Whole.tensor`. Nothing to do: None."""
+        `finish()` waits and lays them into the owners' `Whole.tensor`. Nothing to do: None.
+        `comm`: a group of the same ranks to issue on (default: the engine's)."""
         wholes = self._in(run)
         if not wholes:
             return None
-        world, me = self.comm.world, self.comm.rank
+        comm = comm or self.comm
+        world, me = comm.world, comm.rank
         dtype = wholes[0].unit.master_dtype
         device = wholes[0].unit.master.device
         sends = []
@@ -139,18 +141,19 @@ class WholeParams:
                          for r in range(world)]
         sent = torch.cat(sends).to(dtype) if sends else torch.empty(0, dtype=dtype, device=device)
         got = torch.empty(sum(output_splits), dtype=dtype, device=device)
-        handle = self.comm.all_to_all(got, sent, output_splits, input_splits, async_op=True,
-                                      tag="whole:gather")
+        handle = comm.all_to_all(got, sent, output_splits, input_splits, async_op=True,
+                                 tag="whole:gather")
         return _Gathering(handle, got, [w for w in wholes if w.owner == me], world)
 
     @torch.no_grad()
-    def scatter(self, run: list[FlatUnit]) -> None:
+    def scatter(self, run: list[FlatUnit], comm=None) -> None:
         """The owners' updated masters back into every rank's master pieces; the owners'
         whole tensors are let go."""
         wholes = self._in(run)
         if not wholes:
             return
-        world, me = self.comm.world, self.comm.rank
+        comm = comm or self.comm
+        world, me = comm.world, comm.rank
         dtype = wholes[0].unit.master_dtype
         device = wholes[0].unit.master.device
         mine = [w for w in wholes if w.owner == me]
@@ -160,7 +163,7 @@ class WholeParams:
         output_splits = [sum(w.span(me) for w in wholes if w.owner == r) for r in range(world)]
         sent = torch.cat(sends) if sends else torch.empty(0, dtype=dtype, device=device)
         got = torch.empty(sum(output_splits), dtype=dtype, device=device)
-        self.comm.all_to_all(got, sent, output_splits, input_splits, tag="whole:scatter")
+        comm.all_to_all(got, sent, output_splits, input_splits, tag="whole:scatter")
         for w in mine:
             w.tensor.grad = None
             w.tensor.data = _empty(w.unit)

@@ -1,6 +1,29 @@
 """The step of the flat engine: every unit with a reduced gradient steps its master pieces
 through the user's optimizer, a run of units at a time, and publishes the update.
 
+[Note: the step in backward]
+With `step_in_backward=True` (px.prepare) a unit is stepped as soon as its gradient is
+reduced, inside the backward that synchronises (the last micro-batch's under px.no_sync), and
+its reduced gradient is let go at once (under zero2/zero3 its gradient shard too), so a rank
+holds about one unit's reduced gradient where the ordinary step holds its shard of all of
+them until `optimizer.step()`. Which parameters got a gradient on any rank, and whether some
+rank's loss was non-finite or its last step failed, ride in every unit's reduced flags and
+signal (buckets.py); they are read for each unit as it finishes (a host read per unit instead
+of one per backward: host.py), and a unit whose signal says the step must not run is not
+stepped but left to the end of backward, which decides as always (the signal is the same in
+every unit, so either every unit steps or none does). The optimizer steps only the unit's
+holders (optim.py's `step_unit`: its param groups hold just those for the call), so a step
+costs what the unit holds, not a walk over every parameter per unit; the update is published
+(unshard) on the wire while backward goes on, and waited for at its end. `optimizer.step()`
+then only closes the step (its hooks, the step count). The step of each element is the one
+the ordinary step makes (the same gradient, state and hyper-parameters, the learning rate of
+the same scheduler step), so the weights are the same (tests/test_step_in_backward.py). A
+matrix-wise optimizer's whole parameters (owners.py) are the exception: their exchange is
+started as the unit finishes but waited for, and the owners step them, at the end of backward
+(`step_deferred`), since a rank waiting in backward for the others' slices could wait on a rank
+that waits, in a zero3 gather, for it. What needs every gradient before any step is refused: a
+global clip, fp16's overflow check.
+
 `Stepper` is a part of `FlatEngine` (flat_engine.py), given at construction what it steps (the
 units, the masters' part of state.py, the user's optimizer) and how (under fp16 the loss
 scaler, with the overflow flag the end of backward read; under offload the host's step).
@@ -74,6 +97,64 @@ class Stepper:
                 self.masters.stepped(moved=True)
                 if self.delayed is not None:
                     self.delayed.stepped()
+
+    def step_now(self, unit: FlatUnit, step_one, comm):
+        """[Note: the step in backward]: step `unit` alone through `step_one(unit)`, let its
+        reduced gradient go, and start publishing its update, the collectives on `comm` (a
+        group of their own). Returns (the publishing's handle or None, None), or for a unit
+        with whole parameters (owners.py) (None, what `step_deferred` finishes at the end of
+        backward): their exchange is started here and waited for there."""
+        with self.masters.lock:  # see [Note: reading a peer's shards] in remote.py
+            pending = self._start_gather([unit], 1.0, comm)
+            grad = unit.reduced
+            if grad.dtype != unit.master_dtype:
+                grad = grad.to(unit.master_dtype)
+            unit.set_piece_grads(grad)
+            raised = None
+            try:
+                step_one(unit)  # its sliced parameters: the owners' tensors have no gradient yet
+            except BaseException as exc:  # noqa: BLE001 - raised once the others are let go
+                raised = exc
+            unit.set_piece_grads(None)
+            unit.reduced = None
+            unit.grad_shard = None  # zero2/zero3: the shard goes with the gradient
+            for p in unit.params:
+                p.grad = None
+            if pending is not None:  # `used` is kept for step_deferred
+                work, deferred = None, (unit, pending)
+            else:
+                unit.clear_reduced()
+                work, deferred = unit.unshard(comm) if not self.reshards else None, None
+        if raised is not None:
+            raise raised
+        return work, deferred
+
+    def step_deferred(self, deferred: list, step_one, comm) -> None:
+        """The whole parameters of the units `step_now` deferred: the owners' exchange it
+        started waited for, the owners' step, the updated slices sent back, and the units
+        published. At the end of backward: an exchange waited for inside backward could wait
+        on a rank that is itself waiting, in a zero3 gather, for this one."""
+        with self.masters.lock:
+            for _, pending in deferred:
+                pending.finish()
+            raised = None
+            for unit, _ in deferred:
+                if raised is None:
+                    try:
+                        step_one(unit)
+                    except BaseException as exc:  # noqa: BLE001 - raised after the exchange
+                        raised = exc
+            works = []
+            for unit, _ in deferred:
+                self.wholes.scatter([unit], comm)
+                unit.clear_reduced()
+                if not self.reshards:
+                    works.append(unit.unshard(comm))
+            for work in works:
+                if work is not None:
+                    work.wait()
+        if raised is not None:
+            raise raised
 
     def _step_given_grads(self, step_one) -> bool:
         """A step where no backward left a reduced gradient but the parameters were given a
@@ -166,7 +247,7 @@ class Stepper:
             raise raised        # [Note: a step that raised in the optimizer] in vote.py
         return True
 
-    def _start_gather(self, run: list[FlatUnit], unscale: float):
+    def _start_gather(self, run: list[FlatUnit], unscale: float, comm=None):
         """Take edits behind phalanx's back into the run's masters ([Note: the shard is the
         truth] in flat.py), then start the owners' gather of its whole parameters (owners.py;
         None without any)."""
@@ -180,7 +261,7 @@ class Stepper:
             if grad.dtype != w.unit.master_dtype or unscale != 1.0:
                 grad = grad.to(w.unit.master_dtype, copy=True).mul_(unscale)
             return grad
-        return self.wholes.start_gather(run, grad_of)
+        return self.wholes.start_gather(run, grad_of, comm)
 
     def _step_runs(self, ready: list[FlatUnit], unscale: float) -> list[list[FlatUnit]]:
         """The units stepped together (see [Note: fp32 gradients a few units at a time] in

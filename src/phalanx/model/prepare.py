@@ -57,7 +57,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             step_stats: bool = True, init=None, prefetch: int | None = None,
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
             blocks=None, output_dtype: torch.dtype | None = torch.float32, staleness: int = 0,
-            shard_size: int | str | None = None, compression=None, offload: str | None = None):
+            shard_size: int | str | None = None, compression=None, offload: str | None = None,
+            step_in_backward: bool = False):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -96,6 +97,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         back (zero1, zero2, zero3); "params" (zero3) keeps its parameter shards there between
         uses too; None (default): everything on the device. The step report's `host_step_s`
         is the host step's share.
+    step_in_backward: step each unit's parameters as soon as its gradient is reduced, in the
+        backward that synchronises (the last micro-batch's under px.no_sync), and free that
+        gradient, so zero2/zero3 hold about one unit's reduced gradient instead of a shard of
+        all of them; `optimizer.step()` then only closes the step. A global clip
+        (px.clip_grad_norm_) cannot run then and is refused, as are fp16, staleness,
+        compression, DiLoCo and offload with it.
     step_stats: time every optimizer step for `px.step_stats(model)`.
     init: fn(model) setting every parameter and buffer of a meta build (default: each module's
         reset_parameters(), in order; a PEFT model's adapters after its base, as
@@ -119,7 +126,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         check_replicas_every=check_replicas_every, on_nonfinite=on_nonfinite,
         step_stats=step_stats, prefetch=prefetch, max_gathered_mb=max_gathered_mb,
         reshard_after_forward=reshard_after_forward, output_dtype=output_dtype,
-        staleness=staleness, shard_size=shard_size, compression=compression, offload=offload)
+        staleness=staleness, shard_size=shard_size, compression=compression, offload=offload,
+        step_in_backward=step_in_backward)
     if prepared_or_none(model) is not None:
         raise ValueError("this model was already prepared; call px.prepare once per model")
     block_classes = resolve_block_classes(model, blocks)

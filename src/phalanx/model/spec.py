@@ -104,6 +104,7 @@ class Spec:
     check_replicas_every: int | None = None
     on_nonfinite: str | None = "raise"
     step_stats: bool = True
+    step_in_backward: bool = False  # each unit stepped as its gradient is reduced (stepping.py)
 
     # -- what the rest of phalanx asks ------------------------------------------------------------
     @property
@@ -138,7 +139,7 @@ class Spec:
                 "compression": self.compression,
                 "offload": None if self.offload is None else self.offload.what,
                 "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
-                "diloco": self.diloco}
+                "diloco": self.diloco, "step_in_backward": self.step_in_backward}
 
     # -- made once, from px.prepare's keywords ----------------------------------------------------
     @classmethod
@@ -146,7 +147,8 @@ class Spec:
            comm_dtype=None, sync_batchnorm=False, broadcast_buffers=True,
            check_replicas_every=None, on_nonfinite="raise", step_stats=True, prefetch=None,
            max_gathered_mb=None, reshard_after_forward=True, output_dtype=torch.float32,
-           staleness=0, shard_size=None, compression=None, offload=None) -> Spec:
+           staleness=0, shard_size=None, compression=None, offload=None,
+           step_in_backward=False) -> Spec:
         """px.prepare's keywords, each checked alone, then together (COMBINATIONS) and against
         continue mode (CONTINUE_MODE): a ValueError (or TypeError) that names the option and a
         value that works, raised on every rank alike."""
@@ -161,7 +163,8 @@ class Spec:
             compression=_compression(compression), offload=_offload(offload), diloco=diloco,
             sync_batchnorm=bool(sync_batchnorm), broadcast_buffers=bool(broadcast_buffers),
             check_replicas_every=_replicas_every(check_replicas_every),
-            on_nonfinite=_on_nonfinite(on_nonfinite), step_stats=bool(step_stats))
+            on_nonfinite=_on_nonfinite(on_nonfinite), step_stats=bool(step_stats),
+            step_in_backward=_step_in_backward(step_in_backward))
         check_diloco_optimizer(diloco, optimizer)
         refuse(spec, COMBINATIONS)
         if continuing():  # phalanx run --on-failure continue
@@ -273,6 +276,26 @@ COMBINATIONS: tuple[Rule, ...] = (
                    "the parameters between uses; use offload='optimizer', or strategy='zero3'"),
 )
 
+_IN_BACKWARD = "step_in_backward=True steps each unit as soon as its gradient is reduced, "
+COMBINATIONS += (
+    Rule(lambda s: s.step_in_backward and s.precision.loss_scaling,
+         lambda s: _IN_BACKWARD + "and precision='fp16' decides whether a step runs from an "
+                   "overflow check over every gradient, which only the end of backward has; "
+                   "use precision='bf16' (no loss scaling) or 'fp32'"),
+    Rule(lambda s: s.step_in_backward and s.staleness is not None,
+         lambda s: _IN_BACKWARD + "and staleness=1 applies each step's gradient a step later: "
+                   "use one of them"),
+    Rule(lambda s: s.step_in_backward and s.compression is not None,
+         lambda s: _IN_BACKWARD + "and compression=PowerSGD is not supported with it: leave "
+                   "one of them out"),
+    Rule(lambda s: s.step_in_backward and s.diloco is not None,
+         lambda s: _IN_BACKWARD + "and DiLoCo's inner steps are local to each rank: leave "
+                   "step_in_backward out"),
+    Rule(lambda s: s.step_in_backward and s.offload is not None,
+         lambda s: _IN_BACKWARD + f"and offload={s.offload.what!r} steps on the host after "
+                   "backward; leave one of them out"),
+)
+
 # What a step redone on another group cannot yet carry over exactly, under continue mode.
 CONTINUE_MODE: tuple[Rule, ...] = (
     Rule(lambda s: s.diloco is not None,
@@ -281,6 +304,9 @@ CONTINUE_MODE: tuple[Rule, ...] = (
     Rule(lambda s: s.precision.loss_scaling,
          lambda s: _CONTINUE + "precision='fp16' is not supported yet: the loss scale each "
                    "rank sends depends on the number of ranks; use precision='bf16'" + _RESTART),
+    Rule(lambda s: s.step_in_backward,
+         lambda s: _CONTINUE + "step_in_backward=True is not supported: a step lost in the "
+                   "middle of a backward would leave some units stepped" + _RESTART),
     Rule(lambda s: s.staleness is not None or s.compression is not None,
          lambda s: _CONTINUE + ("staleness=1" if s.staleness is not None else
                                 "compression=PowerSGD") + " is not supported yet: its state "
@@ -319,6 +345,13 @@ def _replicas_every(every) -> int | None:
         raise ValueError(f"check_replicas_every={every!r}: a number of optimizer steps, 1 or "
                          "more, or None (no check)")
     return every
+
+
+def _step_in_backward(flag) -> bool:
+    if not isinstance(flag, bool):
+        raise ValueError(f"step_in_backward={flag!r}: True (each unit stepped as soon as its "
+                         "gradient is reduced, in backward) or False (the default)")
+    return flag
 
 
 def _on_nonfinite(mode) -> str | None:
