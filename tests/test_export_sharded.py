@@ -6,7 +6,8 @@ Against one process, in float64: at 2 ranks under ddp, zero2 and zero3, what
 under both names), cast to the chosen dtype; the sharded layout's index names every tensor's
 file and the total size, files in the module's order, no tensor split. Rank 0's peak resident
 memory rises during an export by less than one unit plus 10% of the fp32 model. Bad arguments
-are refused before any collective, naming the fix; so is `merge_lora=True`, not yet available.
+are refused before any collective, naming the fix; so is `merge_lora=True` on a model with no
+LoRA layer (tests/test_export_lora.py exports LoRA models).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def test_an_export_replaces_an_earlier_one_and_its_extra_shards(tmp_path):
     ({"max_shard_size": 0}, ValueError, "above 0"),
     ({"max_shard_size": "5GB", "path": "model.safetensors"}, ValueError, "name a directory"),
     ({"path": "DIR"}, px.CheckpointError, "is a directory"),
-    ({"merge_lora": True}, NotImplementedError, "merge_lora=False"),
+    ({"merge_lora": True}, ValueError, "and this model has none (no module holding `base_layer` "
+                                       "beside `lora_A` and `lora_B`"),
 ])
 def test_bad_arguments_are_refused_naming_the_fix(tmp_path, kwargs, error, fix):
     kwargs = dict(kwargs)

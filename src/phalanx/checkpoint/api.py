@@ -22,6 +22,17 @@ from .export import (
     why_not_directory,
     write_plan,
 )
+from .lora import (
+    ADAPTER_FILE,
+    adapter_config,
+    adapter_entries,
+    check_config,
+    configured,
+    merged,
+    merged_entries,
+    peft_config,
+    write_config,
+)
 from .ownership import adopt, checkpoints_of, job_ids
 from .parts import load_parts
 from .reader import CheckpointError, Reader, newest_intact, read_manifest, verify_files
@@ -209,7 +220,7 @@ def _match(model_state: ModelState, manifest: dict) -> tuple[set[str], list[str]
 
 
 # -- export -----------------------------------------------------------------------------------
-def export(path, model, dtype=None, max_shard_size=None, merge_lora=False) -> str:
+def export(path, model, dtype=None, max_shard_size=None, merge_lora=False, adapter=False) -> str:
     """Write the full weights of `px.unwrap(model)` (fp32 masters for trained parameters, the
     original dtypes elsewhere) to one safetensors file under the module's own names, loadable
     with `model.load_state_dict(safetensors.torch.load_file(path))`. A collective: rank 0
@@ -219,26 +230,53 @@ def export(path, model, dtype=None, max_shard_size=None, merge_lora=False) -> st
     `dtype=` (a floating torch dtype) casts every floating tensor to it. `max_shard_size=`
     ("5GB", "500MB" or a number of bytes) writes Hugging Face's sharded layout into the
     directory `path` instead: `model-00001-of-0000N.safetensors` files and
-    `model.safetensors.index.json`. `merge_lora=True` is not available yet (refused)."""
-    # [Note: an export streams] in export.py
+    `model.safetensors.index.json`.
+
+    For a LoRA model (PEFT's `get_peft_model`, or a model of the same shape), `merge_lora=True`
+    writes the merged model under the base model's names, as PEFT's `merge_and_unload()` would
+    give it (each LoRA layer's base weight W + (B @ A) * scaling, with the `scaling` its LoRA
+    layer holds; no `base_model.model.` prefix, no `base_layer.`, no adapter tensors; a
+    `modules_to_save` module as its trained copy), which `from_pretrained` of the base
+    architecture loads; still streamed, each piece of a base weight merged on rank 0 as it
+    arrives. What it cannot merge (LoRA on a layer other than nn.Linear, several active
+    adapters, DoRA, lora_bias) is refused on every rank before anything is written.
+    `adapter=True` (or an adapter's name) writes the adapter alone into the directory `path`
+    as PEFT's `save_pretrained` does: `adapter_model.safetensors` under PEFT's keys, and
+    `adapter_config.json` when the model carries a `peft_config`."""
+    # [Note: an export streams] in export.py; [Note: a LoRA model exported] in lora.py
     call = "px.export(path, model)"
     example = "px.export('model.safetensors', model)"
     check_path(call, path, "the file to write", example)
     check_model(call, model, example)
-    limit = check_options(call, path, dtype, max_shard_size, merge_lora)
+    limit = check_options(call, path, dtype, max_shard_size, merge_lora, adapter)
     state = ModelState(model)
     comm = state.comm
+    shapes = state.shapes()
+    config = None
+    if merge_lora:  # refused alike on every rank, before any collective
+        entries = merged_entries(call, state.module, state.names, state.aliases, shapes, dtype)
+    elif adapter is not False:
+        keys = list(state.module.state_dict(keep_vars=True))
+        entries, name = adapter_entries(call, keys, state.aliases, shapes, dtype, adapter,
+                                        configured(state.module))
+        check_config(call, peft_config(state.module, name))
+        config = adapter_config(state.module, name)
+    else:
+        entries = []
+        for name in state.module.state_dict(keep_vars=True):
+            source = state.aliases.get(name, name)
+            shape, held = shapes[source]
+            entries.append(Entry(name, source, shape, output_dtype(held, dtype)))
     target = os.path.abspath(os.fspath(path))
     problem = None
     if comm.rank == 0:
-        problem = why_not_export_target(target) if limit is None else why_not_directory(target)
+        if adapter is not False:
+            problem = why_not_directory(target, "with adapter=") or _made(target) or \
+                why_not_export_target(os.path.join(target, ADAPTER_FILE))
+        else:
+            problem = why_not_export_target(target) if limit is None else \
+                why_not_directory(target)
     agree(comm, problem, f"px.export({os.fspath(path)!r})")
-    shapes = state.shapes()
-    entries = []
-    for name in state.module.state_dict(keep_vars=True):
-        source = state.aliases.get(name, name)
-        shape, held = shapes[source]
-        entries.append(Entry(name, source, shape, output_dtype(held, dtype)))
     owner = {name: 0 for name in state.writer_of()}  # what every rank holds whole: rank 0's
 
     buffer = [torch.empty(0, dtype=torch.uint8, device=comm.device)]
@@ -253,13 +291,15 @@ def export(path, model, dtype=None, max_shard_size=None, merge_lora=False) -> st
             buffer[0] = torch.empty(nbytes, dtype=torch.uint8, device=comm.device)
         return buffer[0][:nbytes].view(dtype)
 
-    def pieces(entry: Entry):
-        if entry.source in owner:  # held whole: written from rank 0's own copy
-            yield from _held(state, entry) if comm.rank == 0 else []
+    def stream(name: str, dtype: torch.dtype):
+        """Tensor `name`'s pieces in `dtype`, on rank 0 (on the others: their part in the
+        collectives)."""
+        if name in owner:  # held whole: written from rank 0's own copy
+            yield from _held(state, name, dtype) if comm.rank == 0 else []
             return
         # sharded: rank 0 writes its own pieces, then each other piece in turn, broadcast by
         # the rank that holds it (every rank learns the pieces' places first)
-        mine = _held(state, entry) if state.writes_shards else []
+        mine = _held(state, name, dtype) if state.writes_shards else []
         places = comm.all_gather_object([(start, v.numel()) for start, v in mine],
                                         tag="export")
         if comm.rank == 0:
@@ -271,22 +311,59 @@ def export(path, model, dtype=None, max_shard_size=None, merge_lora=False) -> st
                 if comm.rank == rank:
                     piece = mine[i][1].to(comm.device)
                 else:
-                    piece = received(n, entry.dtype)
+                    piece = received(n, dtype)
                 comm.broadcast(piece, src=rank, tag="export")
                 if comm.rank == 0:
                     yield start, piece.cpu()
                 del piece
 
-    error = write_plan(target, plan(entries, limit), pieces, comm.rank == 0, limit is not None)
+    def whole(name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """Tensor `name` whole on rank 0 (a LoRA adapter's A or B), None elsewhere."""
+        shape = shapes[name][0]
+        out = torch.empty(shape, dtype=dtype) if comm.rank == 0 else None
+        for start, values in stream(name, dtype):
+            out.view(-1)[start:start + values.numel()] = values
+        return out
+
+    def pieces(entry: Entry):
+        if entry.merge is None:
+            yield from stream(entry.source, entry.dtype)
+            return
+        # a LoRA layer's base weight: A and B first, then each piece of W merged on rank 0 as
+        # it arrives ([Note: a LoRA model exported] in lora.py)
+        a, b = whole(entry.merge.a, entry.merge.dtype), whole(entry.merge.b, entry.merge.dtype)
+        for start, values in stream(entry.source, shapes[entry.source][1]):
+            yield from merged(start, values, entry.shape[1], a, b, entry.merge)
+
+    if adapter is not False:
+        error = write_plan(os.path.join(target, ADAPTER_FILE), [entries], pieces,
+                           comm.rank == 0, False)
+        if comm.rank == 0 and error is None and config is not None:
+            error = _tried(lambda: write_config(target, config))
+    else:
+        error = write_plan(target, plan(entries, limit), pieces, comm.rank == 0,
+                           limit is not None)
     agree(comm, error, f"px.export({os.fspath(path)!r})")
     return os.fspath(path)
 
 
+def _made(directory: str) -> str | None:
+    """Make `directory` (with its parents); the error, or None."""
+    return _tried(lambda: os.makedirs(directory, exist_ok=True))
+
+
+def _tried(fn) -> str | None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - agreed on by every rank by the caller
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 @torch.no_grad()
-def _held(state: ModelState, entry: Entry) -> list[tuple[int, torch.Tensor]]:
-    """This rank's pieces of `entry`'s tensor as (first element, 1-D values in the entry's
-    dtype) on the CPU, as `ModelState.ranges` reads them: views where no cast is needed."""
-    name = entry.source
+def _held(state: ModelState, name: str, dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
+    """This rank's pieces of tensor `name` as (first element, 1-D values in `dtype`) on the
+    CPU, as `ModelState.ranges` reads them: views where no cast is needed."""
     t = state.tensors[name]
     saved_as = state.saved_as.get(id(t))
     if saved_as is not None:  # a part's value for it (DiLoCo: the last sync's weights)
@@ -298,36 +375,60 @@ def _held(state: ModelState, entry: Entry) -> list[tuple[int, torch.Tensor]]:
     out = []
     for start, values in held:
         values = values.detach().reshape(-1).cpu().to(state.dtype_of(name))
-        out.append((start, values.to(entry.dtype)))
+        out.append((start, values.to(dtype)))
     return out
 
 
-def export_checkpoint(checkpoint, out, dtype=None, max_shard_size=None) -> str:
+def export_checkpoint(checkpoint, out, dtype=None, max_shard_size=None, merge_lora=False,
+                      adapter=False) -> str:
     """`phalanx export CKPT OUT`: the model's full weights from a checkpoint, offline (no
     process group), as one safetensors file, or with `max_shard_size` as Hugging Face's
-    sharded layout in the directory OUT; read and written one tensor at a time."""
+    sharded layout in the directory OUT; read and written one tensor at a time. `adapter=`
+    writes a LoRA adapter alone as `px.export(..., adapter=)` does, without adapter_config.json
+    (a checkpoint holds no LoRA configuration); `merge_lora=True` is refused, as a checkpoint
+    does not record the LoRA scaling (export from the running model)."""
     call = "phalanx export CKPT OUT"
-    limit = check_options(call, out, dtype, max_shard_size, False)
+    limit = check_options(call, out, dtype, max_shard_size, merge_lora, adapter)
     checkpoint = os.path.abspath(os.fspath(checkpoint))
     target = os.path.abspath(os.fspath(out))
-    problem = why_not_export_target(target) if limit is None else why_not_directory(target)
+    if adapter is not False:
+        problem = why_not_directory(target, "with --adapter") or \
+            why_not_export_target(os.path.join(target, ADAPTER_FILE))
+    else:
+        problem = why_not_export_target(target) if limit is None else why_not_directory(target)
     if problem is not None:
         raise CheckpointError(problem)
     manifest = read_manifest(checkpoint)
-    problems = verify_files(checkpoint, manifest, sorted(manifest["files"]))
-    if problems:
-        raise CheckpointError("; ".join(problems))
     saved = under(MODEL, manifest["tensors"])
     names = {name: name for name in saved}
     names.update(manifest.get("aliases", {}))  # tied weights, under both names
-    entries = [Entry(name, source, list(saved[source]["shape"]),
-                     output_dtype(getattr(torch, saved[source]["dtype"]), dtype))
-               for name, source in names.items()]
+    shapes = {name: (list(v["shape"]), getattr(torch, v["dtype"])) for name, v in saved.items()}
+    if merge_lora:
+        lora = [n for n in names if ".lora_A." in n or ".lora_B." in n]
+        raise ValueError(
+            f"{call}: --merge-lora needs each LoRA layer's scaling (lora_alpha / r), and a "
+            "checkpoint does not record it" + (f" (this one holds {len(lora)} LoRA tensors)"
+                                               if lora else " (this one holds no LoRA tensor)")
+            + "; export the merged model from the running model instead: "
+            "px.export(path, model, merge_lora=True)")
+    if adapter is not False:
+        entries, _ = adapter_entries(call, list(names), names, shapes, dtype, adapter,
+                                     option="--adapter ")
+        file, files, sharded = os.path.join(target, ADAPTER_FILE), [entries], False
+    else:
+        entries = [Entry(name, source, shapes[source][0], output_dtype(shapes[source][1], dtype))
+                   for name, source in names.items()]
+        file, files, sharded = target, plan(entries, limit), limit is not None
+    problems = verify_files(checkpoint, manifest, sorted(manifest["files"]))
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    if adapter is not False:
+        os.makedirs(target, exist_ok=True)
     reader = Reader(checkpoint, manifest)
     try:
-        error = write_plan(target, plan(entries, limit),
+        error = write_plan(file, files,
                            lambda e: [(0, reader.full(MODEL + e.source).reshape(-1))],
-                           True, limit is not None)
+                           True, sharded)
     finally:
         reader.close()
     if error is not None:

@@ -10,7 +10,9 @@ pieces and then from each other rank's pieces in turn, which the holder broadcas
 output dtype where it is held) once every rank has learnt the pieces' places. What the export
 adds to rank 0's memory is one piece of one tensor, not a copy of the model. Every rank walks
 the same plan in the same order, so the collectives match; an error on rank 0 stops its
-writing, not its part in the collectives, and is raised on every rank at the end.
+writing, not its part in the collectives, and is raised on every rank at the end. A LoRA
+layer's base weight in a merged export streams the same way, each piece merged on rank 0 as it
+arrives ([Note: a LoRA model exported] in lora.py).
 
 With `max_shard_size` the output is Hugging Face's sharded layout in a directory:
 `model-00001-of-0000N.safetensors` files, the tensors in the module's order, a new file begun
@@ -51,11 +53,13 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 @dataclass
 class Entry:
     """One tensor of the output: its name there, the name of the tensor that holds its values
-    (another for a tied weight's later name), its shape and its dtype in the file."""
+    (another for a tied weight's later name), its shape and its dtype in the file; and for a
+    LoRA layer's base weight in a merged export, the merge of its adapter (lora.py)."""
     name: str
     source: str
     shape: list[int]
     dtype: torch.dtype
+    merge: object = None  # lora.py's Merge (which imports this module), or None
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +69,8 @@ class Entry:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def check_options(call: str, path, dtype, max_shard_size, merge_lora) -> int | None:
+def check_options(call: str, path, dtype, max_shard_size, merge_lora,
+                  adapter=False) -> int | None:
     """The export's keyword arguments checked (the same answer on every rank, before any
     collective); `max_shard_size` in bytes, or None for one file."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point
@@ -73,11 +78,23 @@ def check_options(call: str, path, dtype, max_shard_size, merge_lora) -> int | N
         raise TypeError(f"{call}: dtype= takes a floating torch dtype (torch.float32, "
                         f"torch.bfloat16, torch.float16, torch.float64) or None for the saved "
                         f"dtypes, not {dtype!r}")
-    if merge_lora:
-        raise NotImplementedError(
-            f"{call}: merge_lora=True is not available yet; export the model as it is "
-            "(merge_lora=False, the default: LoRA adapters stay separate tensors under their "
-            "own names) and merge with peft's merge_and_unload() after loading")
+    if merge_lora not in (True, False):
+        raise TypeError(f"{call}: merge_lora= takes True or False, not {merge_lora!r}")
+    if not isinstance(adapter, (bool, str)) or adapter == "":
+        raise TypeError(f"{call}: adapter= takes True (the model's one adapter), an adapter's "
+                        f"name (adapter='default') or False, not {adapter!r}")
+    if adapter is not False:
+        if merge_lora:
+            raise ValueError(f"{call}: merge_lora=True writes the merged model and adapter= "
+                             "the adapter alone: choose one (two exports write both)")
+        if max_shard_size is not None:
+            raise ValueError(f"{call}: adapter= writes one adapter_model.safetensors, as PEFT "
+                             "does, and takes no max_shard_size")
+        if os.fspath(path).endswith(".safetensors"):
+            raise ValueError(f"{call}: adapter= writes a directory, as PEFT's save_pretrained "
+                             f"does (adapter_model.safetensors, adapter_config.json), and "
+                             f"{os.fspath(path)!r} names a .safetensors file: name a directory")
+        return None
     if max_shard_size is None:  # one file (a directory is refused as before: removal.py)
         return None
     try:
@@ -115,10 +132,10 @@ def output_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     return wanted if wanted is not None and dtype.is_floating_point else dtype
 
 
-def why_not_directory(path: str) -> str | None:
-    """None when a sharded export may write into directory `path`."""
+def why_not_directory(path: str, how: str = "with max_shard_size") -> str | None:
+    """None when a sharded (or an adapter's) export may write into directory `path`."""
     if os.path.lexists(path) and not os.path.isdir(path):
-        return (f"{path} exists and is not a directory; with max_shard_size px.export writes "
+        return (f"{path} exists and is not a directory; {how} px.export writes "
                 "a directory of safetensors files: name a directory")
     if os.path.exists(os.path.join(path, STATE_FILE)):
         return (f"{path} is a checkpoint (px.save); px.export does not write into one: "

@@ -43,7 +43,7 @@ from torch import nn
 from .consistency import broadcast_tensors
 
 __all__ = ["file_names", "adapter_scope", "adapters", "Adapters", "draw_order", "draw_calls",
-           "ancestors", "listed"]
+           "ancestors", "listed", "peft_prefix", "base_name", "adapter_names", "adapter_keys"]
 
 # What get_peft_model puts in front of the base's names (a tuner's LoraModel and the model;
 # prompt learning's model alone), the components it puts inside them, and what PEFT's LoRA
@@ -262,3 +262,72 @@ def listed(names: list[str], most: int = 8) -> str:
     """`names` joined for a message, the first `most` of them."""
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+# -- the names of an export (checkpoint/lora.py) --------------------------------------------------
+# What holds an adapter's tensors under the adapter's name in a PEFT model's state_dict keys
+# (`q_proj.lora_A.default.weight`, `lm_head.modules_to_save.default.weight`).
+_ADAPTER_HOLDERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                    "lora_magnitude_vector", _PEFT_COPIES)
+
+
+def peft_prefix(model: nn.Module) -> str:
+    """What `get_peft_model` put in front of the base model's names in `model`'s state_dict:
+    `base_model.model.` for a PeftModel over a tuner (LoRA's LoraModel holds the base as
+    `model`), else nothing (a model PEFT did not wrap, or one `inject_adapter_in_model` changed
+    in place)."""
+    wrapper = model._modules.get("base_model")
+    return "base_model.model." if wrapper is not None and "model" in wrapper._modules else ""
+
+
+def base_name(name: str, prefix: str) -> str:
+    """`name`, a state_dict key of a PEFT model whose keys start with `prefix` (`peft_prefix`),
+    as the base model names it: the prefix taken off, then `base_layer`, `original_module` and
+    `modules_to_save.<adapter>` (what `merge_and_unload()` takes away)."""
+    return _unwrapped(name[len(prefix):] if prefix and name.startswith(prefix) else name)
+
+
+def adapter_names(names) -> list[str]:
+    """The adapters' names in the state_dict keys `names`, in order of first appearance: each
+    component right after `lora_A`, `lora_B`, ..., `modules_to_save`."""
+    found = []
+    for name in names:
+        parts = name.split(".")
+        found += [parts[i + 1] for i in range(len(parts) - 1) if parts[i] in _ADAPTER_HOLDERS]
+    return list(dict.fromkeys(found))
+
+
+def adapter_keys(names, adapter: str, others) -> dict[str, str]:
+    """The LoRA adapter `adapter` of the state_dict keys `names`, as PEFT saves it: {key in
+    adapter_model.safetensors: key in the model}. PEFT's `get_peft_model_state_dict`
+    (src/peft/utils/save_and_load.py, with a LoRA config's default bias="none") drops the keys
+    of the other adapters (`.<other>.` in the key, or at its end), keeps those holding "lora_",
+    puts the copy of a module in `modules_to_save` under the wrapper's own name (`lm_head.
+    modules_to_save.default.weight` -> `lm_head.weight`, as ModulesToSaveWrapper's
+    `adapter_state_dict` answers), and takes the adapter's name out (`q_proj.lora_A.default.
+    weight` -> `q_proj.lora_A.weight`; DoRA's `lora_magnitude_vector.default.weight` ->
+    `lora_magnitude_vector`)."""
+    out: dict[str, str] = {}
+    for name in names:
+        if any(f".{o}." in name or name.endswith(f".{o}") for o in others):
+            continue
+        parts = name.split(".")
+        if _PEFT_COPIES in parts[:-1]:
+            i = parts.index(_PEFT_COPIES)
+            if parts[i + 1] == adapter:
+                out[".".join(parts[:i] + parts[i + 2:])] = name
+        elif "lora_" in name:
+            out[_without_adapter(name, adapter)] = name
+    return out
+
+
+def _without_adapter(name: str, adapter: str) -> str:
+    """PEFT's `remove_adapter_name` (in get_peft_model_state_dict) of a LoRA key."""
+    if name.endswith(f"lora_magnitude_vector.{adapter}.weight"):
+        name = name[:-len(".weight")]  # DoRA's vector is saved as the parameter it once was
+    if name.endswith(f".{adapter}"):
+        return name[:-len(adapter) - 1]
+    head, _, last = name.rpartition(".")
+    if head.endswith(f".{adapter}"):
+        head = head[:-len(adapter) - 1]
+    return f"{head}.{last}"
