@@ -40,7 +40,7 @@ def test_help_names_every_strategy_with_the_defaults(capsys):
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "ddp, zero1, zero2 or zero3 (default ddp)" in text
-    assert "fp32, bf16 or fp16 (default fp32)" in text
+    assert "fp32, bf16, fp16 or bf16-true (default fp32)" in text
 
 
 @pytest.mark.one_process
@@ -59,4 +59,4 @@ def test_a_bad_name_is_one_argparse_error_and_starts_no_worker(capsys, monkeypat
     assert usage.startswith("usage: phalanx demo") and "Traceback" not in err
     assert message == f"argument {flag}: invalid choice: {value!r} " + (
         "(choose from 'ddp', 'zero1', 'zero2', 'zero3')" if flag == "--strategy"
-        else "(choose from 'fp32', 'bf16', 'fp16')")
+        else "(choose from 'fp32', 'bf16', 'fp16', 'bf16-true')")

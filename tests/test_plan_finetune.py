@@ -39,12 +39,12 @@ def test_the_planner_and_prepare_share_one_vocabulary():
         assert a.to_dict() == px.plan(params=1e9, gpus=2, precision=name).to_dict()
         assert a.setting["precision"] == name
     # px.prepare's names are the planner's, with the same meaning
-    assert set(PRECISIONS) == {"fp32", "bf16", "fp16"}
+    assert set(PRECISIONS) == {"fp32", "bf16", "fp16", "bf16-true"}
     assert precision_spec("bf16").fp32_masters and precision_spec("fp16").loss_scaling
     assert not precision_spec("fp32").fp32_masters
-    # bf16-true is a planner name only, and the refusal says how px.prepare gets it
-    with pytest.raises(ValueError, match=r"cast the model to bf16.*precision='fp32'"):
-        precision_spec("bf16-true")
+    # bf16-true: px.prepare's too, with no master and stochastic rounding (engine/rounding.py)
+    assert not precision_spec("bf16-true").fp32_masters
+    assert precision_spec("bf16-true").rounding == "stochastic"
     assert precision_spec("bf16-true", planner=True).weight_bytes == 2
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         precision_spec("fp8", planner=True)

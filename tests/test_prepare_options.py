@@ -86,12 +86,11 @@ def test_prepare_names_an_optimizer_given_first():
 
 @pytest.mark.one_process
 def test_the_precision_names_are_the_planners():
-    """One vocabulary (phalanx/precisions.py): the planner's aliases mean the same here, and its
-    pure-bf16 name is refused with the way to train so."""
-    for alias, name in (("bf16-mixed", "bf16"), ("FP16-mixed", "fp16"), ("BF16", "bf16")):
+    """One vocabulary (phalanx/precisions.py): the planner's aliases and its pure-bf16 name
+    mean the same here."""
+    for alias, name in (("bf16-mixed", "bf16"), ("FP16-mixed", "fp16"), ("BF16", "bf16"),
+                        ("bf16-true", "bf16-true")):
         assert _options("ddp", alias).precision.name == name
-    with pytest.raises(ValueError, match=r"precision 'bf16-true' .*model.to\(torch.bfloat16\)"):
-        _options("ddp", "bf16-true")
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         _options("ddp", "fp8")
 

@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="ddp", choices=STRATEGIES, metavar="STRATEGY",
                         help="ddp, zero1, zero2 or zero3 (default ddp)")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS, metavar="PRECISION",
-                        help="fp32, bf16 or fp16 (default fp32)")
+                        help="fp32, bf16, fp16 or bf16-true (default fp32)")
     parser.add_argument("--epochs", type=int, default=12, help="epochs (default 12)")
 
 

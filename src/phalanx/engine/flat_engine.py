@@ -171,7 +171,7 @@ class FlatEngine:
         compute = self.precision.compute_dtype
         low = any(compute is not None and p.dtype != compute for p in self.params)
         adopt = self.sharded or low or staleness > 0 or self.host_link is not None \
-            or self.step_in_backward
+            or self.step_in_backward or self.precision.rounding is not None
         if self.step_in_backward and optimizer is None and self.params:
             raise ValueError("step_in_backward=True steps the optimizer inside backward, so it "
                              "needs the optimizer: px.prepare(model, optimizer, ...)")

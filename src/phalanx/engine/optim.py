@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .optimizer_kinds import check_declared
+from .rounding import ROUNDINGS, Compensation, fp32_step
 
 __all__ = ["OptimizerAdapter", "Held", "optimizer_state_dict", "adapter_of", "held_groups",
            "native_load_state_dict", "per_element"]
@@ -149,6 +150,11 @@ class OptimizerAdapter:
         self._user = {name: getattr(optimizer, name)
                       for name in ("step", "zero_grad", "state_dict", "load_state_dict")}
         adapter = self
+        # bf16-true: each call steps in fp32 and rounds back ([Note: bf16-true's step])
+        self.rounding = getattr(engine.precision, "rounding", None)
+        self.compensation = None  # the "kahan" rounding's buffers (rounding.py; measured only)
+        self.position_of = {id(p): i for i, p in
+                            enumerate(q for group in self.original for q in group)}
 
         def step(opt, closure=None):
             return adapter.step(closure)
@@ -193,10 +199,27 @@ class OptimizerAdapter:
         for group, held in zip(groups, lists):
             group["params"] = held
         try:
-            self._user["step"]()
+            self._own_step()
         finally:
             for group, params in zip(self.optimizer.param_groups, shown):
                 group["params"] = params
+
+    def _own_step(self):
+        """The optimizer's own step, once (a run of units, or one unit); under bf16-true in
+        fp32, rounded back ([Note: bf16-true's step] in rounding.py)."""
+        if self.rounding is None:
+            return self._user["step"]()
+        with fp32_step(self.holders(), self.optimizer, self.position_of,
+                       self.engine.steps.value, self.rounding, self.compensation):
+            return self._user["step"]()
+
+    def round_by(self, rounding: str) -> None:
+        """bf16-true: how the fp32 step rounds back, one of rounding.py's ROUNDINGS (a
+        measurement's switch: benchmarks/bf16_true.py; px.prepare uses "stochastic")."""
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding={rounding!r}: one of {', '.join(ROUNDINGS)}")
+        self.rounding = rounding
+        self.compensation = Compensation() if rounding == "kahan" else None
 
     def release(self) -> None:
         """Give the optimizer back as the user built it: its groups' parameters, its own
@@ -242,7 +265,7 @@ class OptimizerAdapter:
             self.engine.drop_grads()  # the step is thrown away: it changes nothing
         # see [Note: a step that raised in the optimizer] in vote.py
         with vote.stepping(), self.holding_masters():
-            stepped = self.engine.step_units(self._user["step"])
+            stepped = self.engine.step_units(self._own_step)
         if not stepped and self.engine.loss_scaler is not None:
             self.zero_grad()  # overflowed gradients are of no use to a later step
         for fn in self.after_step:

@@ -4,6 +4,7 @@
     fp32       the parameters' own dtype        the parameters themselves     none
     bf16       bfloat16                         the parameters' dtype (fp32)  none
     fp16       float16                          the parameters' dtype (fp32)  dynamic
+    bf16-true  bfloat16                         bfloat16, no master copy      none
 
 ("fp32" means no low precision: an fp64 model stays fp64.) Under bf16/fp16, floating inputs
 are cast to the compute dtype on the way in and floating outputs to fp32 on the way out, as
@@ -73,6 +74,7 @@ class Precision:
     comm_dtype: torch.dtype | None      # None: the gradients' own dtype
     loss_scaler: DynamicLossScaler | None
     output_dtype: torch.dtype | None = torch.float32  # None: the compute dtype
+    rounding: str | None = None  # bf16-true: the fp32 step's rounding (engine/rounding.py)
 
     @property
     def low(self) -> bool:
@@ -109,7 +111,7 @@ def make_precision(spec: PrecisionSpec, comm_dtype, output_dtype=torch.float32,
         if ranks is None:
             ranks = runtime.world_size() if summed_in_fp16 else 1
         scaler = DynamicLossScaler(ranks=ranks if summed_in_fp16 else 1)
-    return Precision(spec.name, compute, comm, scaler, output_dtype)
+    return Precision(spec.name, compute, comm, scaler, output_dtype, spec.rounding)
 
 
 @torch.no_grad()
@@ -122,7 +124,8 @@ def cast_model(module: torch.nn.Module, precision: Precision) -> None:
     for sub in module.modules():
         own = list(sub.parameters(recurse=False))
         for p in own:
-            if not p.requires_grad and p.is_floating_point():
+            # bf16-true: the trained parameters too, their own masters (engine/rounding.py)
+            if (not p.requires_grad or precision.rounding is not None) and p.is_floating_point():
                 p.data = p.data.to(precision.compute_dtype) if has_room(p) else \
                     torch.empty((), dtype=precision.compute_dtype, device=p.device).expand(p.shape)
         if any(p.is_floating_point() for p in own):

@@ -65,7 +65,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         "zero3" (alias "fsdp": and parameters, each unit gathered while it computes), or
         px.DiLoCo(sync_every=H): local steps on each rank and an averaged outer step every H.
     precision: "fp32" (the parameters' own dtype), or "bf16"/"fp16" compute with master
-        weights in the parameters' dtype (fp16 with dynamic loss scaling).
+        weights in the parameters' dtype (fp16 with dynamic loss scaling), or "bf16-true":
+        weights, gradients and optimizer state in bf16 with no master, each step in fp32
+        rounded back stochastically (engine/rounding.py).
     bucket_mb: cap of a unit (gradient bucket), in MiB; the first is at most 1 MiB.
     blocks: the repeated blocks, each a unit (split under bucket_mb) and, under zero3, gathered
         as one: a module class, its name, or a tuple of them (default: the children of the

@@ -4,15 +4,15 @@
     fp32       the parameters' own dtype    the parameters themselves        none
     bf16       bfloat16                     fp32, apart from the parameters  none
     fp16       float16                      fp32, apart from the parameters  dynamic
-    bf16-true  bfloat16                     bfloat16: no master copy         none  (planner only)
+    bf16-true  bfloat16                     bfloat16: no master copy         none
 
 "bf16" and "fp16" are mixed precision wherever they are written: low-precision compute and
 gradients, fp32 master weights and fp32 optimizer state (Micikevicius et al. 2018,
 arXiv:1710.03740), as PyTorch Lightning's "bf16-mixed" and "16-mixed" are; those spellings
 ("bf16-mixed", "fp16-mixed") are accepted as aliases and mean the same. "bf16-true" (Lightning's
-name) keeps everything in bf16, optimizer moments included: px.prepare has no such precision,
-and trains that way a model cast to bf16 under precision="fp32", which keeps each parameter's
-own dtype (the parameters are then their own masters); the planner can plan it.
+name) keeps everything in bf16, optimizer moments included, with no master copy: the step runs
+in fp32 on a run of units at a time and rounds the weights back stochastically, so small
+updates are kept on average ([Note: bf16-true's step] in engine/rounding.py).
 
 The byte sizes below are per element and assume fp32 parameters, as the planner plans them.
 """
@@ -38,6 +38,7 @@ class PrecisionSpec:
     loss_scaling: bool                  # dynamic loss scaling (fp16's narrow range)
     description: str
     planner_only: bool = False          # a name px.plan knows and px.prepare does not
+    rounding: str | None = None         # bf16-true: how the fp32 step rounds back (rounding.py)
 
     @property
     def mixed(self) -> bool:
@@ -76,30 +77,23 @@ PRECISIONS: dict[str, PrecisionSpec] = {
     "bf16": PrecisionSpec("bf16", torch.bfloat16, True, False, f"bf16 {_LOW}"),
     "fp16": PrecisionSpec("fp16", torch.float16, True, True,
                           f"fp16 {_LOW}, dynamic loss scaling"),
-}
-PLANNER_PRECISIONS: dict[str, PrecisionSpec] = {
-    **PRECISIONS,
     "bf16-true": PrecisionSpec("bf16-true", torch.bfloat16, False, False,
                                "everything in bf16, optimizer moments included, no master "
-                               "copy (px.prepare: a model cast to bf16, precision='fp32')",
-                               planner_only=True),
+                               "copy; stochastic rounding of each update",
+                               rounding="stochastic"),
 }
+PLANNER_PRECISIONS: dict[str, PrecisionSpec] = dict(PRECISIONS)
 PRECISION_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
 def precision_spec(name, *, planner: bool = False) -> PrecisionSpec:
     """The meaning of a precision name (case-insensitive, aliases resolved); ValueError naming
-    the choices otherwise. `planner`: accept the planner's own names ("bf16-true") too."""
+    the choices otherwise. `planner`: the planner's names (today the same as px.prepare's)."""
     key = name.strip().lower() if isinstance(name, str) else None
     key = PRECISION_ALIASES.get(key, key)
     known = PLANNER_PRECISIONS if planner else PRECISIONS
     if key in known:
         return known[key]
-    if key in PLANNER_PRECISIONS:
-        raise ValueError(f"precision {name!r} (pure bf16, no fp32 master) is not a px.prepare "
-                         "precision: cast the model to bf16 (model.to(torch.bfloat16)) and pass "
-                         "precision='fp32', which keeps each parameter's own dtype; or use "
-                         "'bf16' (mixed: fp32 masters and optimizer state)")
     choices = ", ".join(f"'{n}'" for n in known)
     raise ValueError(f"unknown precision {name!r}; choose one of {choices} "
                      f"('bf16-mixed' and 'fp16-mixed' are 'bf16' and 'fp16')")

@@ -15,9 +15,11 @@ loss scaling), so Lightning's autocast plugin must not run a second time around 
 | "bf16-mixed"   | "bf16"     | a plain one                                               |
 | "16-mixed"     | "fp16"     | a plain one (phalanx scales the loss)                      |
 
-Everything else is refused by name: "bf16-true"/"16-true" keep the weights themselves in half
-precision, where phalanx keeps fp32 masters; transformer-engine, bitsandbytes and custom
-plugins change the model in ways phalanx does not know.
+Everything else is refused by name: Lightning's "bf16-true"/"16-true" plugins cast the weights
+themselves and step them in half precision, rounding small updates away (phalanx's own
+`precision="bf16-true"`, given to px.prepare, steps in fp32 and rounds stochastically: not
+reachable through Lightning's plugin); transformer-engine, bitsandbytes and custom plugins
+change the model in ways phalanx does not know.
 
 For the Trainer the kept plugin also routes clipping (`gradient_clip_val`) to
 `px.clip_grad_norm_`, the norm over every rank's shards (under zero2 and zero3 a parameter's
@@ -55,9 +57,10 @@ def phalanx_precision(plugin) -> str:
         raise ValueError(
             f"PhalanxStrategy does not support precision {what}: it maps Lightning's "
             "'32-true', '64-true', 'bf16-mixed' and '16-mixed' to phalanx's fp32, fp32 in "
-            "float64, bf16 and fp16 (each with fp32 master weights); 'bf16-true' and "
-            "'16-true' keep the weights themselves in half precision, which phalanx does not "
-            "do: use precision='bf16-mixed'")
+            "float64, bf16 and fp16 (each with fp32 master weights); Lightning's 'bf16-true' "
+            "and '16-true' plugins keep and step the weights in half precision themselves, "
+            "which phalanx does not take over: use precision='bf16-mixed', or phalanx's own "
+            "px.prepare(..., precision='bf16-true') outside Lightning")
     return PRECISIONS[name]
 
 
