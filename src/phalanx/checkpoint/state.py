@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.collectives import Comm
-from ..engine.optim import Held, adapter_of, held_groups, native_load_state_dict, per_element
+from ..engine.optim import (
+    Held,
+    adapter_of,
+    held_groups,
+    native_load_state_dict,
+    per_element,
+    plain,
+)
 from ..engine.part import Range
 from ..model.prepare import prepared_or_none, uncompiled
 from ..model.prepared_protocol import Prepared
@@ -211,6 +218,7 @@ class OptimizerState:
             if not self.model.writes(name, owner):
                 continue
             for key, value in self.optimizer.state.get(held.tensor, {}).items():
+                value = plain(value)  # torchao's quantized state: as its values
                 if per_element(key, value, held.shape):
                     out.append(Range(optim_key(name, key), held.start, held.end,
                                      value.detach().reshape(-1)))

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-__all__ = ["GradBucket", "BufferPool"]
+__all__ = ["aligned_offsets", "aligned_numel", "GradBucket", "BufferPool"]
 
 
 class BufferPool:
@@ -74,22 +74,45 @@ class BufferPool:
         return list(self.idle)
 
 
+def aligned_offsets(numels: list[int], align: int = 1) -> list[int]:
+    """Each of `numels`' start in a flat buffer where every one starts at a multiple of
+    `align` (1: end to end)."""
+    offsets, offset = [], 0
+    for n in numels:
+        offset = -(-offset // align) * align
+        offsets.append(offset)
+        offset += n
+    return offsets
+
+
+def aligned_numel(numels: list[int], align: int, pad_to: int) -> int:
+    """What a bucket of `numels` laid out by `aligned_offsets` takes, padded to `pad_to`
+    shards that are multiples of `align`."""
+    if not numels:
+        return 0
+    end = aligned_offsets(numels, align)[-1] + numels[-1]
+    return math.ceil(end / (pad_to * align)) * pad_to * align
+
+
 class GradBucket:
     """The gradients of a fixed, ordered list of parameters, in one flat buffer."""
 
     def __init__(self, index: int, params, pad_to: int = 1, dtype: torch.dtype | None = None,
-                 pool: BufferPool | None = None, tail_apart: bool = False):
+                 pool: BufferPool | None = None, tail_apart: bool = False, align: int = 1):
         self.index = index
         self.params = list(params)
         self.dtype = dtype or self.params[0].dtype
         self.device = self.params[0].device
-        self.offsets = []
-        offset = 0
-        for p in self.params:
-            self.offsets.append(offset)
-            offset += p.numel()
+        # `align`: each parameter starts at a multiple of it, and each of the `pad_to` shards
+        # is a multiple of it, so a shard boundary falls on a block boundary of every
+        # parameter it cuts ([Note: state in blocks] in optim.py); the gaps hold zeros
+        self.offsets = aligned_offsets([p.numel() for p in self.params], align)
+        offset = self.offsets[-1] + self.params[-1].numel() if self.params else 0
+        self.gaps = [(end, start) for end, start in
+                     zip([o + p.numel() for o, p in zip(self.offsets, self.params)],
+                         self.offsets[1:]) if start > end]
         self.numel = offset
-        self.padded_numel = math.ceil(offset / pad_to) * pad_to
+        self.padded_numel = math.ceil(offset / (pad_to * align)) * pad_to * align
         # The flags, then one slot for the non-finite signal (faults/nonfinite.py).
         self.total_numel = self.padded_numel + len(self.params) + 1
         # See [Note: a gradient reduced where autograd made it]: the flags and the signal in a
@@ -119,6 +142,8 @@ class GradBucket:
             else:
                 self.buffer = self.pool.take(self.total_numel)
                 self.buffer[self.numel:].zero_()
+                for a, b in self.gaps:
+                    self.buffer[a:b].zero_()
             self._views = [self.buffer[o:o + p.numel()].view_as(p)
                            for o, p in zip(self.offsets, self.params)]
 

@@ -86,6 +86,7 @@ class UnitContext:
     adopt: bool
     pool: BufferPool | None = None
     host: object = None
+    align: int = 1  # shard boundaries on this many elements of each parameter (buckets.py)
 
 
 class FlatUnit:
@@ -120,10 +121,12 @@ class FlatUnit:
         # [Note: waiting for a reduction in backward] in reducer.py for `probe`.
         self.bucket = None
         if params:
-            alone = len(params) == 1 and params[0].numel() % (world if sharded else 1) == 0
+            alone = len(params) == 1 and \
+                params[0].numel() % (world * context.align if sharded else 1) == 0
             self.bucket = GradBucket(index, params, pad_to=world if sharded else 1,
                                      dtype=compute_dtype, pool=context.pool,
-                                     tail_apart=policy.shards_grads(world) and (alone or reshards))
+                                     tail_apart=policy.shards_grads(world) and (alone or reshards),
+                                     align=context.align if sharded else 1)
         self.probe = None  # the tail's own collective, while the gradients' is in flight
         n = self.bucket.padded_numel if self.bucket is not None else 0
         shard = n // world if sharded else n

@@ -39,14 +39,14 @@ from ..comm.collectives import Comm
 from ..comm.gate import continuing, step_lost
 from ..comm.records import StepCounter
 from .amp import route_grad_scaler, scaler_in_use
-from .buckets import BufferPool, GradBucket
+from .buckets import BufferPool, GradBucket, aligned_numel
 from .clipping import clip_units
 from .delayed import DelayedGrads
 from .flat import FlatUnit, UnitContext
 from .generations import Generations
 from .offload import HostLink, step_on_host
 from .optim import OptimizerAdapter, optimizer_groups
-from .optimizer_kinds import whole_rule
+from .optimizer_kinds import block_size, whole_rule
 from .owners import WholeParams
 from .policy import HOST, ShardPolicy
 from .powersgd import PowerSGDReducer
@@ -125,6 +125,8 @@ class FlatEngine:
         # one rank may launch before another finishes ([Note: the step in backward])
         self.backward_steps = comm.apart("step in backward") \
             if self.step_in_backward and self.world > 1 else comm
+        # a state kept in blocks (torchao's low-bit optimizers): shards cut on block bounds
+        self.align = (block_size(optimizer) or 1) if optimizer is not None and self.sharded else 1
         self.pool, self.units, self.frozen_units = self._lay_out(module, units, features)
         self.delayed = DelayedGrads(self) if features.staleness else None  # [Note: staleness=1]
         self.compression = PowerSGDReducer(features.compression, self.units, self.params) \
@@ -207,14 +209,15 @@ class FlatEngine:
         # autograd made (see [Note: a gradient reduced where autograd made it] in buckets.py).
         pool = None
         pooled = [run for run, _ in split if run and borrows([p.numel() for p in run],
-                                                             self.world)]
+                                                             self.world, self.align)]
         if self.shard_grads and pooled:
-            largest = max(sum(p.numel() for p in run) + self.world for run in pooled)
+            largest = max(aligned_numel([p.numel() for p in run], self.align, self.world)
+                          + self.world for run in pooled)
             largest += max(len(run) for run in pooled)  # the flags (the signal: in the pad)
             pool = BufferPool(largest, compute or pooled[0][0].dtype, pooled[0][0].device,
                               keep=2)
         context = UnitContext(self.policy, self.world, self.rank, adopt=self.adopt, pool=pool,
-                              host=self.host_link)
+                              host=self.host_link, align=self.align)
         every = [FlatUnit(i, trained, frozen, compute_dtype=compute or (trained + frozen)[0].dtype,
                           context=context)
                  for i, (trained, frozen) in enumerate(split)]

@@ -45,11 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .optimizer_kinds import check_declared
+from .optimizer_kinds import block_size, check_declared
 from .rounding import ROUNDINGS, Compensation, fp32_step
 
 __all__ = ["OptimizerAdapter", "Held", "optimizer_state_dict", "adapter_of", "held_groups",
-           "native_load_state_dict", "per_element"]
+           "native_load_state_dict", "per_element", "plain"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +70,15 @@ _ADAPTER_ATTR = "_phalanx_adapter"
 
 def adapter_of(optimizer) -> "OptimizerAdapter | None":
     return getattr(optimizer, _ADAPTER_ATTR, None)
+
+
+def plain(value):
+    """A state tensor as plain values: a quantized one (torchao's low-bit state, a tensor
+    subclass with `dequantize()`) dequantized, anything else as it is."""
+    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor \
+            and not isinstance(value, torch.nn.Parameter) and hasattr(value, "dequantize"):
+        return value.dequantize()
+    return value
 
 
 def per_element(key: str, value, shape) -> bool:
@@ -144,6 +153,9 @@ class OptimizerAdapter:
         self._unit_groups: dict[int, list] = {}  # step_unit's, by unit index
         with self.holding_masters():
             _init_state_for_masters(optimizer)
+        self.blocks = block_size(optimizer)
+        if self.blocks is not None and engine.sharded:
+            self._quantize_by_parameter()
         # Plain functions bound to the optimizer rather than this object's methods: an LR
         # scheduler created later re-binds `step.__func__` to the optimizer, which must still
         # land here.
@@ -293,6 +305,7 @@ class OptimizerAdapter:
                     continue
                 entry = {}
                 for key, value in s.items():
+                    value = plain(value)
                     entry[key] = ("elements", value.detach().reshape(-1).clone()) \
                         if per_element(key, value, held.shape) \
                         else ("whole", value.clone() if isinstance(value, torch.Tensor) else value)
@@ -351,6 +364,45 @@ class OptimizerAdapter:
         `native_load_state_dict`)."""
         with self.holding_masters():
             self._user["load_state_dict"](state_dict)
+        self._requantize()
+
+    # -- state in blocks ------------------------------------------------------------------------
+    def _quantize_by_parameter(self) -> None:
+        """[Note: state in blocks]
+        torchao's low-bit optimizers quantize a tensor's state in blocks of `block_size`
+        consecutive elements (one scale each), and only a tensor of at least 4096 elements
+        that is a whole number of blocks; others keep fp32 state. Under sharding the tensor
+        the optimizer sees is a piece of a parameter: the units put every shard boundary on a
+        block boundary of the parameters it cuts (buckets.py's `align`), so a piece's blocks
+        are the parameter's, and the decision is taken for the parameter, not the piece (the
+        optimizer's own `_new_buffer`, asked of this instance), so each element's state is
+        quantized with the same block, scale and code as in one process
+        (tests/test_low_bit_optimizers.py)."""
+        optimizer, blocks = self.optimizer, self.blocks
+        param_of = {id(h.tensor): h.param for h in self.holders()}
+
+        def new_buffer(p, signed):
+            param = param_of.get(id(p), p)
+            if param.numel() >= 4096 and param.numel() % blocks == 0 and p.numel() % blocks == 0:
+                return optimizer._subclass_zeros(p, signed, blocks).to(p.device)
+            return torch.zeros_like(p)
+        optimizer._new_buffer = new_buffer
+
+    def _requantize(self) -> None:
+        """After a load: state that torch's load_state_dict left as plain tensors where the
+        optimizer keeps it quantized, quantized again (its own copy_ into a fresh buffer)."""
+        if self.blocks is None or not self.engine.sharded:
+            return
+        signed = {"exp_avg": True}
+        for held in self.holders():
+            state = self.optimizer.state.get(held.tensor)
+            for key, value in list((state or {}).items()):
+                if type(value) is torch.Tensor and per_element(key, value, held.shape) \
+                        and key != "step":
+                    fresh = self.optimizer._new_buffer(held.tensor, signed.get(key, False))
+                    if type(fresh) is not torch.Tensor:
+                        fresh.copy_(value)
+                        state[key] = fresh
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The single-process format; each saved group's "params" names its parameters in the
@@ -399,6 +451,7 @@ class OptimizerAdapter:
             position += len(held)
         with self.holding_masters():
             self._user["load_state_dict"]({"state": state, "param_groups": groups})
+        self._requantize()
 
 
 def _watched(vote, user_step):

@@ -17,6 +17,13 @@ the biases and norms) shards each group its own way.
 An optimizer of neither kind (LBFGS, whose step re-evaluates the loss over all parameters) is
 refused under sharding and mixed precision, saying how to declare it. A subclass takes the
 declaration of its nearest declared base class, as `isinstance` would.
+
+torchao's low-bit optimizers (AdamW8bit, AdamW4bit, ...) are element-wise in their update but
+keep their state quantized in blocks of `block_size` consecutive elements of a parameter, one
+scale per block: they shard when every shard boundary falls on a block boundary of the
+parameter it cuts (`block_size`, and [Note: state in blocks] in optim.py). bitsandbytes' 8-bit
+optimizers keep their state in a layout of their own and are refused under sharding, naming
+torchao's as the way.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["element_wise", "matrix_wise", "whole_rule", "check_declared", "declared_names"]
+__all__ = ["element_wise", "matrix_wise", "whole_rule", "check_declared", "declared_names",
+           "block_size"]
 
 WholeRule = Callable[[dict, torch.Tensor], bool]
 
@@ -67,11 +75,24 @@ def _check_class(cls) -> None:
 
 
 def _declaration(optimizer) -> tuple[bool, WholeRule | None]:
-    """(declared, rule) for the nearest declared class in `optimizer`'s MRO."""
+    """(declared, rule) for the nearest declared class in `optimizer`'s MRO; torchao's
+    low-bit optimizers are element-wise (their blocks: `block_size`)."""
     for cls in type(optimizer).__mro__:
         if cls in _DECLARED:
             return True, _DECLARED[cls]
+    if block_size(optimizer) is not None:
+        return True, None
     return False, None
+
+
+def block_size(optimizer) -> int | None:
+    """The block of a torchao low-bit optimizer's quantized state (elements of a parameter
+    sharing one scale: 256 for AdamW8bit, 128 for AdamW4bit), None for any other."""
+    if type(optimizer).__module__.startswith("torchao.optim") \
+            and isinstance(getattr(optimizer, "block_size", None), int) \
+            and hasattr(optimizer, "_new_buffer") and hasattr(optimizer, "_subclass_zeros"):
+        return optimizer.block_size
+    return None
 
 
 def whole_rule(optimizer) -> WholeRule | None:
@@ -89,6 +110,12 @@ def check_declared(optimizer) -> None:
     """Refuse an optimizer of neither kind (see the Note), naming the way out."""
     if _declaration(optimizer)[0]:
         return
+    if type(optimizer).__module__.startswith("bitsandbytes"):
+        raise ValueError(
+            f"bitsandbytes' {type(optimizer).__name__} keeps its 8-bit state in a layout of its "
+            "own, which phalanx cannot shard or step in pieces; use torchao's "
+            "(torchao.optim.AdamW8bit, AdamW4bit: the same block-wise 8-bit state, sharded on "
+            "block bounds), or strategy='ddp' with precision='fp32'")
     elementwise, matrixwise = declared_names()
     raise ValueError(
         f"{type(optimizer).__name__} is not an optimizer whose update is element-wise, so "

@@ -177,12 +177,13 @@ def unit_numels(numels, blocks, itemsize: int, bucket_mb: float) -> list[int]:
     return [sum(entries[i][0] for i in unit) for unit in plan_units(entries, first, cap)] or [0]
 
 
-def borrows(numels: list[int], world: int) -> bool:
+def borrows(numels: list[int], world: int, align: int = 1) -> bool:
     """Whether a unit of parameters of `numels` elements borrows its full-gradient buffer from
-    the pool under sharded gradients on `world` ranks: more than one parameter, or one that the
-    world size does not divide (a lone parameter's gradient is reduced in the tensor autograd
-    made: see [Note: a gradient reduced where autograd made it] in buckets.py)."""
-    return len(numels) > 1 or numels[0] % world != 0
+    the pool under sharded gradients on `world` ranks: more than one parameter, or one that
+    `world` shards of `align` elements (buckets.py) do not divide (a lone parameter's gradient
+    is reduced in the tensor autograd made: see [Note: a gradient reduced where autograd made
+    it] in buckets.py)."""
+    return len(numels) > 1 or numels[0] % (world * align) != 0
 
 
 def borrowing(numels, blocks, itemsize: int, bucket_mb: float, world: int) -> tuple[int, int]:
