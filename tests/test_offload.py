@@ -200,3 +200,37 @@ def test_offload_with_shard_size_ends_where_the_device_run_ends():
             err = (state[name] - tensor).abs().max().item()
             assert err <= 1e-13 * max(tensor.abs().max().item(), 1.0), (name, err)
         assert_state_dicts_equal(optim, want_optim, "shard_size=2")
+
+
+def _gradients_on_the_host(strategy):
+    """After each backward: every reduced gradient shard is the unit's host copy and no device
+    shard is kept; two backwards without no_sync add up on the host as on the device."""
+    out = {}
+    for offload in (None, "optimizer"):
+        model = build(SEED + px.rank())
+        opt = optimizer_for(model)
+        model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=BUCKET_MB,
+                                offload=offload)
+        engine, kept = engine_of(model), []
+        for step in range(2):
+            for micro in range(2):  # no no_sync: the second backward adds to the first
+                x, y = data(step * 2 + micro, 2 * WORLD)
+                loss_of(model, x[2 * px.rank():2 * px.rank() + 2],
+                        y[2 * px.rank():2 * px.rank() + 2]).backward()
+            kept.append([(u.reduced is u.host_grad, u.grad_shard is None)
+                         for u in engine.units if u.reduced is not None])
+            opt.step()
+            opt.zero_grad()
+        out[offload] = (model.state_dict(), kept)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_gradient_shards_go_to_the_host_as_they_are_made(strategy):
+    for got in run_ranks(_gradients_on_the_host, WORLD, args=(strategy,), timeout=180):
+        on_device, offloaded = got[None], got["optimizer"]
+        assert all(offloaded[1])  # some unit had a reduced gradient at every step
+        assert all(flags == (True, True) for step in offloaded[1] for flags in step)
+        assert all(flags == (False, False) for step in on_device[1] for flags in step)
+        for name, value in on_device[0].items():
+            assert torch.allclose(offloaded[0][name], value, rtol=1e-12, atol=0), name

@@ -45,7 +45,9 @@ def clip_units(engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     dtype = engine.units[0].master_dtype
     unscale = 1.0 / engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
     norm_type = float(norm_type)
-    norms = [torch.linalg.vector_norm(u.reduced, norm_type, dtype=dtype) for u in units]
+    # an offloaded gradient shard is on the host (offload.py): its norm comes to the device
+    norms = [torch.linalg.vector_norm(u.reduced, norm_type, dtype=dtype).to(device)
+             for u in units]
     if norm_type == float("inf"):
         local = torch.stack(norms).amax() if norms \
             else torch.zeros((), dtype=dtype, device=device)
@@ -66,7 +68,7 @@ def clip_units(engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         # clipped mean; under sharded gradients only the owned slice exists.
         delayed = engine.delayed is not None  # the average applied: delayed.py
         target = unit.reduced if engine.shard_grads or delayed else unit.bucket.grads()
-        target.mul_(coef.to(target.dtype))
+        target.mul_(coef.to(target.device, target.dtype))
     return total
 
 

@@ -106,6 +106,10 @@ class FlatUnit:
         self.host = context.host
         self.shards_on_host = policy.shards_on_host(world)
         self.kept: torch.Tensor | None = None  # zero3 offloaded: what the gathers start from
+        # offload="optimizer" with sharded gradients: the reduced shard's home on the host,
+        # where it goes as it is made (`offload_grad`; offload.py's [Note: offload])
+        self.host_grad: torch.Tensor | None = None
+        self.host_filled = False  # it holds a backward's gradient since the last zero_grad
         self.params = params  # the trainable ones: the gradient bucket's, in its order
         # zero3: frozen parameters gathered with them (see [Note: frozen parameters in a unit])
         self.frozen = list(frozen)
@@ -426,10 +430,11 @@ class FlatUnit:
             if self.grad_shard is None:
                 self.grad_shard = torch.empty(self.hi - self.lo, dtype=bucket.dtype,
                                               device=owned.device)
-            # A second backward before zero_grad() accumulates, as in one process.
+            # A second backward before zero_grad() accumulates, as in one process (on the
+            # host where the shard went there: `offload_grad`).
             if owned is self.grad_shard:
                 pass  # reduce-scattered into it
-            elif self.reduced is None:
+            elif self.reduced is None or self.host_filled:
                 self.grad_shard.copy_(owned)
             else:
                 self.grad_shard.add_(owned)
@@ -469,9 +474,21 @@ class FlatUnit:
             else:
                 piece.master.grad = grad[piece.lo:piece.hi].view_as(piece.master)
 
+    def offload_grad(self, link) -> None:
+        """offload="optimizer" under sharded gradients (offload.py's [Note: offload]): the
+        reduced shard just made goes to the host (added there to what an earlier backward
+        left since zero_grad), and its device memory is let go."""
+        if self.host_grad is None:
+            self.host_grad = link.zeros(self.hi - self.lo, self.grad_shard.dtype)
+        link.keep_down(self.grad_shard, self.host_grad, add=self.host_filled)
+        self.reduced = self.host_grad
+        self.grad_shard = None
+        self.host_filled = True
+
     def clear_reduced(self) -> None:
         self.reduced = None
         self.used = None
+        self.host_filled = False
 
 
 def _has_room(p: torch.Tensor) -> bool:

@@ -495,7 +495,8 @@ class FlatEngine:
         ready = [u.reduced for u in self.units if u.reduced is not None]
         if not ready:
             return None
-        finite = torch.stack([torch.isfinite(g).all() for g in ready]).all()
+        device = self.comm.device  # offloaded gradient shards are on the host: offload.py
+        finite = torch.stack([torch.isfinite(g).all().to(device) for g in ready]).all()
         flag = (~finite).float().reshape(1)
         if self.sharded:  # each rank reads its owned slice: agree (under ddp all are equal)
             self.comm.all_reduce(flag, op="max", tag="loss_scale:found_inf")
@@ -570,6 +571,8 @@ class FlatEngine:
         unit.finish_grad(shard=self.shard_grads)
         if self.replicas is not None:
             self.replicas.average(unit, self.shard_grads, self.precision.comm_dtype)
+        if self.host_link is not None and self.shard_grads:  # [Note: gradients go with the
+            unit.offload_grad(self.host_link)                 # optimizer] in offload.py
         if self.step_in_backward and self.optim is not None and not step_lost():
             self._step_now(unit)
             return

@@ -6,12 +6,11 @@ host (policy.py): each rank's masters (the fp32 truth of the shard it steps) are
 pinned where CUDA exists, so the optimizer makes its state there too, and the step runs on the
 host's cores. What the device keeps: the compute-dtype parameters (under zero1 and zero2 the
 full ones, under zero3 its shard, `FlatUnit.kept`), zero3's frozen shards, and the gradients
-exactly as without offload (clipping, loss scaling, the step vote and the non-finite check read
-them there, unchanged). `offload="params"` (zero3 only) also moves the `shards` place: the
+while they are made and reduced. `offload="params"` (zero3 only) also moves the `shards` place: the
 compute-dtype shard and the frozen shards live on the host between uses, and each gather first
 copies the rank's shard to the device. ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840) and
-FSDP2's `CPUOffloadPolicy` place things the same way; DeepSpeed and FSDP2 also keep the
-gradients on the host, where here the device keeps its reduced shard.
+FSDP2's `CPUOffloadPolicy` place things the same way, gradients included ([Note: gradients go
+with the optimizer]).
 
 The step (`step_on_host`), for the units with a reduced gradient, a run of units at a time
 (the runs of [Note: fp32 gradients a few units at a time] in units.py): the run's reduced
@@ -22,16 +21,19 @@ Adagrad: `group["fused"]` is set for the host step only, where the user left it 
 `foreach` unset; `foreach` otherwise), and each stepped unit's master is cast into a staging
 buffer and copied to the device (under zero1 and zero2 into its owned slice, then all-gathered
 while the next run steps; under zero3 into `kept`; under "params" cast into the host's `kept`
-only). The gradients are copied to the host in the step, not as they arrive in backward: a
-unit stepped in backward would be stepped before clipping, the fp16 overflow check, the step
-vote and continue mode's step boundary decide over the whole step, and before a second backward
-adds to its gradients. So the host step does not overlap the backward; its own copies overlap
-each other and the steps of the runs beside them. On a machine without CUDA the same code runs
-with host buffers distinct from the "device" ones (both in CPU memory), every copy made.
+only). Under zero2 and zero3 the gradients are on the host already ([Note: gradients go with
+the optimizer]); under zero1 they are copied down in the step. The host step itself runs after
+backward, not unit by unit as gradients arrive: a unit stepped in backward would be stepped
+before clipping, the fp16 overflow check, the step vote and continue mode's step boundary
+decide over the whole step, and before a second backward adds to its gradients. Its own copies
+overlap each other and the steps of the runs beside them. On a machine without CUDA the same
+code runs with host buffers distinct from the "device" ones (both in CPU memory), every copy
+made.
 
-Host memory, beyond the masters and the optimizer state: two runs' compute-dtype gradients
-(the run stepping, the next one landing), one run's gradients in the master dtype, two units'
-staging buffers, and under "params" the compute-dtype shard. The step report gives the host
+Host memory, beyond the masters and the optimizer state: under zero2 and zero3 the reduced
+gradient shard (compute dtype), under zero1 two runs' compute-dtype gradients (the run
+stepping, the next one landing); one run's gradients in the master dtype, two units' staging
+buffers, and under "params" the compute-dtype shard. The step report gives the host
 step's time as `host_step_s` (the optimizer's kernels and the host's casts) and the bytes
 copied each way (observe/step_report.py).
 
@@ -39,6 +41,16 @@ Every copy to the device runs on the current stream, so the gathers and kernels 
 see it; every copy from the host starts from a buffer no host step changes before it is done:
 the next step's first wait (for a run's gradients, whose copies follow everything issued on the
 current stream before them) finishes every copy the previous step issued.
+
+[Note: gradients go with the optimizer]
+Under zero2 and zero3 (sharded gradients) the reduced gradient shard goes too, as it is made
+in backward (`FlatUnit.offload_grad`, on the link's stream, overlapped with the rest of
+backward), and its device memory is let go, as DeepSpeed's ZeRO-Offload lays it out: the
+device holds about the units in flight, not a shard of every gradient until the step. What
+reads the reduced gradients reads the host copies: the clip's norms (combined on the device),
+fp16's overflow check (its flag moved to the device for the all-reduce), the host step (which
+then downloads nothing). A second backward before zero_grad adds into the host copy. zero1
+keeps full gradients on the device (its all-reduce needs them), so nothing goes down early.
 
 Refused, by name: ddp (it keeps the whole optimizer state on every rank, so offloaded every
 rank would step the whole model on its host; zero1 shards it first, with the same gradient
@@ -73,6 +85,7 @@ class HostLink:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._buffers: dict[str, torch.Tensor] = {}
         self._events: dict[str, object] = {}  # the copy last reading or writing a buffer
+        self._kept_down: list = []  # the gradient shards on their way to the host (keep_down)
         self.host_step_s = 0.0
         self.down_bytes = 0
         self.up_bytes = 0
@@ -114,6 +127,33 @@ class HostLink:
             event.record()
         self._events[name] = event
         return _Landing(views, event)
+
+    def keep_down(self, source: torch.Tensor, target: torch.Tensor, add: bool = False) -> None:
+        """Copy (or with `add`, add) the device tensor `source` into the host tensor `target`,
+        on the link's stream after what the current stream has issued; `settle()` waits for
+        every such copy. `source` may be let go at once (the allocator is told the stream
+        uses it)."""
+        self.down_bytes += source.numel() * source.element_size()
+        if not self.cuda:
+            target.add_(source) if add else target.copy_(source)
+            return
+        if add:  # a second backward before zero_grad: rare, so simply in order
+            self.settle()
+            target.add_(source.to("cpu"))
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            target.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        source.record_stream(self._stream)
+        self._kept_down.append(event)
+
+    def settle(self) -> None:
+        """Wait for every `keep_down` copy issued so far."""
+        events, self._kept_down = self._kept_down, []
+        for event in events:
+            event.synchronize()
 
     def upload(self, source: torch.Tensor, target: torch.Tensor, name: str) -> None:
         """Copy the host tensor `source` into `target` on the device, cast to its dtype on the
@@ -177,12 +217,18 @@ def step_on_host(engine, ready: list, unscale: float, step_one) -> None:
     link, optimizer = engine.host_link, engine.optim.optimizer
     sizes = [u.reduced.numel() * torch.finfo(u.master_dtype).bits // 8 for u in ready]
     runs = [[ready[i] for i in run] for run in step_runs(sizes, engine.step_chunk_bytes)]
-    landing = link.download([u.reduced for u in runs[0]], "grads0")
+    link.settle()  # the gradient shards sent down in backward (FlatUnit.offload_grad)
+
+    def land(run, name):
+        if all(u.reduced is u.host_grad for u in run):  # there already
+            return _Landing([u.reduced for u in run], None)
+        return link.download([u.reduced for u in run], name)
+    landing = land(runs[0], "grads0")
     works, raised = [], None
     for i, run in enumerate(runs):
         grads = landing.wait()
         if i + 1 < len(runs):  # the next run's gradients land while this one steps
-            landing = link.download([u.reduced for u in runs[i + 1]], f"grads{(i + 1) % 2}")
+            landing = land(runs[i + 1], f"grads{(i + 1) % 2}")
         began = time.perf_counter()
         widen = [j for j, (u, g) in enumerate(zip(run, grads))
                  if g.dtype != u.master_dtype or unscale != 1.0]
