@@ -70,6 +70,12 @@ def stochastic_round(x: torch.Tensor, start: int, salt: int) -> torch.Tensor:
     return rounded.to(torch.bfloat16).view(x.shape)  # exact: the low 16 bits are zero
 
 
+def _plain_state(value) -> bool:
+    """A per-element state tensor kept in bf16 between steps: a plain floating tensor (a
+    quantized one, torchao's low-bit state, keeps its own form and computes in fp32 itself)."""
+    return type(value) is torch.Tensor and value.is_floating_point() and value.dim() > 0
+
+
 def _salt(position: int, step: int) -> int:
     return (position * 1_000_003 + step) & 0x7FFFFFFF
 
@@ -98,8 +104,7 @@ def fp32_step(holders, optimizer, position_of: dict, step: int, rounding: str = 
         state = optimizer.state.get(t)
         if state:
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() \
-                        and value.dim() > 0:
+                if _plain_state(value):
                     state[key] = value.float()
         kept.append((h, bf16, grad))
     try:
@@ -118,6 +123,5 @@ def fp32_step(holders, optimizer, position_of: dict, step: int, rounding: str = 
             state = optimizer.state.get(t)
             if state:
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.is_floating_point() \
-                            and value.dim() > 0:
+                    if _plain_state(value):
                         state[key] = value.to(torch.bfloat16)
