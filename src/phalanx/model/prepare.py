@@ -40,6 +40,7 @@ from .buffers import BufferBroadcast
 from .consistency import broadcast_from_rank0, check_same_structure
 from .diloco import attach as attach_diloco, inner_comm
 from .materialize import fill_shards, materialize, on_meta as on_meta_device
+from .nf4_base import convert as convert_to_nf4
 from .precision import cast_model, make_precision
 from .prepared import PreparedModule
 from .pretrained import PretrainedWeights
@@ -58,7 +59,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             max_gathered_mb: float | None = None, reshard_after_forward: bool = True,
             blocks=None, output_dtype: torch.dtype | None = torch.float32, staleness: int = 0,
             shard_size: int | str | None = None, compression=None, offload: str | None = None,
-            step_in_backward: bool = False):
+            step_in_backward: bool = False, base_dtype: str | None = None):
     """Wrap `model` (and `optimizer`) for data-parallel training; returns `(model, optimizer)`.
 
     strategy: "ddp" (replicated), "zero1" (optimizer state sharded), "zero2" (and gradients),
@@ -105,6 +106,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         all of them; `optimizer.step()` then only closes the step. A global clip
         (px.clip_grad_norm_) cannot run then and is refused, as are fp16, staleness,
         compression, DiLoCo and offload with it.
+    base_dtype: "nf4" (zero3) stores every frozen nn.Linear weight in NF4, 4 bits an element
+        and scales in blocks, each rank keeping 1/N of it, gathered and dequantized while its
+        layer computes (QLoRA's base: model/nf4_base.py); needs torchao. None: as held.
     step_stats: time every optimizer step for `px.step_stats(model)`.
     init: fn(model) setting every parameter and buffer of a meta build (default: each module's
         reset_parameters(), in order; a PEFT model's adapters after its base, as
@@ -129,7 +133,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         step_stats=step_stats, prefetch=prefetch, max_gathered_mb=max_gathered_mb,
         reshard_after_forward=reshard_after_forward, output_dtype=output_dtype,
         staleness=staleness, shard_size=shard_size, compression=compression, offload=offload,
-        step_in_backward=step_in_backward)
+        step_in_backward=step_in_backward, base_dtype=base_dtype)
     if prepared_or_none(model) is not None:
         raise ValueError("this model was already prepared; call px.prepare once per model")
     block_classes = resolve_block_classes(model, blocks)
@@ -207,6 +211,14 @@ def _wrap(model, optimizer, spec: Spec, comm, built: _Built, build: Build):
     precision = make_precision(spec.precision, spec.comm_dtype, spec.output_dtype,
                                ranks=comm.world)
     steps = build.steps
+    if spec.base_dtype is not None:  # [Note: an NF4 base in shards] in nf4_base.py
+        if built.shards_only:
+            raise ValueError(
+                f"base_dtype={spec.base_dtype!r} quantizes each frozen weight from its whole "
+                "values, and this zero3 model on the meta device keeps only each rank's shards "
+                "of them (no rank ever holds a weight whole); build it with its weights "
+                "(from_pretrained, or a load) before px.prepare")
+        convert_to_nf4(uncompiled(model), comm.apart("nf4:gathers"))
     original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
     cast_model(model, precision)

@@ -105,6 +105,7 @@ class Spec:
     on_nonfinite: str | None = "raise"
     step_stats: bool = True
     step_in_backward: bool = False  # each unit stepped as its gradient is reduced (stepping.py)
+    base_dtype: str | None = None   # "nf4": frozen Linear weights in NF4 shards (nf4_base.py)
 
     # -- what the rest of phalanx asks ------------------------------------------------------------
     @property
@@ -139,7 +140,8 @@ class Spec:
                 "compression": self.compression,
                 "offload": None if self.offload is None else self.offload.what,
                 "blocks": None if block_classes is None else [c.__name__ for c in block_classes],
-                "diloco": self.diloco, "step_in_backward": self.step_in_backward}
+                "diloco": self.diloco, "step_in_backward": self.step_in_backward,
+                "base_dtype": self.base_dtype}
 
     # -- made once, from px.prepare's keywords ----------------------------------------------------
     @classmethod
@@ -148,7 +150,7 @@ class Spec:
            check_replicas_every=None, on_nonfinite="raise", step_stats=True, prefetch=None,
            max_gathered_mb=None, reshard_after_forward=True, output_dtype=torch.float32,
            staleness=0, shard_size=None, compression=None, offload=None,
-           step_in_backward=False) -> Spec:
+           step_in_backward=False, base_dtype=None) -> Spec:
         """px.prepare's keywords, each checked alone, then together (COMBINATIONS) and against
         continue mode (CONTINUE_MODE): a ValueError (or TypeError) that names the option and a
         value that works, raised on every rank alike."""
@@ -164,7 +166,8 @@ class Spec:
             sync_batchnorm=bool(sync_batchnorm), broadcast_buffers=bool(broadcast_buffers),
             check_replicas_every=_replicas_every(check_replicas_every),
             on_nonfinite=_on_nonfinite(on_nonfinite), step_stats=bool(step_stats),
-            step_in_backward=_step_in_backward(step_in_backward))
+            step_in_backward=_step_in_backward(step_in_backward),
+            base_dtype=_base_dtype(base_dtype))
         check_diloco_optimizer(diloco, optimizer)
         refuse(spec, COMBINATIONS)
         if continuing():  # phalanx run --on-failure continue
@@ -296,6 +299,16 @@ COMBINATIONS += (
                    "backward; leave one of them out"),
 )
 
+COMBINATIONS += (
+    Rule(lambda s: s.base_dtype is not None and not s.reshards,
+         lambda s: f"base_dtype={s.base_dtype!r} keeps the frozen base in 4-bit shards that "
+                   "each layer gathers while it computes, which is zero3's way: use "
+                   "strategy='zero3'"),
+    Rule(lambda s: s.base_dtype is not None and s.offload is not None and s.offload.params,
+         lambda s: f"base_dtype={s.base_dtype!r} with offload='params': the 4-bit shards stay "
+                   "on the device; leave offload='params' out"),
+)
+
 # What a step redone on another group cannot yet carry over exactly, under continue mode.
 CONTINUE_MODE: tuple[Rule, ...] = (
     Rule(lambda s: s.diloco is not None,
@@ -304,6 +317,9 @@ CONTINUE_MODE: tuple[Rule, ...] = (
     Rule(lambda s: s.precision.loss_scaling,
          lambda s: _CONTINUE + "precision='fp16' is not supported yet: the loss scale each "
                    "rank sends depends on the number of ranks; use precision='bf16'" + _RESTART),
+    Rule(lambda s: s.base_dtype is not None,
+         lambda s: _CONTINUE + f"base_dtype={s.base_dtype!r} is not supported yet: its gathers "
+                   "are not redone on a new group" + _RESTART),
     Rule(lambda s: s.step_in_backward,
          lambda s: _CONTINUE + "step_in_backward=True is not supported: a step lost in the "
                    "middle of a backward would leave some units stepped" + _RESTART),
@@ -345,6 +361,13 @@ def _replicas_every(every) -> int | None:
         raise ValueError(f"check_replicas_every={every!r}: a number of optimizer steps, 1 or "
                          "more, or None (no check)")
     return every
+
+
+def _base_dtype(base_dtype) -> str | None:
+    if base_dtype not in (None, "nf4"):
+        raise ValueError(f"base_dtype={base_dtype!r}: 'nf4' (the frozen base weights in 4-bit "
+                         "NF4 shards, QLoRA's) or None (the default: as the model holds them)")
+    return base_dtype
 
 
 def _step_in_backward(flag) -> bool:

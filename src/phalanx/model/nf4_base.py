@@ -1,0 +1,156 @@
+"""QLoRA's base under zero3: `px.prepare(lora_model, opt, strategy="zero3", base_dtype="nf4")`.
+
+[Note: an NF4 base in shards]
+QLoRA (Dettmers et al. 2023, arXiv:2305.14314) keeps the frozen base weights in NF4: 4-bit
+codes for a normal distribution's quantiles, one absmax scale per block of 64 elements, the
+scales themselves quantized to int8 in blocks of 256 around their mean ("double quantization").
+torchao's `NF4Tensor` (pure PyTorch: it runs on a CPU) holds that layout; phalanx uses it as it
+is and shards it:
+
+- Each frozen 2-D weight of an nn.Linear is quantized by torchao's `to_nf4` (the same codes,
+  scales and mean as in one process: tests/test_nf4_base.py), and each rank keeps only its
+  slice of the three arrays: the elements [r*S, (r+1)*S) of the flattened weight, S a whole
+  number of scale blocks (64 x 256 elements), so a slice's codes, scales and scales' factors
+  are its own (the last rank's slice padded). Quantizing reads the weight whole, one weight at
+  a time, on each rank; what stays is 1/N of the 4-bit bytes.
+- The weight is no longer a parameter of its module (zero3's units never see it): the module's
+  forward gathers the three arrays (about 0.52 bytes per element, a quarter of bf16's, on a
+  group of their own), dequantizes the whole weight in the compute dtype for its matmul and
+  lets it go; backward gathers and dequantizes it again for the input's gradient
+  (`_ShardedNF4Linear`), so no rank holds more than one layer's bf16 weight at a time.
+- The trainable parameters (LoRA's A and B, norms, whatever requires grad) are zero3's as
+  always, in the precision asked for.
+
+What is not converted stays as it was (and says so in `convert`'s return): frozen weights whose
+size is not a whole number of scale blocks (64 x 256 elements), and any frozen parameter that is
+not an nn.Linear's weight (embeddings, norms, biases). The base weights converted are not in
+the model's state_dict (a QLoRA checkpoint holds the adapters; `px.export(..., adapter=True)`
+writes them as PEFT does); a merged export of an NF4 base is refused (checkpoint/lora.py).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["convert", "NF4Shard", "BLOCK", "SCALER_BLOCK"]
+
+BLOCK, SCALER_BLOCK = 64, 256
+CHUNK = BLOCK * SCALER_BLOCK  # the elements of one scales' block: a slice is a number of them
+
+
+def _to_nf4():
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError:
+        raise ImportError("base_dtype='nf4' stores the frozen base with torchao's NF4Tensor: "
+                          "pip install torchao (or phalanx[lowbit])") from None
+    return to_nf4
+
+
+class NF4Shard:
+    """This rank's slice of one weight's NF4 arrays (see the Note), and how to gather it."""
+
+    def __init__(self, weight: torch.Tensor, comm):
+        full = _to_nf4()(weight.detach().contiguous(), BLOCK, SCALER_BLOCK)
+        self.comm = comm
+        self.shape, self.dtype = weight.shape, weight.dtype
+        self.nf4, self.scaler_mean = full.nf4, full.scaler_mean
+        chunks = weight.numel() // CHUNK
+        self.per = math.ceil(chunks / comm.world)  # scale blocks' blocks per rank
+        lo, hi = comm.rank * self.per * CHUNK, (comm.rank + 1) * self.per * CHUNK
+        # (codes: 2 a byte; scales: 1 a block of 64; factors: 1 a block of 64 x 256)
+        self.parts = [_padded(full.quantized_data, lo // 2, hi // 2),
+                      _padded(full.quantized_scalers, lo // BLOCK, hi // BLOCK),
+                      _padded(full.quantization_factor, lo // CHUNK, hi // CHUNK)]
+        self.numel = weight.numel()
+        self.template = full
+
+    def nbytes(self) -> int:
+        """What this rank keeps of the weight."""
+        return sum(t.numel() * t.element_size() for t in self.parts)
+
+    @torch.no_grad()
+    def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight, gathered from every rank's slice and dequantized to `dtype`."""
+        whole = []
+        for part, keep in zip(self.parts, (self.numel // 2, self.numel // BLOCK,
+                                           self.numel // CHUNK)):
+            out = torch.empty(part.numel() * self.comm.world, dtype=part.dtype,
+                              device=part.device)
+            self.comm.all_gather_into(out, part, tag="nf4:gather")
+            whole.append(out[:keep])
+        t = self.template
+        nf4 = type(t)(_meta(t), BLOCK, t.n_blocks, SCALER_BLOCK, whole[1], whole[2],
+                      self.scaler_mean, whole[0], self.nf4)
+        return nf4.get_original_weight().to(dtype)
+
+    def drop_template(self) -> None:
+        """Let the whole quantized weight go once the slices are kept (a template of the
+        layout only: its arrays are replaced by the gathered ones at each use)."""
+        t = self.template
+        empty8 = torch.empty(0, dtype=torch.uint8)
+        t.quantized_data, t.quantized_scalers = empty8, empty8.to(torch.int8)
+        t.quantization_factor = t.quantization_factor[:0]
+
+
+def _meta(t):
+    """The tensor metadata torchao's NF4Tensor is built from (its module's own class)."""
+    args = sys.modules[type(t).__module__].SubclassTensorArgs
+    return args(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, False)
+
+
+def _padded(values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """values[lo:hi], zero-padded to hi - lo (the last ranks' slices)."""
+    out = torch.zeros(hi - lo, dtype=values.dtype, device=values.device)
+    piece = values[lo:hi]
+    out[:piece.numel()] = piece
+    return out
+
+
+class _ShardedNF4Linear(torch.autograd.Function):
+    """y = x W^T with W gathered and dequantized in forward, and again in backward for the
+    input's gradient (W is frozen: no gradient of its own)."""
+
+    @staticmethod
+    def forward(ctx, x, shard: NF4Shard):
+        ctx.shard = shard
+        return F.linear(x, shard.weight(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.shard.weight(grad.dtype), None
+
+
+def _forward(self, x):
+    y = _ShardedNF4Linear.apply(x, self._phalanx_nf4)
+    return y + self.bias if self.bias is not None else y
+
+
+def convert(module: torch.nn.Module, comm) -> dict:
+    """Store every frozen nn.Linear weight of `module` that takes it as NF4 in shards (see the
+    Note): {"converted": names, "kept": {name: why}}."""
+    converted, kept = [], {}
+    names = {id(p): n for n, p in module.named_parameters()}
+    for sub in module.modules():
+        if not isinstance(sub, torch.nn.Linear):
+            continue
+        w = sub.weight
+        name = names.get(id(w), "weight")
+        if w.requires_grad:
+            continue
+        if w.numel() % CHUNK:
+            kept[name] = f"{w.numel()} elements, not a whole number of {CHUNK}"
+            continue
+        shard = NF4Shard(w, comm)
+        shard.drop_template()
+        del sub._parameters["weight"]
+        sub._phalanx_nf4 = shard
+        sub.weight = None  # F.linear's argument goes through the shard
+        sub.forward = types.MethodType(_forward, sub)
+        converted.append(name)
+    return {"converted": converted, "kept": kept}

@@ -1,0 +1,138 @@
+"""`px.prepare(lora_model, opt, strategy="zero3", base_dtype="nf4")`: QLoRA's frozen base in
+4-bit NF4 shards, gathered and dequantized while each layer computes ([Note: an NF4 base in
+shards] in model/nf4_base.py).
+
+Against one process whose base weights are torchao's `to_nf4` of the same weights, computed
+with torchao's own `linear_nf4`: with the same batch on both ranks of a world of two (the
+average of equal gradients is each one, exactly), the trained adapters equal bit for bit. Each
+rank keeps half of the 4-bit bytes; the base is gone from the module's parameters; a checkpoint
+of the adapters resumes at another world size; what cannot take it is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.testing import RanksFailed, run_ranks
+
+torchao_quantization = pytest.importorskip("torchao.quantization")
+
+
+class Lora(nn.Module):
+    """A frozen base Linear with a LoRA adapter beside it (A drawn, B small, as after a few
+    steps), as PEFT's LoRA layer computes it."""
+
+    def __init__(self, i: int, o: int, r: int = 4):
+        super().__init__()
+        self.base = nn.Linear(i, o)
+        self.base.requires_grad_(False)
+        self.A = nn.Linear(i, r, bias=False)
+        self.B = nn.Linear(r, o, bias=False)
+        nn.init.normal_(self.B.weight, std=0.02)
+
+    def forward(self, x):
+        return self.base(x) + self.B(self.A(x)) * 2.0
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    # base weights of 32768 elements: two of NF4's scale blocks (64 x 256) each
+    return nn.Sequential(Lora(128, 256), nn.Tanh(), Lora(256, 128), nn.Tanh(), nn.Linear(128, 4))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, 128, generator=g), torch.randn(6, 4, generator=g)
+
+
+def trainable(model) -> dict:
+    """The trained parameters' values (a zero3 model's through its state_dict, which gathers
+    them: between uses its parameters hold no values)."""
+    names = [n for n, p in px.unwrap(model).named_parameters() if p.requires_grad]
+    values = model.state_dict()
+    return {n: values[n].detach().clone() for n in names}
+
+
+def _reference(steps):
+    model = make_model()
+    for layer in (model[0], model[2]):
+        weight = torchao_quantization.to_nf4(layer.base.weight.detach(), 64, 256)
+        linear_nf4 = sys.modules[type(weight).__module__].linear_nf4  # torchao's, by its class
+        bias = layer.base.bias
+        layer.base.forward = lambda x, w=weight, b=bias, f=linear_nf4: f(x, w) + b
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(steps):
+        x, y = batch(step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return trainable(model)
+
+
+def _sharded(steps, path=None, phase=None):
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = px.prepare(model, opt, strategy="zero3", base_dtype="nf4", bucket_mb=0.01)
+    inner = px.unwrap(model)
+    kept = [inner[i].base._phalanx_nf4.nbytes() for i in (0, 2)]
+    names = [n for n, _ in inner.named_parameters()]
+    first = 0
+    if phase == "load":
+        px.load(path, model=model, optimizer=opt)
+        first = 2
+    for step in range(first, steps):
+        x, y = batch(step)  # the same batch on every rank
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    if phase == "save":
+        px.save(path, model=model, optimizer=opt)
+    return trainable(model), kept, names
+
+
+def test_the_adapters_train_as_over_torchaos_nf4_in_one_process():
+    want = run_ranks(_reference, 1, args=(3,), timeout=120)[0]
+    for rank, (got, kept, names) in enumerate(run_ranks(_sharded, 2, args=(3,), timeout=120)):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"rank {rank} {name}"
+        # each rank keeps half of each weight's NF4 bytes: codes (2 a byte), an int8 scale
+        # a block of 64, an fp32 factor a block of 64 x 256: 0.516 bytes an element
+        full = 32768 // 2 + 32768 // 64 + 32768 // (64 * 256) * 4
+        assert kept == [full // 2, full // 2], kept
+        assert "0.base.weight" not in names and "0.base.bias" in names
+
+
+def test_an_adapter_checkpoint_resumes_at_another_world_size(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_sharded, 2, args=(2, path, "save"), timeout=120)
+    want = run_ranks(_sharded, 2, args=(3,), timeout=120)[0][0]
+    for got, _, _ in run_ranks(_sharded, 3, args=(3, path, "load"), timeout=120):
+        for name in want:  # (g + g + g) / 3 may differ from g in its last bit
+            assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-7), name
+
+
+def _refused(case):
+    model = make_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    if case == "zero2":
+        px.prepare(model, opt, strategy="zero2", base_dtype="nf4")
+    else:
+        px.prepare(model, opt, strategy="zero3", base_dtype="int4")
+
+
+@pytest.mark.parametrize("case,words", [
+    ("zero2", "base_dtype='nf4' keeps the frozen base in 4-bit shards"),
+    ("int4", "base_dtype='int4': 'nf4'"),
+])
+def test_what_cannot_take_it_is_refused_on_every_rank(case, words):
+    with pytest.raises(RanksFailed) as caught:
+        run_ranks(_refused, 2, args=(case,), timeout=60)
+    assert "2 of 2 ranks failed" in str(caught.value)
+    assert words in str(caught.value)
