@@ -396,3 +396,7 @@ register_nccl_checks(check, verdict, gpt, _two_rank_f64, max_rel, STRATEGIES, on
 from gpu_checks_offload import register_offload_checks  # noqa: E402
 
 register_offload_checks(check, verdict, gpt, one_group)
+
+from gpu_checks_recipes import register_recipe_checks  # noqa: E402
+
+register_recipe_checks(check, verdict)

@@ -7,9 +7,10 @@ The formula's device share, per rank, for Psi parameters on N ranks in bf16 with
 
     zero3, no offload           (g + 12) Psi / N       (between steps the bf16 parameters
                                                         exist only while gathered)
-    zero2, offload="optimizer"  w Psi + g Psi / N      (full bf16 parameters, gradient shard)
-    zero3, offload="optimizer"  (w + g) Psi / N        (the bf16 shard it gathers from)
-    zero3, offload="params"     g Psi / N              (the shard lives on the host too)
+    zero2, offload="optimizer"  w Psi                  (full bf16 parameters; the gradient
+                                                        shards go to the host in backward)
+    zero3, offload="optimizer"  w Psi / N              (the bf16 shard it gathers from)
+    zero3, offload="params"     0                      (the shard lives on the host too)
 
 plus the engine's pool of two full-gradient buffers (zero2 and zero3: each the largest unit's
 bf16 gradient), which the check reads from the engine rather than assume.
@@ -29,9 +30,9 @@ def _device_share(strategy: str, offload, psi: int, n: int) -> float:
     """The formula's bytes per rank on the device (see the module's docstring)."""
     if offload is None:
         return 14 * psi / n
-    if offload == "optimizer":
-        return 2 * psi + 2 * psi / n if strategy == "zero2" else 4 * psi / n
-    return 2 * psi / n
+    if offload == "optimizer":  # the gradient shards on the host (engine/offload.py)
+        return 2 * psi if strategy == "zero2" else 2 * psi / n
+    return 0.0
 
 
 def _memory_rank(dry: bool) -> dict:
