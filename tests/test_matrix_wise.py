@@ -330,3 +330,18 @@ def test_planned_exchange_matches_the_collectives_counter(world):
         # the owner's working memory: the largest matrix (48 x 48) whole, gradient and master,
         # and Muon's temporaries for it
         assert planned.step_working_bytes - elementwise.step_working_bytes >= 2 * 48 * 48 * 4
+
+
+def _hybrid():
+    return {kind: _weights(train_prepared(kind, "zero2", shard_size=2)[0])
+            for kind in ("muon", "adafactor")}
+
+
+def test_shard_groups_step_their_matrices_on_owners_within_the_group():
+    """shard_size=2 on 4 ranks: each group of two shards (and owns) the matrices apart, the
+    gradients averaged across the groups first."""
+    results = run_ranks(_hybrid, 4, timeout=300)
+    for kind in ("muon", "adafactor"):
+        want = _weights(reference(kind, 4)[0])
+        for rank, got in enumerate(results):
+            assert _max_diff(got[kind], want) < 1e-10, f"{kind} rank {rank}"
