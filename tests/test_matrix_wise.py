@@ -247,6 +247,9 @@ def _refused(case):
     elif case == "offload":
         px.prepare(model, make_optimizer("adafactor", model), strategy="zero2",
                    offload="optimizer")
+    elif case == "muon without the biases":
+        muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+        px.prepare(model, muon, strategy="zero2")
     return "prepared"
 
 
@@ -254,6 +257,8 @@ def _refused(case):
     ("undeclared", ["Whitening is not an optimizer whose update is element-wise",
                     "px.matrix_wise(cls", "Muon"]),
     ("offload", ["offload='optimizer' with Adafactor", "offload=None"]),
+    ("muon without the biases", ["are not in the optimizer", "torch.optim.Muon takes matrices",
+                                 "px.matrix_wise(cls, whole="]),
 ])
 def test_what_cannot_shard_is_refused_on_every_rank(case, words):
     with pytest.raises(RanksFailed) as caught:

@@ -129,9 +129,15 @@ class OptimizerAdapter:
         loaded = optimizer.state_dict() if _has_stepped(optimizer) else None
         missing = [p for p in engine.params if p not in group_of]
         if missing:
+            muon = hasattr(torch.optim, "Muon") and isinstance(optimizer, torch.optim.Muon)
             raise ValueError(
                 f"{len(missing)} trainable parameter(s) of the model are not in the optimizer; "
-                "add them, or set requires_grad=False on the ones you do not train")
+                "add them, or set requires_grad=False on the ones you do not train"
+                + ("; torch.optim.Muon takes matrices only, and px.prepare takes one "
+                   "optimizer: step the others in an element-wise group of one optimizer "
+                   "class of your own beside a Muon group, declared with "
+                   "px.matrix_wise(cls, whole=lambda group, p: group['use_muon'])"
+                   if muon else ""))
         # what the optimizer steps: the master pieces, but for a parameter stepped whole on
         # its owner (owners.py), the owner's whole tensor, and nothing on the other ranks
         wholes = engine.wholes
