@@ -14,6 +14,7 @@ the arithmetic; when nothing fits, alternatives.py plans the same model with LoR
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -24,15 +25,25 @@ from ..engine.units import step_run_bytes
 from ..model.spec import Spec
 from .alternatives import alternatives
 from .comm import Collective, collectives, step_time
-from .finetune import finetuned
+from .finetune import check_frozen, finetuned, quantized_elements
 from .hybrid import across_groups
-from .layout import alike, engine_units, lending, owned_elements, zero3_gathering
+from .layout import (
+    alike,
+    engine_units,
+    lending,
+    owned_elements,
+    shard_elements,
+    zero3_gathering,
+)
 from .link import link_report
 from .memory import (
+    NF4_BYTES,
+    QUANTIZED_STATES,
     buffer_bytes,
     model_states,
     optimizer_state_elements,
     peak_bytes,
+    state_bytes_of,
     step_working_bytes,
     whole_terms,
 )
@@ -42,7 +53,7 @@ from .recommend import recommend
 from .report import PlanResult, StrategyPlan
 from .setting import Hardware, Report, Setting, Training, Workload, check_setting, groups
 from .transformer import nominal_shape
-from .workload import activations_and_flops
+from .workload import activations_and_flops, loss_bytes
 
 __all__ = ["plan", "plan_described"]
 
@@ -80,29 +91,36 @@ def plan(model=None, *, params=None, config=None, blocks=None, hardware: Hardwar
     communication-bound over it, what PowerSGD rank `powersgd_rank` or DiLoCo `sync_every`
     would send instead, and which streaming DiLoCo fragments and delay hide the exchange behind
     the inner steps at that `sync_every` (`result.link.streaming`). `backend`: "nccl" or "gloo".
-    Workload: `batch` is the micro-batch per device, `seq` its sequence length, `grad_accum`
-    the micro-steps per optimizer step; `activation_checkpointing`, `attention` ("eager" or
-    "flash"), `optimizer`; `input_shape` and `input_dtype` a factory's input per sample.
+    Workload: `batch` is the micro-batch per device, `seq` its sequence length, `grad_accum` the
+    micro-steps per optimizer step; `activation_checkpointing`, `attention` ("eager" or
+    "flash"), `optimizer` ("adamw8bit" and "adamw4bit": AdamW's moments block-wise quantized, as
+    torchao's low-bit optimizers keep them); `input_shape` and `input_dtype` a factory's input
+    per sample.
     Training: `strategy` ("all", or one: "ddp", "zero1", "zero2", "zero3", alias "fsdp").
     `precision` is px.prepare's: "fp32", "bf16" or "fp16" ("bf16" and "fp16" are mixed: fp32
     masters and optimizer state; "bf16-mixed" and "fp16-mixed" are the same), or "bf16-true"
-    (everything in bf16, optimizer moments included, no master). `bucket_mb` and `comm_dtype`
-    are px.prepare's; `prefetch`, `max_gathered_mb` and `reshard_after_forward` are its zero3
-    options, and change zero3's gathered memory and backward gathers as they change the
-    engine's. `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within groups
-    of K ranks and replicated across them, the replicas' average timed on the inter-node link.
-    Fine-tuning: `lora_rank` freezes the model and adds LoRA adapters of
-    that rank beside each `lora_targets` projection of every block (default q_proj, v_proj);
-    `trainable` (a fraction in (0, 1]) plans that share of the parameters learning, the rest
-    frozen. Frozen parameters are held in the compute dtype, whole under ddp/zero1/zero2 and
-    sharded under zero3, with no gradient, master or optimizer state.
-    `offload`: "optimizer" keeps masters and optimizer state in pinned host
-    memory and steps there (zero1/zero2/zero3); "params" also keeps zero3's parameter shards
-    there. `host_memory` (per node, e.g. "128GB") is checked against it; `host_link` (GB/s or
-    a preset; default the GPU's, PCIe) and `host_memory_bw` (GB/s per node, default 51.2) time
-    the copies and the host step.
+    (everything in bf16, optimizer moments included, no master). `step_in_backward` is
+    px.prepare's: each unit stepped as soon as its gradient is reduced (zero2/zero3 then hold
+    two units' gradient shards, and the step counts beside what backward holds). `bucket_mb` and
+    `comm_dtype` are px.prepare's; `prefetch`, `max_gathered_mb` and `reshard_after_forward` are
+    its zero3 options, and change zero3's gathered memory and backward gathers as they change
+    the engine's. `shard_size` (K, or "node": `gpus`) plans zero1/zero2/zero3 sharded within
+    groups of K ranks and replicated across them, the replicas' average timed on the inter-node
+    link.
+    Fine-tuning: `lora_rank` freezes the model and adds LoRA adapters of that rank beside each
+    `lora_targets` projection of every block (default q_proj, v_proj); `trainable` (a fraction
+    in (0, 1]) plans that share of the parameters learning, the rest frozen. Frozen parameters
+    are held in the compute dtype, whole under ddp/zero1/zero2 and sharded under zero3, with no
+    gradient, master or optimizer state; `base_dtype="nf4"` (QLoRA, zero3) stores the frozen
+    nn.Linear weights 4-bit (torchao's NF4).
+    `offload`: "optimizer" keeps masters and optimizer state in pinned host memory and steps
+    there (zero1/zero2/zero3; under zero2/zero3 each reduced gradient shard goes there as it is
+    made); "params" also keeps zero3's parameter shards there. `host_memory` (per node, e.g.
+    "128GB") is checked against it; `host_link` (GB/s or a preset; default the GPU's, PCIe) and
+    `host_memory_bw` (GB/s per node, default 51.2) time the copies and the host step.
     Report: `headroom`, the share of memory kept free when recommending; `units`, "GB" or "GiB".
-    When no strategy fits, the result's `alternatives` say what does: LoRA, or offload.
+    When no strategy fits, the result's `alternatives` say what does: a full fine-tune in
+    less memory (bf16-true, adamw8bit, the step in backward), LoRA, QLoRA, or offload.
     Raises ValueError with a one-line message for bad input.
     """
     hardware, workload, training, report = groups(
@@ -114,8 +132,9 @@ def plan(model=None, *, params=None, config=None, blocks=None, hardware: Hardwar
     if blocks is not None and desc.module is None:
         raise ValueError("blocks names module classes: give the model as a module or a factory")
     setting = check_setting(hardware, workload, training, report)
-    result = plan_described(finetuned(desc, workload.lora_rank, workload.targets,
-                                      workload.trainable), setting)
+    described = finetuned(desc, workload.lora_rank, workload.targets, workload.trainable)
+    check_frozen(described, workload.base_dtype)
+    result = plan_described(described, setting)
     if result.recommended is None:
         result.alternatives = alternatives(desc, setting, result, plan_described)
     return result
@@ -144,6 +163,24 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     nominal = nominal_shape(desc.trainable_params) if desc.trainable_shapes is None else None
     state_elements = optimizer_state_elements(work.optimizer, desc.trainable_params,
                                               desc.trainable_shapes, nominal)
+    state_bytes = state_bytes_of(work.optimizer, prec)
+    align = QUANTIZED_STATES[work.optimizer][1] if work.optimizer in QUANTIZED_STATES else 1
+    # a 4-bit base (memory.py's [Note: Low-bit optimizer state and a 4-bit base]): its frozen
+    # Linear weights' elements, the bytes of a frozen element on average, and zero3's gathers
+    # counted in compute-dtype elements that weigh as much
+    w = prec.weight_bytes
+    quantized, largest_quantized, why = quantized_elements(desc) \
+        if work.base_dtype == "nf4" else (0, 0, None)
+    notes += [why] if why else []
+    frozen_bytes = (w * (desc.frozen_params - quantized) + NF4_BYTES * quantized) \
+        / max(desc.frozen_params, 1)
+    ratio = NF4_BYTES / w if quantized else 1.0
+    weighed_params = desc.params - quantized * (1 - ratio) if quantized else desc.params
+    # the step in backward: each unit stepped alone as backward reduces it ([Note: the step in
+    # backward] in engine/stepping.py), while the activations, less the loss's, are held
+    in_backward = train.step_in_backward
+    kept_activations = max(0, activations - loss_bytes(desc, work.batch, seq)) \
+        if in_backward else None
     reduce_scatter = hw.backend == "nccl"
     # the engine's units: of the trainable parameters, and under zero3 on more than one rank of
     # every parameter, frozen ones laid out with the trainable ones (layout.py)
@@ -152,10 +189,17 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     grouped = {zero3: alike(units) for zero3, units in layouts.items()}
     units_ = [u.trainable for u in layouts[False]] or [0]
     gathering = zero3_gathering(desc, prec.weight_bytes, train.bucket_mb,
-                                **train.gathering.options())
+                                **train.gathering.options(), ratio=ratio)
+    # the compute-dtype copy of the 4-bit weight computing: the largest (from a count, the
+    # largest unit's frozen elements)
+    if largest_quantized is None:
+        largest_quantized = max((u.frozen for u in layouts[True]), default=0)
+    dequantized = w * min(quantized, largest_quantized)
     grad_comm = (train.comm_bytes or prec.grad_bytes) * desc.trainable_params
-    replicated = not prec.mixed  # ddp without masters: the model's own parameters, as they are
-    run_bytes = step_run_bytes(train.bucket_mb)
+    # fp32 ddp steps the model's own parameters, as they are (bf16-true steps fp32 copies of
+    # runs of units: memory.py)
+    replicated = not prec.mixed and prec.compute_dtype is None
+    run_bytes = 0 if in_backward else step_run_bytes(train.bucket_mb)
 
     def _owners(policy, n):
         """A matrix-wise optimizer's owners' exchange and working memory under a sharded
@@ -175,20 +219,28 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
         sizes = [u.trainable for u in trained] or [0]
         largest_param = max((max(u.trained) for u in trained if u.known), default=max(sizes))
         shards = n if policy.optimizer is SHARD else 1
-        owned_t, owned_f = owned_elements(grouped[laid], shards)
+        owned_t, owned_f = owned_elements(grouped[laid], shards, align)
         owned_state = -(-state_elements * owned_t // max(desc.trainable_params, 1))
         states = model_states(policy, prec, desc.params, desc.trainable_params,
-                              state_elements, n, owned=(owned_t, owned_f, owned_state))
+                              state_elements, n, owned=(owned_t, owned_f, owned_state),
+                              state_bytes=state_bytes, frozen_bytes=frozen_bytes)
         buffers = buffer_bytes(policy, prec, desc.trainable_params, n, reduce_scatter,
                                train.comm_bytes, max(sizes), largest_param,
-                               gathered_numel=gathering[0], borrowing=lending(grouped[laid], n))
+                               gathered_numel=gathering[0], borrowing=lending(grouped[laid], n),
+                               dequantized=dequantized)
         # what the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
         # one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)
         own = policy.optimizer is FULL and replicated
         if own and desc.trainable_shapes is not None:
             stepped = [math.prod(x) for x in desc.trainable_shapes]
         else:
-            stepped = [-(-u // shards) for u in sizes]
+            stepped = [shard_elements(u, shards, align) for u in trained] or [0]
+        # zero2/zero3 stepping each unit in backward, or copying each reduced shard to the host
+        # as it is made: about two units' gradient shards at once (the one stepped or copied,
+        # the one reduced meanwhile: consecutive units, in backward's order)
+        if policy.shards_grads(n) and (in_backward or policy.masters is not DEVICE):
+            pairs = [a + b for a, b in zip(stepped, stepped[1:])] or stepped
+            states = dataclasses.replace(states, grads=prec.grad_bytes * max(pairs))
         host = None
         if policy.masters is DEVICE:
             step_bytes = step_working_bytes(work.optimizer, prec, stepped,
@@ -199,12 +251,15 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
         else:
             step_bytes = 0  # the step runs on the host
             host = host_side(policy, prec, stepped, owned_state, owned_f,
-                             {"forward": owned_t + owned_f,
-                              "backward": -(-(desc.params - gathering[1]) // n)},
-                             run_bytes)
-            states = device_states(states, policy, n, prec.weight_bytes * (owned_t + owned_f))
-        return (states, buffers, step_bytes, host) + peak_bytes(states.total, buffers,
-                                                                activations, step_bytes)
+                             {"forward": owned_t + (owned_f * frozen_bytes / w if quantized
+                                                    else owned_f),
+                              "backward": -(-(weighed_params - gathering[1]) // n)},
+                             run_bytes, state_bytes=state_bytes, frozen_bytes=frozen_bytes,
+                             grads_on_host=policy.shards_grads(n))
+            states = device_states(states, policy, n,
+                                   math.ceil(w * owned_t + frozen_bytes * owned_f))
+        return (states, buffers, step_bytes, host) + peak_bytes(
+            states.total, buffers, activations, step_bytes, kept_activations)
 
     tokens = world * work.batch * seq * work.grad_accum
     headroom = s.report.headroom
@@ -214,8 +269,8 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
         n = s.shard_size if s.shard_size is not None and row.optimizer is SHARD else world
         states, buffers, step_bytes, host, total, phase = memory_at(row, n)
         gathers = row.params is SHARD  # every parameter, gathered; of them, some kept
-        gathered = prec.weight_bytes * (desc.params if gathers else desc.trainable_params)
-        kept = prec.weight_bytes * gathering[1] if gathers else 0
+        gathered = math.ceil(w * (weighed_params if gathers else desc.trainable_params))
+        kept = math.ceil(w * gathering[1]) if gathers else 0
         colls = collectives(row, grad_comm, gathered, n, reduce_scatter, kept)
         owners = _owners(row, n)
         if owners is not None:  # a matrix-wise optimizer: engine/owners.py
@@ -264,7 +319,8 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
                                     zero3_total, activations, work.activation_checkpointing,
                                     host_memory=hw.host_bytes, gpus_per_node=hw.gpus,
                                     per_param=None if train.offload else _per_param(
-                                        prec, work.optimizer, state_elements, desc))
+                                        prec, work.optimizer, state_elements, desc,
+                                        frozen_bytes, in_backward))
     notes += _standard_notes(desc, s)
     setting = _setting_dict(desc, s, seq, flops, state_elements)
     shown = {row.name: plans[row.name] for row in s.shown}
@@ -277,14 +333,18 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
                       link=over_link)
 
 
-def _per_param(prec, optimizer, state_elements, desc) -> str:
+def _per_param(prec, optimizer, state_elements, desc, frozen_bytes=None,
+               in_backward=False) -> str:
     """Why model states cost what they do, for a plan that does not fit."""
-    k = (prec.master_bytes * desc.trainable_params + prec.state_bytes * state_elements) \
-        / max(desc.trainable_params, 1)
+    k = (prec.master_bytes * desc.trainable_params
+         + state_bytes_of(optimizer, prec) * state_elements) / max(desc.trainable_params, 1)
     line = (f"{prec.weight_bytes} + {prec.grad_bytes} + {k:g} bytes of weights, gradients "
             f"and optimizer state per trainable parameter ({prec.name}, {optimizer})")
     if desc.frozen_params:
-        line += f", {prec.weight_bytes} per frozen one"
+        fb = prec.weight_bytes if frozen_bytes is None else frozen_bytes
+        line += f", {fb:.3g} per frozen one"
+    if in_backward:
+        line += "; stepped in backward, zero2 and zero3 keep two units' gradient shards"
     return line
 
 
@@ -314,8 +374,10 @@ def _setting_dict(desc, s: Setting, seq, flops, state_elements) -> dict:
         else str(train.comm_dtype).replace("torch.", ""),
         "headroom": s.report.headroom, "flops_per_step": flops, "shard_size": s.shard_size,
         "optimizer_state_bytes_per_param": (prec.master_bytes * desc.trainable_params
-                                            + prec.state_bytes * state_elements)
+                                            + state_bytes_of(work.optimizer, prec)
+                                            * state_elements)
         / max(desc.trainable_params, 1),
+        "step_in_backward": train.step_in_backward, "base_dtype": work.base_dtype,
         "offload": train.offload, "host_memory_bytes": hw.host_bytes,
         "host_link_GBps": hw.host_gbps, "host_memory_GBps": hw.host_memory_gbps,
     }
@@ -330,6 +392,13 @@ def _standard_notes(desc, s: Setting) -> list[str]:
              "end (communication copies) and in the optimizer step (its temporaries and, "
              "under mixed precision, the fp32 gradient of the one unit being stepped); "
              "GB = 1e9 bytes, GiB = 2^30",
+             *(["step_in_backward: each unit is stepped alone as soon as its gradient is "
+                "reduced, so zero2/zero3 hold about two units' gradient shards, and the step's "
+                "working memory (one unit's) is counted beside what backward holds, the loss's "
+                "memory freed"] if s.training.step_in_backward else []),
+             *(["nf4 base: frozen nn.Linear weights 4-bit (0.5 + 1/64 + 4/16384 bytes per "
+                "element, torchao's NF4), gathered as such under zero3; a weight dequantized "
+                "while it computes"] if s.workload.base_dtype == "nf4" else []),
              "communication and step times use nominal link rates and a bandwidth-only ring "
              "model: expect real collectives to reach 70-90% of them"]
     if s.workload.optimizer == "adafactor":

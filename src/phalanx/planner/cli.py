@@ -8,6 +8,9 @@ Describe the model once, by count, config or factory, and the setting:
     phalanx plan --model models.py:build --gpus 2 --gpu a100 --strategy zero2 --json
     phalanx plan --params 8e9 --gpus 2 --gpu rtx3090 --lora-rank 16
     phalanx plan --params 8e9 --gpus 2 --gpu rtx3090 --offload optimizer --host-memory 128GB
+    phalanx plan --config llama-3.1-8b.json --gpus 2 --gpu rtx3090 --strategy zero3 \
+        --precision bf16-true --optimizer adamw8bit --step-in-backward --activation-checkpointing
+    phalanx plan --config llama-3.1-8b.json --gpus 2 --gpu rtx3090 --lora-rank 8 --base-dtype nf4
 
 Memory is per device: parameters, gradients and optimizer state by ZeRO's layout (Rajbhandari
 et al. 2020), activations from the transformer formula of Korthikanti et al. 2022 (configs) or a
@@ -82,7 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "mixed (fp32 masters and optimizer state; bf16-mixed and fp16-mixed "
                           "name the same), bf16-true is everything in bf16 (default bf16)")
     run.add_argument("--optimizer", default="adamw",
-                     help=f"{', '.join(OPTIMIZERS)} (default adamw)")
+                     help=f"{', '.join(OPTIMIZERS)}; adamw8bit and adamw4bit keep AdamW's "
+                          "moments block-wise 8- and 4-bit, as torchao's AdamW8bit and "
+                          "AdamW4bit (default adamw)")
     run.add_argument("--batch", type=int, default=1, help="micro-batch per device (default 1)")
     run.add_argument("--seq", type=int, help="sequence length (default 2048, or the config's "
                                              "learned positions if fewer)")
@@ -107,6 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="zero3: bound on the parameters gathered at once, in MiB")
     run.add_argument("--keep-until-backward", action="store_true",
                      help="zero3: px.prepare's reshard_after_forward=False")
+    run.add_argument("--step-in-backward", action="store_true",
+                     help="px.prepare's step_in_backward=True: each unit stepped as soon as its "
+                          "gradient is reduced, so zero2/zero3 hold about two units' gradient "
+                          "shards (not with --offload or fp16)")
     run.add_argument("--shard-size", metavar="K",
                      help="zero1/2/3 sharded within groups of K ranks ('node': --gpus), "
                           "replicated across them; bytes within and across groups apart")
@@ -120,6 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            f"target_modules (default {','.join(DEFAULT_LORA_TARGETS)})")
     tune.add_argument("--trainable", type=float, metavar="FRACTION",
                       help="the fraction of the parameters that learn, the rest frozen")
+    tune.add_argument("--base-dtype", choices=("nf4",),
+                      help="with --lora-rank or --trainable: the frozen base's nn.Linear "
+                           "weights stored 4-bit (nf4: QLoRA, torchao's NF4), gathered so under "
+                           "zero3 and dequantized a weight at a time")
     tune.add_argument("--offload", choices=("optimizer", "params"),
                       help="optimizer: fp32 masters and optimizer state in pinned host memory, "
                            "stepped there (zero1/zero2/zero3); params: zero3's parameter shards "
@@ -176,7 +189,8 @@ def main(args: argparse.Namespace) -> int:
             prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
             reshard_after_forward=not args.keep_until_backward, link=args.link,
             powersgd_rank=args.powersgd_rank, sync_every=args.sync_every,
-            shard_size=args.shard_size, **_finetune_options(args))
+            shard_size=args.shard_size, step_in_backward=args.step_in_backward,
+            **_finetune_options(args))
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(result.to_json() if args.json else result)
@@ -201,10 +215,12 @@ def _plan_options(args) -> dict:
                 backend=args.backend, headroom=args.headroom, units=args.units,
                 prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
                 reshard_after_forward=not args.keep_until_backward, link=args.link,
-                shard_size=args.shard_size, **_finetune_options(args))
+                shard_size=args.shard_size, step_in_backward=args.step_in_backward,
+                **_finetune_options(args))
 
 
 def _finetune_options(args) -> dict:
     return dict(lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                trainable=args.trainable, offload=args.offload, host_memory=args.host_memory,
+                trainable=args.trainable, base_dtype=args.base_dtype, offload=args.offload,
+                host_memory=args.host_memory,
                 host_link=args.host_link, host_memory_bw=args.host_memory_bw)

@@ -19,6 +19,12 @@ module as PEFT's does, by its full name or its last part(s) (`q_proj` matches
 
 `trainable=FRACTION` plans a model of which that fraction of the parameters learns and the rest
 is frozen, without saying which: the trainable ones are laid out as a count is.
+
+`base_dtype="nf4"` (QLoRA) stores the frozen nn.Linear weights in 4 bits (memory.py's [Note:
+Low-bit optimizer state and a 4-bit base]); `quantized_elements` says how many elements that
+is: from shapes with the frozen ones marked (a module, LoRA on a config), exactly; with a
+trainable fraction, that fraction of the Linear weights learning; from a bare count, every
+frozen parameter.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from .memory import NF4_CHUNK
 from .model_desc import ModelDesc, from_module
 from .transformer import TransformerShape, nominal_shape
 
-__all__ = ["DEFAULT_LORA_TARGETS", "LoRALinear", "add_lora", "finetuned", "check_finetune"]
+__all__ = ["DEFAULT_LORA_TARGETS", "BASE_DTYPES", "LoRALinear", "add_lora", "finetuned",
+           "check_finetune", "check_base_dtype", "check_frozen", "quantized_elements"]
 
 DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
+BASE_DTYPES = ("nf4",)  # how a frozen base may be stored, besides the compute dtype
 
 
 class LoRALinear(nn.Module):
@@ -102,6 +111,52 @@ def check_finetune(lora_rank, lora_targets, trainable):
     if lora_targets is not None and lora_rank is None:
         raise ValueError("lora_targets goes with lora_rank (the adapters' rank)")
     return lora_rank, targets, trainable
+
+
+def check_base_dtype(base_dtype):
+    """`base_dtype` in one spelling (None: the compute dtype); ValueError with one line
+    otherwise. (That something is frozen is checked against the model: `check_frozen`.)"""
+    if base_dtype is None:
+        return None
+    key = str(base_dtype).strip().lower()
+    if key not in BASE_DTYPES:
+        raise ValueError(f"unknown base_dtype {base_dtype!r}: choose nf4 (a frozen base stored "
+                         "4-bit, QLoRA) or leave it out (the compute dtype)")
+    return key
+
+
+def check_frozen(desc: ModelDesc, base_dtype) -> None:
+    """A 4-bit base needs frozen parameters to store: ValueError with one line otherwise."""
+    if base_dtype is not None and desc.frozen_params == 0:
+        raise ValueError(f"base_dtype={base_dtype!r} stores the frozen parameters 4-bit, and "
+                         "nothing is frozen: give lora_rank (QLoRA) or trainable, or a model "
+                         "with frozen parameters")
+
+
+def quantized_elements(desc: ModelDesc) -> tuple[int, int | None, str | None]:
+    """(elements of the frozen nn.Linear weights that a 4-bit base stores in NF4, those of a
+    whole number of 64 x 256 elements; the largest such weight's, None where not known; a note
+    where they are estimated)."""
+
+    def stored(shape, linear):  # an nn.Linear weight of whole NF4 blocks (model/nf4_base.py)
+        return linear and len(shape) == 2 and math.prod(shape) % NF4_CHUNK == 0
+
+    frozen = desc.frozen_params
+    if desc.param_linear is not None and desc.param_trainable is not None:
+        sizes = [math.prod(s) for s, linear, learns in zip(
+            desc.param_shapes, desc.param_linear, desc.param_trainable)
+            if stored(s, linear) and not learns]
+        return sum(sizes), max(sizes, default=0), None
+    if desc.param_linear is not None:
+        sizes = [math.prod(s) for s, is_linear in zip(desc.param_shapes, desc.param_linear)
+                 if stored(s, is_linear)]
+        share = frozen / max(desc.params, 1)
+        return round(sum(sizes) * share), max(sizes, default=0), (
+            f"nf4 base: which parameters are frozen is not said; {share:.0%} of the Linear "
+            "weights taken as frozen")
+    return frozen, None, ("nf4 base from a bare count: every frozen parameter taken as a "
+                          "Linear weight (norms and embeddings stay in the compute dtype: give "
+                          "--config or --model for the model's own)")
 
 
 def finetuned(desc: ModelDesc, lora_rank, targets, trainable) -> ModelDesc:
@@ -176,19 +231,22 @@ def _lora_shapes(desc: ModelDesc, rank: int, targets) -> ModelDesc:
     adapters = [s for _ in range(shape.layers) for s in per_layer]
     adapter_blocks = [layer for layer in range(shape.layers) for _ in per_layer]
     added = sum(math.prod(s) for s in adapters)
-    param_shapes = param_blocks = param_trainable = None
+    param_shapes = param_blocks = param_trainable = param_linear = None
     if desc.param_shapes is not None:  # each layer's adapters after the layer's own weights
-        param_shapes, param_blocks, param_trainable = [], [], []
+        param_shapes, param_blocks, param_trainable, param_linear = [], [], [], []
         pending = {layer: per_layer for layer in range(shape.layers)}
         blocks = list(desc.param_blocks) + [None]
+        linear = desc.param_linear or [len(s) == 2 for s in desc.param_shapes]
         for i, s in enumerate(desc.param_shapes):
             param_shapes.append(s)
             param_blocks.append(blocks[i])
             param_trainable.append(False)
+            param_linear.append(linear[i])
             if blocks[i] is not None and blocks[i + 1] != blocks[i]:
                 param_shapes += pending.pop(blocks[i])
                 param_blocks += [blocks[i]] * len(per_layer)
                 param_trainable += [True] * len(per_layer)
+                param_linear += [True] * len(per_layer)
     notes = list(desc.notes)
     if desc.transformer is None:
         notes.append(f"LoRA adapters from a bare count are sized for a stand-in shape of "
@@ -200,7 +258,8 @@ def _lora_shapes(desc: ModelDesc, rank: int, targets) -> ModelDesc:
     return replace(desc, params=desc.params + added, trainable_params=added,
                    trainable_shapes=adapters, trainable_blocks=adapter_blocks,
                    param_shapes=param_shapes, param_blocks=param_blocks,
-                   param_trainable=param_trainable, frozen_share=1.0,
+                   param_trainable=param_trainable, param_linear=param_linear,
+                   frozen_share=1.0,
                    notes=notes, finetune={
                        "lora_rank": rank, "lora_targets": list(targets),
                        "adapted_layers": shape.layers * len(targets), "adapter_params": added})

@@ -24,6 +24,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from ..engine.units import (
     FIRST_UNIT_MIB,
     borrows,
@@ -35,8 +37,8 @@ from ..engine.units import (
 )
 from .reference_model import on_meta
 
-__all__ = ["Unit", "engine_units", "alike", "owned_elements", "lending", "unit_sizes",
-           "zero3_gathering", "zero3_roots", "module_roots", "config_roots",
+__all__ = ["Unit", "engine_units", "alike", "owned_elements", "shard_elements", "lending",
+           "unit_sizes", "zero3_gathering", "zero3_roots", "module_roots", "config_roots",
            "FIRST_UNIT_MIB"]
 
 
@@ -107,12 +109,26 @@ def alike(units: list[Unit]) -> list[tuple[Unit, int]]:
     return [(Unit(*key), k) for key, k in keys.items()]
 
 
-def owned_elements(grouped: list[tuple[Unit, int]], world: int) -> tuple[int, int]:
+def owned_elements(grouped: list[tuple[Unit, int]], world: int,
+                   align: int = 1) -> tuple[int, int]:
     """(trainable, frozen) elements of the shards the first rank owns, the most any rank
     does: each unit's segment padded to a multiple of `world` and cut in `world` slices
-    (engine/flat.py). `grouped`: the units as `alike` counts them. `world` 1: everything."""
-    return (sum(k * -(-u.trainable // world) for u, k in grouped),
+    (engine/flat.py). `grouped`: the units as `alike` counts them. `world` 1: everything.
+    `align`: a block-wise quantized optimizer's block on more than one rank: each trainable
+    parameter starts at a multiple of it and each slice is a multiple of it, so that a shard
+    boundary falls on a block boundary (engine/buckets.py's aligned layout)."""
+    return (sum(k * shard_elements(u, world, align) for u, k in grouped),
             sum(k * -(-u.frozen // world) for u, k in grouped))
+
+
+def shard_elements(unit: Unit, world: int, align: int = 1) -> int:
+    """The elements of one rank's slice of the unit's trainable segment (see
+    `owned_elements`)."""
+    if align <= 1 or world <= 1 or not unit.trained:
+        return -(-unit.trainable // world)
+    sizes = unit.trained if unit.known else (unit.trainable,)
+    end = sum(-(-n // align) * align for n in sizes[:-1]) + sizes[-1]
+    return -(-end // (world * align)) * align
 
 
 def lending(grouped: list[tuple[Unit, int]], world: int) -> tuple[int, int]:
@@ -140,7 +156,7 @@ def unit_sizes(shapes, count: int, compute_bytes: int, bucket_mb: float = 25.0,
 
 def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch: int = 1,
                     max_gathered_bytes: int | None = None,
-                    reshard_after_forward: bool = True) -> tuple[int, int]:
+                    reshard_after_forward: bool = True, ratio: float = 1.0) -> tuple[int, int]:
     """zero3: (elements gathered at once at most, elements backward does not gather again), for
     px.prepare's gathering options. Units are gathered together by root (engine/zero3.py): the units
     rooted at the model itself, and the root the forward ends with, stay gathered into backward, and
@@ -150,14 +166,18 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     now is gathered whatever its size); `reshard_after_forward=False` keeps every root from its
     forward to its backward, so all are gathered at the end of the forward. The roots are those
     `zero3_roots` gives; where none are known (a bare count) each unit stands for a root and none is
-    kept."""
+    kept. `ratio`: what a frozen nn.Linear weight's element weighs against the compute dtype's
+    (a 4-bit base's NF4 bytes over the compute dtype's; 1: stored as the others), so that the
+    counts are of compute-dtype elements that weigh as much as what is gathered (from a bare
+    count, every frozen parameter taken for such a weight)."""
     known = desc.zero3_roots is not None or desc.module is not None or _from_config(desc)
-    model_rooted, sizes, unreached = zero3_roots(desc, compute_bytes, bucket_mb)
+    model_rooted, sizes, unreached = zero3_roots(desc, compute_bytes, bucket_mb, ratio)
     last = next(iter(sizes.values()), 0)  # the root the forward ends with, kept
     if not sizes and not known:
         units = unit_sizes(desc.param_shapes, desc.params, compute_bytes, bucket_mb,
                            desc.param_blocks)
-        sizes, last = dict(enumerate(units)), 0
+        weigh = (desc.params - desc.frozen_params * (1 - ratio)) / max(desc.params, 1)
+        sizes, last = {i: n * weigh if ratio != 1 else n for i, n in enumerate(units)}, 0
     if not reshard_after_forward:
         everything = model_rooted + sum(sizes.values())
         return everything, everything
@@ -169,7 +189,8 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     return model_rooted + at_once * largest, model_rooted + last + unreached
 
 
-def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int, dict, int]:
+def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0,
+                ratio: float = 1.0) -> tuple[int, dict, int]:
     """(elements of the units rooted at the model itself, {root: elements} of the other roots in
     backward order, the root the forward ends with first, elements of the roots backward never
     reaches), frozen parameters included (zero3 shards and gathers them in the units of the
@@ -179,16 +200,19 @@ def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0) -> tuple[int,
     engine recorded (`desc.zero3_roots`, see engine/zero3_roots.py's `engine_roots`); from a
     module, the engine's own roots, the last registered taken as the last to run; from a
     config, the engine's own roots of the module the config describes (`config_roots`); from a
-    bare count, none."""
+    bare count, none. `ratio`: as zero3_gathering's (a recorded run's roots are taken as they
+    were)."""
     learning: dict = {}  # root -> holds a trainable parameter (from a module or a config)
     if desc.zero3_roots is not None:
         pairs = [(root, numel) for root, numel in desc.zero3_roots]
     elif desc.module is not None:
-        pairs, learning = module_roots(desc.module, compute_bytes, bucket_mb, desc.block_classes)
+        pairs, learning = module_roots(desc.module, compute_bytes, bucket_mb, desc.block_classes,
+                                       ratio)
     elif _from_config(desc):
         lora = desc.finetune or {}
         pairs, learned = config_roots(desc.transformer, compute_bytes, bucket_mb,
-                                      lora.get("lora_rank"), tuple(lora.get("lora_targets", ())))
+                                      lora.get("lora_rank"), tuple(lora.get("lora_targets", ())),
+                                      ratio)
         learning = dict(learned)
     else:
         pairs = []
@@ -211,21 +235,29 @@ def _from_config(desc) -> bool:
 
 
 def module_roots(module, compute_bytes: int, bucket_mb: float = 25.0,
-                 block_classes=None) -> tuple[list, dict]:
+                 block_classes=None, ratio: float = 1.0) -> tuple[list, dict]:
     """([(root, elements)] of each of the engine's units of `module`, in backward order; {root:
-    holds a trainable parameter}), by the engine's own functions (engine/units.py)."""
+    holds a trainable parameter}), by the engine's own functions (engine/units.py). `ratio`: a
+    frozen nn.Linear weight's elements counted at that weight (a 4-bit base: zero3_gathering)."""
     params = list(module.parameters())  # frozen ones too: zero3 gathers them
     runs = module_units(module, params, compute_bytes, bucket_mb, block_classes)
+    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)} \
+        if ratio != 1 else set()
+
+    def weight(p):  # an NF4 weight: a frozen Linear's of whole 64 x 256 blocks (nf4_base.py)
+        stored = not p.requires_grad and id(p) in linear and p.numel() % (64 * 256) == 0
+        return p.numel() * ratio if stored else p.numel()
+
     pairs, learning = [], {}
     for run, root in zip(runs, unit_roots(module, runs, block_classes)):
-        pairs.append((root, sum(p.numel() for p in run)))
+        pairs.append((root, sum(weight(p) for p in run)))
         learning[root] = learning.get(root, False) or any(p.requires_grad for p in run)
     return pairs, learning
 
 
 @functools.lru_cache(maxsize=32)  # a plan asks again for each alternative and layout
 def config_roots(shape, compute_bytes: int, bucket_mb: float = 25.0, lora_rank=None,
-                 lora_targets: tuple = ()) -> tuple[tuple, tuple]:
+                 lora_targets: tuple = (), ratio: float = 1.0) -> tuple[tuple, tuple]:
     """`module_roots` of the model a config describes: the reference model of its `shape`
     (reference_model.py: the config's parameters in the config's order; the embedding, the
     blocks, the final norm and the head each a child of the model, the head the embedding's weight
@@ -236,7 +268,7 @@ def config_roots(shape, compute_bytes: int, bucket_mb: float = 25.0, lora_rank=N
     model, gathered from the forward's start), and the embedding and the head, as large as a block
     or larger, are among the roots gathered at once."""
     module = on_meta(shape, None if lora_rank is None else (lora_rank, lora_targets))
-    pairs, learning = module_roots(module, compute_bytes, bucket_mb)
+    pairs, learning = module_roots(module, compute_bytes, bucket_mb, ratio=ratio)
     return tuple(pairs), tuple(learning.items())
 
 

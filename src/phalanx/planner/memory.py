@@ -25,6 +25,24 @@ N (engine/flat.py), so a rank owns the sum over units of ceil(unit / N) elements
 engine's units (layout.py), the plan counts that, and the first rank's (the largest) share of
 the optimizer state.
 
+[Note: Low-bit optimizer state and a 4-bit base]
+`optimizer="adamw8bit"` and `"adamw4bit"` are AdamW with its two moments stored block-wise
+quantized, as torchao's low-bit optimizers keep them (AdamW8bit: one byte per element and one
+fp32 scale per block of 256; AdamW4bit: half a byte and one fp32 scale per block of 128), so K
+above is the master's bytes plus 2 x (1 + 4/256) = 2.03 bytes per trainable parameter (8-bit)
+or 2 x (0.5 + 4/128) = 1.06 (4-bit), whatever the precision; sharded on block bounds, a shard
+holds its own blocks' scales. The step works on an fp32 copy of the moments of what it steps
+(see [Note: Optimizer step working memory]).
+`base_dtype="nf4"` (QLoRA: Dettmers et al. 2023, arXiv:2305.14314) stores the frozen weights of
+nn.Linear layers as torchao's NF4: half a byte per element, one int8 scale per block of 64 and
+one fp32 scale per 256 of those (0.5 + 1/64 + 4/16384 bytes per element), each a whole number
+of 64 x 256 elements (model/nf4_base.py leaves the others as they are); other frozen
+parameters (norms, embeddings) and the trainable ones stay in the compute dtype. px.prepare
+takes it under zero3 alone: each rank holds and gathers those bytes (a quarter of bf16's), and
+a weight is dequantized only while its layer computes: its compute-dtype copy beside its
+gathered 4-bit bytes (`dequantized` below: the largest such weight's, alive while forward or
+backward computes).
+
 [Note: Engine buffers]
 `buffers_bytes` is what phalanx's engine (engine/flat_engine.py, flat.py, reducer.py, buckets.py)
 holds beyond those model states, modelled from its code and checked against the engine by
@@ -46,6 +64,8 @@ separate fp32 gradient between steps.
 - grad_staging: autograd makes each parameter's gradient as a fresh tensor, which the engine
   then copies into its bucket; the largest parameter's gradient exists twice for a moment
   (zero2 and zero3 reduce a lone parameter's in that tensor: the one being made).
+- dequantized: with a 4-bit base, the compute-dtype copy of the weight computing (the largest
+  4-bit weight's elements), alive in forward and backward.
 - gathered_params (zero3): the full parameters gathered at once (planner/layout.py's
   `zero3_gathering`): the units rooted at the model itself (tied embeddings and head), which
   stay gathered through the forward and into backward, plus two of the largest root (a block:
@@ -68,6 +88,16 @@ working memory is then the largest, over runs, of the run's fp32 gradients (4 by
 element) plus the optimizer's temporaries for the run's tensors (the single-tensor
 temporaries are modelled on each unit as one tensor, an upper bound, since a unit's pieces
 are stepped one parameter at a time).
+"bf16-true" keeps no master: the step upcasts, a run of units at a time, the run's parameters,
+gradients and optimizer state to fp32, steps them and rounds them back ([Note: bf16-true's step]
+in engine/rounding.py): 4 + 4 bytes per element and 4 per state element of the run, with the
+optimizer's temporaries in fp32. A low-bit optimizer's moments are dequantized to fp32 for the
+tensors it steps together (4 bytes per state element of the run; its own compiled update makes
+no temporaries beyond them; under fp32, where every unit is stepped in one call, torchao
+dequantizes one tensor at a time, the largest).
+With `step_in_backward=True` each unit is stepped alone, as soon as its gradient is reduced
+([Note: the step in backward] in engine/stepping.py), so the runs are single units, and the
+step happens while backward runs (see [Note: Peak]).
 
 [Note: Peak]
 Not everything is alive at once. Model states and the kept buffers always are; on top of
@@ -79,6 +109,11 @@ them the peak is the largest of three moments:
 Backward frees activations from the last layer as it makes the last layer's gradients, so
 between the first two moments one shrinks as the other grows. `benchmarks/plan_vs_measured.py`
 checks the result against measured peaks.
+With `step_in_backward=True` the optimizer step is a moment of backward: each unit is stepped
+while the units before it are still computing, so the step's working memory (one unit's) adds
+to what backward holds: the start of backward's terms, less the loss's memory (its log-softmax
+and its gradients, freed by the loss's backward before any weight has a gradient to reduce),
+an upper bound since backward frees activations as it goes.
 """
 
 from __future__ import annotations
@@ -90,13 +125,33 @@ from ..engine.policy import SHARD, ShardPolicy
 from ..engine.units import step_runs
 from ..spec.precisions import PrecisionSpec
 
-__all__ = ["OPTIMIZERS", "MATRIX_WISE", "optimizer_state_elements", "ModelStates",
-           "model_states", "buffer_bytes", "step_working_bytes", "peak_bytes", "WholeTerms",
-           "whole_terms"]
+__all__ = ["OPTIMIZERS", "MATRIX_WISE", "QUANTIZED_STATES", "NF4_BYTES", "NF4_CHUNK",
+           "state_bytes_of",
+           "optimizer_state_elements", "ModelStates", "model_states", "buffer_bytes",
+           "step_working_bytes", "peak_bytes", "WholeTerms", "whole_terms"]
 
 # Optimizer-state elements per trainable parameter, for element-wise optimizers (and Muon's
 # momentum); Adafactor's depend on the shapes.
-OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adafactor": None, "muon": 1}
+OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adafactor": None, "muon": 1,
+              "adamw8bit": 2, "adamw4bit": 2}
+
+# Block-wise quantized optimizer state (see [Note: Low-bit optimizer state and a 4-bit base]):
+# (bytes per element, elements per fp32 scale), torchao's AdamW8bit and AdamW4bit.
+QUANTIZED_STATES = {"adamw8bit": (1, 256), "adamw4bit": (0.5, 128)}
+
+# torchao's NF4: 4 bits per element, an int8 scale per block of 64, an fp32 scale per 256 scales;
+# a weight is stored so when it is a whole number of those 64 x 256 elements (model/nf4_base.py).
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_CHUNK = 64 * 256
+
+
+def state_bytes_of(optimizer: str, precision: PrecisionSpec) -> float:
+    """Bytes per optimizer-state element: a quantized optimizer's own, whatever the precision;
+    otherwise the precision's (fp32 under mixed precision, else the parameters' dtype)."""
+    if optimizer in QUANTIZED_STATES:
+        per, block = QUANTIZED_STATES[optimizer]
+        return per + 4 / block
+    return precision.state_bytes
 
 # The matrix-wise optimizers (engine/optimizer_kinds.py) and which parameters, by shape, each
 # steps whole on an owner rank under a sharded optimizer (engine/owners.py): Muon its
@@ -183,26 +238,34 @@ def _shard(nbytes: int, n: int) -> int:
 
 
 def model_states(policy: ShardPolicy, precision: PrecisionSpec, params: int, trainable: int,
-                 state_elements: int, world: int, owned: tuple | None = None) -> ModelStates:
+                 state_elements: int, world: int, owned: tuple | None = None,
+                 state_bytes: float | None = None,
+                 frozen_bytes: float | None = None) -> ModelStates:
     """Bytes per device of weights, gradients and optimizer state under the residency row
     `policy` (see [Note: Model states]). `params` counts every parameter, frozen ones included;
     `trainable` those that learn. `owned`: (trainable, frozen, optimizer-state) elements of the
     shards a rank owns, as the engine pads them per unit (layout.py's `owned_elements`); None:
-    1/N of the bytes."""
+    1/N of the bytes. `state_bytes`: per optimizer-state element (None: the precision's; see
+    `state_bytes_of`); `frozen_bytes`: per frozen element, on average (None: the compute
+    dtype's; less with a 4-bit base)."""
     w, g = precision.weight_bytes, precision.grad_bytes
-    k = precision.master_bytes * trainable + precision.state_bytes * state_elements
-    held = params - trainable if precision.mixed else params  # zero3's weights between uses
+    sb = precision.state_bytes if state_bytes is None else state_bytes
+    fb = w if frozen_bytes is None else frozen_bytes
+    k = math.ceil(precision.master_bytes * trainable + sb * state_elements)
+    frozen = params - trainable
+    held = fb * frozen + (0 if precision.mixed else w * trainable)  # zero3's between uses
     if owned is None:
         shard_g, shard_k = _shard(g * trainable, world), _shard(k, world)
-        shard_w = _shard(w * held, world)
+        shard_w = _shard(held, world)
     else:
         t, f, s = owned
         shard_g = g * t
-        shard_k = precision.master_bytes * t + precision.state_bytes * s
-        shard_w = w * (f + (0 if precision.mixed else t))
+        shard_k = math.ceil(precision.master_bytes * t + sb * s)
+        shard_w = math.ceil(fb * f + (0 if precision.mixed else w * t))
     # zero3 on one rank keeps its parameters whole; a SHARD of gradients or optimizer state on
     # one rank is all of it, as the engine pads it
-    return ModelStates(shard_w if policy.reshards(world) else w * params,
+    return ModelStates(shard_w if policy.reshards(world) else math.ceil(w * trainable
+                                                                         + fb * frozen),
                        shard_g if policy.grads is SHARD else g * trainable,
                        shard_k if policy.optimizer is SHARD else k)
 
@@ -210,11 +273,13 @@ def model_states(policy: ShardPolicy, precision: PrecisionSpec, params: int, tra
 def buffer_bytes(policy: ShardPolicy, precision: PrecisionSpec, trainable: int, world: int,
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
                  largest_param: int = 0, gathered_numel: int | None = None,
-                 borrowing: tuple[int, int] | None = None) -> dict:
+                 borrowing: tuple[int, int] | None = None, dequantized: int = 0) -> dict:
     """The engine's working memory by kind under the residency row `policy` (see [Note:
     Engine buffers]); values in bytes. `borrowing`: (largest unit that borrows from the pool,
     largest that does not), in elements (engine/units.py); None: every unit borrows, the
-    largest being `largest_unit`."""
+    largest being `largest_unit`. `gathered_numel`: zero3's elements gathered at once (with a
+    4-bit base, in elements of the compute dtype that weigh as much); `dequantized`: bytes of
+    the compute-dtype copy of a 4-bit unit computing."""
     # Only strategies that shard gradients reduce-scatter (zero1 keeps full gradients, so it
     # all-reduces whatever the backend: engine/policy.py).
     sharded_grads = policy.shards_grads(world)
@@ -224,14 +289,15 @@ def buffer_bytes(policy: ShardPolicy, precision: PrecisionSpec, trainable: int, 
     compressed = comm_bytes is not None and comm_bytes != precision.weight_bytes
     out = dict.fromkeys(("grad_pool", "grad_shard", "comm_buffers", "comm_copies",
                          "gathered_params", "unit_grads"), 0)
+    out["dequantized"] = dequantized
     out["grad_staging"] = g * largest_param
     pooled, lone = (largest_unit, 0) if borrowing is None else borrowing
     if sharded_grads and pooled:
         out["grad_pool"] = 2 * g * (pooled + world)
     if policy.reshards(world):
         out["unit_grads"] = min(g_full, 2 * g * largest_unit)
-        out["gathered_params"] = precision.weight_bytes * (
-            2 * largest_unit if gathered_numel is None else gathered_numel)
+        out["gathered_params"] = math.ceil(precision.weight_bytes * (
+            2 * largest_unit if gathered_numel is None else gathered_numel))
     elif sharded_grads:
         out["unit_grads"] = g * lone
     comm_elem = comm_bytes if compressed else g
@@ -257,6 +323,12 @@ def _temporaries(optimizer: str, state: int, stepped: list[int], foreach: bool,
     return state * max(2 * cur + prev for prev, cur in zip([0] + stepped[:-1], stepped))
 
 
+def _upcasts(precision: PrecisionSpec) -> bool:
+    """bf16-true: low-precision parameters that are their own masters, stepped on fp32 copies
+    (engine/rounding.py)."""
+    return precision.compute_dtype is not None and not precision.mixed
+
+
 def step_working_bytes(optimizer: str, precision: PrecisionSpec, stepped: list[int],
                        foreach: bool, per_unit: bool = True, run_bytes: int | None = None,
                        fused: bool = False) -> int:
@@ -264,29 +336,46 @@ def step_working_bytes(optimizer: str, precision: PrecisionSpec, stepped: list[i
     `stepped` are the element counts of the tensors this rank steps, in the optimizer's order:
     with `per_unit` (the flat engine) one master shard per unit; without it (fp32 ddp) the
     model's parameters. The flat engine steps every unit in one call when the gradients are
-    already in the master dtype (fp32), and under mixed precision makes the fp32 gradients for
-    a run of units at a time, up to `run_bytes` of them (engine/units.py: step_runs, the same
-    runs the engine steps). `fused`: the optimizer's fused kernel, which makes no temporaries
-    (the host step of offload, planner/offload.py)."""
+    already in the master dtype (fp32), and under mixed precision and bf16-true makes the fp32
+    copies for a run of units at a time, up to `run_bytes` of fp32 gradients (engine/units.py:
+    step_runs, the same runs the engine steps; 0: each unit alone, as the step in backward
+    does). `fused`: the optimizer's fused kernel, which makes no temporaries (the host step of
+    offload, planner/offload.py)."""
     if not stepped:
         return 0
-    state = precision.state_bytes
-    if not per_unit or not precision.mixed:
-        return _temporaries(optimizer, state, stepped, foreach, fused)
+    quantized = optimizer in QUANTIZED_STATES
+    states = OPTIMIZERS.get(optimizer) or 0  # state elements per element stepped
+    upcast = _upcasts(precision)
+    if not per_unit or not (precision.mixed or upcast):
+        if quantized:  # dequantized one tensor at a time
+            return 4 * states * max(stepped)
+        return _temporaries(optimizer, precision.state_bytes, stepped, foreach, fused)
+
+    def run_working(run: list[int]) -> int:
+        elements = sum(run)
+        made = 4 * elements * (2 if upcast else 1)  # the gradients (and parameters) in fp32
+        if quantized:
+            return made + 4 * states * elements  # the moments, dequantized
+        if upcast:
+            return made + 4 * states * elements + _temporaries(optimizer, 4, run, foreach, fused)
+        return made + _temporaries(optimizer, precision.state_bytes, run, foreach, fused)
+
     runs = step_runs([4 * u for u in stepped], run_bytes if run_bytes is not None else 0)
-    return max(4 * sum(stepped[i] for i in run)
-               + _temporaries(optimizer, state, [stepped[i] for i in run], foreach, fused)
-               for run in runs)
+    return max(run_working([stepped[i] for i in run]) for run in runs)
 
 
-def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int):
-    """Peak bytes per device and the moment it happens at (see [Note: Peak])."""
+def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int,
+               in_backward: int | None = None):
+    """Peak bytes per device and the moment it happens at (see [Note: Peak]). `in_backward`:
+    with the step in backward, the activations still held while units are stepped (the
+    activations less the loss's); None: the step comes after backward."""
     kept = buffers["grad_pool"] + buffers["grad_shard"] + buffers["comm_buffers"]
-    during = buffers["gathered_params"] + buffers["unit_grads"]
+    during = buffers["gathered_params"] + buffers["unit_grads"] + buffers.get("dequantized", 0)
     moments = {
         "backward start": activations + buffers["grad_staging"] + during,
         "end of backward": buffers["comm_copies"] + during,
-        "optimizer step": step_bytes,
+        "optimizer step": step_bytes if in_backward is None
+        else in_backward + buffers["grad_staging"] + during + step_bytes,
     }
     phase = max(moments, key=moments.get)
     return states_total + kept + moments[phase], phase

@@ -44,6 +44,7 @@ class ModelDesc:
     param_shapes: list[tuple[int, ...]] | None = None
     param_blocks: list | None = None
     param_trainable: list[bool] | None = None  # which of param_shapes learn, where known
+    param_linear: list[bool] | None = None  # which of param_shapes are nn.Linear weights
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     block_classes: tuple | None = None  # px.plan's `blocks=`, resolved (engine/units.py)
@@ -103,7 +104,7 @@ def from_config(config) -> ModelDesc:
                      trainable_params=shape.params(), trainable_shapes=shapes,
                      trainable_blocks=shape.param_blocks(), param_shapes=shapes,
                      param_blocks=shape.param_blocks(), param_trainable=[True] * len(shapes),
-                     transformer=shape)
+                     param_linear=shape.param_linear(), transformer=shape)
 
 
 def _default_input(module: nn.Module) -> Callable[[int, int], tuple]:
@@ -162,6 +163,7 @@ def from_module(module: nn.Module, name: str | None = None,
     classes = resolve_block_classes(module, blocks)
     params = list(module.parameters())  # unique: tied weights appear once
     trainable = [p for p in params if p.requires_grad]
+    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     desc = ModelDesc(name=name or type(module).__name__, source="module",
                      params=sum(p.numel() for p in params),
                      trainable_params=sum(p.numel() for p in trainable),
@@ -169,7 +171,8 @@ def from_module(module: nn.Module, name: str | None = None,
                      trainable_blocks=_blocks_of(module, trainable, classes),
                      param_shapes=[tuple(p.shape) for p in params],
                      param_blocks=_blocks_of(module, params, classes),
-                     param_trainable=[p.requires_grad for p in params], module=module,
+                     param_trainable=[p.requires_grad for p in params],
+                     param_linear=[id(p) in linear for p in params], module=module,
                      block_classes=classes)
     try:
         desc.make_input = make_input or _default_input(module)

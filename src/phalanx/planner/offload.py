@@ -5,7 +5,8 @@ what stays on the device, and what they add to a step.
 offload="optimizer" (ZeRO-Offload: Ren et al. 2021, arXiv:2101.06840): the master weights and
 the optimizer state a rank holds, sharded as its strategy shards them, live in pinned host
 memory and the optimizer steps there; the device keeps the compute-dtype parameters (sharded
-under zero3) and the gradients. Each step a rank copies its reduced gradients down (the shard
+under zero3) and the gradients (zero1's; under zero2 and zero3 about two units' shards, the rest
+copied down as they are made). Each step a rank copies its reduced gradients down (the shard
 it steps: g x Psi_t / N) and the updated compute-dtype parameters of that shard up (w x Psi_t /
 N). Planned for zero1, zero2 and zero3, the stages DeepSpeed offloads the optimizer of (the rows
 px.prepare's table of combinations lets it go with, model/spec.py: planner/setting.py asks it).
@@ -18,9 +19,13 @@ Host memory per rank, what engine/offload.py holds: the masters (4 bytes per ele
 parameters' own size where they are their own masters) and the optimizer state of the shard it
 steps; the landing buffers of the gradients copied down, two (the run stepping, the next one
 landing), each as large as the largest run of units it takes (the runs of units.py's
-`step_runs`, alternating); under mixed precision one run's gradients in the master dtype (the
+`step_runs`, alternating), or, where the gradients are sharded (zero2, zero3), the whole
+gradient shard: each unit's reduced shard is copied down as it is made (DeepSpeed's layout),
+so the device holds about two units' shards (the one copied and the one reduced meanwhile) and
+the host all of them; under mixed precision one run's gradients in the master dtype (the
 fused CPU kernel makes no temporaries of its own) and two units' staging buffers, where each
-stepped master is cast to the compute dtype before it is copied up; under offload="params"
+stepped master is cast to the compute dtype before it is copied up; under "bf16-true" one run's
+weights, gradients and optimizer state upcast to fp32 for its step; under offload="params"
 the compute-dtype shard (the master itself in fp32) and the frozen shards. Per node: that
 times the GPUs per node. It is pinned (page-locked, so copies run at the link's rate) and so
 must fit in physical memory: checked against `host_memory` with the device's headroom.
@@ -44,6 +49,7 @@ copy up. Under offload="params" a gather's upload is time on the host link in it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..engine.policy import DEVICE, HOST, ShardPolicy
@@ -88,33 +94,45 @@ def _alternating(sizes: list[int]) -> int:
 
 
 def host_side(policy: ShardPolicy, prec, stepped: list[int], state_elements: int,
-              frozen_shard: int, gathered: dict, run_bytes: int) -> HostSide:
+              frozen_shard: int, gathered: dict, run_bytes: int,
+              state_bytes: float | None = None, frozen_bytes: float | None = None,
+              grads_on_host: bool = False) -> HostSide:
     """What the residency row `policy`, its masters on the host, puts there and moves to and
     fro. `stepped`: the elements of each unit's shard this rank steps, in the engine's order;
     `state_elements`: its optimizer-state elements; `frozen_shard`: the elements of its zero3
     frozen shards; `gathered`: elements gathered per micro-step by phase (forward,
-    backward)."""
+    backward); `state_bytes`, `frozen_bytes`: per optimizer-state and frozen element (None:
+    the precision's, the compute dtype's); `grads_on_host`: each reduced gradient shard is
+    copied down as it is made (zero2, zero3), so the host holds the rank's whole gradient shard
+    in place of two landing buffers."""
     own = sum(stepped)
     master = prec.master_bytes or prec.weight_bytes
+    sb = prec.state_bytes if state_bytes is None else state_bytes
+    fb = prec.weight_bytes if frozen_bytes is None else frozen_bytes
     runs = [[stepped[i] for i in run] for run in step_runs([master * u for u in stepped],
                                                             run_bytes)] or [[0]]
-    landing = prec.grad_bytes * _alternating([sum(run) for run in runs])
-    held = master * own + prec.state_bytes * state_elements + landing
+    landing = prec.grad_bytes * (own if grads_on_host else
+                                 _alternating([sum(run) for run in runs]))
+    held = master * own + math.ceil(sb * state_elements) + landing
     params = policy.shards is HOST  # offload="params"
     if prec.mixed:  # the gradients widened to the master dtype, a run at a time
         held += master * max(sum(run) for run in runs)
         if not params:  # each master cast into staging before its copy up
             held += prec.weight_bytes * (max(max(run[0::2], default=0) for run in runs)
                                          + max(max(run[1::2], default=0) for run in runs))
+    elif prec.compute_dtype is not None:  # bf16-true: a run's weights, gradients and state
+        largest = max(sum(run) for run in runs)  # in fp32 for its step (engine/rounding.py)
+        held += math.ceil(4 * largest * (2 + state_elements / max(own, 1)))
     if params:  # the shards between uses: the compute-dtype shard apart from a mixed master
-        held += prec.weight_bytes * ((own if prec.mixed else 0) + frozen_shard)
+        held += prec.weight_bytes * (own if prec.mixed else 0) + math.ceil(fb * frozen_shard)
     converted = (4 + 4 + prec.weight_bytes) if prec.mixed else 0  # fp32 gradient, new copy
-    traffic = 2 * (master * own + prec.state_bytes * state_elements) \
+    traffic = 2 * (master * own + math.ceil(sb * state_elements)) \
         + (prec.grad_bytes + converted) * own
     return HostSide(
         bytes_per_rank=held, down_bytes=prec.grad_bytes * own,
         up_bytes=0 if params else prec.weight_bytes * own,
-        gather_up_bytes={phase: prec.weight_bytes * n for phase, n in gathered.items()}
+        gather_up_bytes={phase: math.ceil(prec.weight_bytes * n)
+                         for phase, n in gathered.items()}
         if params else {}, step_traffic_bytes=traffic, runs=len(runs))
 
 

@@ -108,6 +108,8 @@ def format_table(r: PlanResult) -> str:
         f"phalanx plan: {what}",
         f"  {s['world_size']} x {s['gpu']} ({_mem(s['gpu_memory_bytes'], u)} {u}) on "
         f"{s['nodes']} node(s); {s['precision']}, {s['optimizer']}"
+        f"{', step in backward' if s.get('step_in_backward') else ''}"
+        f"{', nf4 base' if s.get('base_dtype') == 'nf4' else ''}"
         f"{f', offload={offload!r}' if offload else ''}; micro-batch {s['batch']} x "
         f"{s['seq']} tokens, grad-accum {s['grad_accum']}, activation checkpointing "
         f"{'on' if s['activation_checkpointing'] else 'off'}",
@@ -159,7 +161,7 @@ def format_table(r: PlanResult) -> str:
         lines.append("")
     lines.append(f"recommended: {r.recommended or 'none'}: {r.reason}")
     if r.alternatives:
-        lines.append("what fits instead (the same plan with one option changed):")
+        lines.append("what fits instead (the same plan with the options named changed):")
         lines.extend(f"  - {a.line}" for a in r.alternatives)
     if r.notes:
         lines.append("notes:")

@@ -31,7 +31,7 @@ from ..model.precision import COMM_DTYPES
 from ..model.spec import COMBINATIONS, Gathering, Offload, Spec, first_refusal, gathering_of
 from ..spec.precisions import PrecisionSpec, precision_spec
 from ..spec.strategies import STRATEGIES, STRATEGY_ALIASES, strategy_name
-from .finetune import check_finetune
+from .finetune import check_base_dtype, check_finetune
 from .hardware import LINKS, GpuSpec, gpu_spec
 from .hybrid import plan_shard_size
 from .link import link_latency, parse_link
@@ -150,7 +150,8 @@ class Workload:
     optimizer step, activation checkpointing, the attention kernel and the optimizer; with a
     factory, its input's per-sample shape and dtype ("3x224x224", "seq"); fine-tuning, LoRA
     adapters of `lora_rank` beside the `lora_targets` projections, or a `trainable` fraction
-    (finetune.py)."""
+    (finetune.py), and the frozen base's storage: `base_dtype="nf4"` (QLoRA: its nn.Linear
+    weights 4-bit; None: the compute dtype)."""
 
     batch: int = 1
     seq: int | None = None
@@ -163,6 +164,7 @@ class Workload:
     lora_rank: int | None = None
     lora_targets: object = None
     trainable: float | None = None
+    base_dtype: str | None = None
     targets: tuple = _resolved()  # LoRA's projections, the default filled in
 
     def __post_init__(self):
@@ -177,6 +179,7 @@ class Workload:
                                                self.trainable)
         _set(self, "trainable", trainable)
         _set(self, "targets", targets)
+        _set(self, "base_dtype", check_base_dtype(self.base_dtype))
 
 
 @dataclass(frozen=True)
@@ -184,8 +187,9 @@ class Training:
     """px.prepare's options as the plan takes them: the strategy ("all": each, and the pick;
     "fsdp" is zero3), the precision (a name of spec/precisions.py, or its PrecisionSpec), the
     cap of a unit, the gradients' dtype on the wire, zero3's gathering, the shard groups (K
-    ranks, or "node": the GPUs of one) and offload; and the link report's what-ifs, PowerSGD's
-    rank and DiLoCo's sync_every. `Training.of(spec)`: a px.prepare Spec's."""
+    ranks, or "node": the GPUs of one), offload and the step in backward (each unit stepped as
+    soon as its gradient is reduced); and the link report's what-ifs, PowerSGD's rank and
+    DiLoCo's sync_every. `Training.of(spec)`: a px.prepare Spec's."""
 
     strategy: str = "all"
     precision: object = "bf16"
@@ -196,6 +200,7 @@ class Training:
     reshard_after_forward: bool = True
     shard_size: object = None
     offload: str | None = None
+    step_in_backward: bool = False
     powersgd_rank: int = 4
     sync_every: int = 50
     comm: torch.dtype | None = _resolved()  # comm_dtype's meaning (None: the gradients' own)
@@ -211,6 +216,9 @@ class Training:
         if self.comm_dtype != "none" and self.comm_dtype not in COMM_DTYPES:
             raise ValueError(f"unknown comm_dtype {self.comm_dtype!r}: choose bf16, fp16 or none")
         _set(self, "comm", None if self.comm_dtype == "none" else COMM_DTYPES[self.comm_dtype])
+        if not isinstance(self.step_in_backward, bool):
+            raise ValueError(f"step_in_backward={self.step_in_backward!r}: True (each unit "
+                             "stepped as soon as its gradient is reduced) or False")
         _set(self, "gathering", gathering_of(self.prefetch, self.max_gathered_mb,
                                            self.reshard_after_forward))
 
@@ -222,8 +230,9 @@ class Training:
     @classmethod
     def of(cls, spec: Spec) -> Training:
         """The options of px.prepare's `spec` (model/spec.py): its strategy with its
-        precision, unit cap, comm_dtype, gathering, shard groups and offload. A plan is a
-        strategy's memory and step: a spec with a feature beside it is refused, by name."""
+        precision, unit cap, comm_dtype, gathering, shard groups, offload and step in backward.
+        A plan is a strategy's memory and step: a spec with a feature beside it is refused, by
+        name."""
         for feature, what in ((spec.staleness, "staleness=1"),
                               (spec.compression, "compression=PowerSGD(...)"),
                               (spec.diloco, "strategy=DiLoCo(...)")):
@@ -238,7 +247,8 @@ class Training:
                    max_gathered_mb=gathering.max_gathered_mb,
                    reshard_after_forward=gathering.reshard_after_forward,
                    shard_size=spec.shard_size,
-                   offload=None if spec.offload is None else spec.offload.what)
+                   offload=None if spec.offload is None else spec.offload.what,
+                   step_in_backward=bool(getattr(spec, "step_in_backward", False)))
 
 
 @dataclass(frozen=True)
@@ -255,6 +265,8 @@ class Report:
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {self.headroom!r}")
 
+
+_SPEC_HAS_BASE_DTYPE = "base_dtype" in {f.name for f in fields(Spec)}  # px.prepare's QLoRA
 
 _GROUPS = {"hardware": Hardware, "workload": Workload, "training": Training, "report": Report}
 _FIELDS = {f.name: group for group, cls in _GROUPS.items() for f in fields(cls) if f.init}
@@ -273,6 +285,9 @@ def groups(keywords: dict, where: str = "plan", **given) -> tuple[Hardware, Work
         if given.get("training") is not None:
             raise TypeError(f"{where}() takes training= or spec= (px.prepare's), not both")
         given["training"] = Training.of(spec)
+        base_dtype = getattr(spec, "base_dtype", None)  # px.prepare's QLoRA base: Workload's
+        if base_dtype is not None and "base_dtype" not in keywords:
+            keywords = {**keywords, "base_dtype": base_dtype}
     out = []
     for group, cls in _GROUPS.items():
         base = given.get(group)
@@ -313,22 +328,31 @@ class Setting:
         return self.training.precision
 
     def changed(self, **changes) -> Setting:
-        """The same setting with other fine-tuning (Workload's) or offload options, every
-        strategy they go with planned (alternatives.py)."""
-        offload = changes.pop("offload", self.training.offload)
+        """The same setting with other options (Workload's or Training's: fine-tuning, the
+        optimizer, the precision, offload, the step in backward), every strategy they go with
+        planned (alternatives.py). Offload goes without the step in backward (px.prepare
+        refuses the two together)."""
+        training = {k: changes.pop(k) for k in list(changes) if _FIELDS[k] == "training"}
+        if training.get("offload") is not None:
+            training.setdefault("step_in_backward", False)
         return check_setting(self.hardware, replace(self.workload, **changes),
-                             replace(self.training, strategy="all", offload=offload), self.report)
+                             replace(self.training, strategy="all", **training), self.report)
 
 
-def _planned(policy: ShardPolicy, t: Training) -> tuple[Spec, str | None]:
-    """`policy` under `t` as the Spec px.prepare resolves (its row with offload's places), and
-    the message of the first combination of its table that refuses it (None: none does)."""
+def _planned(policy: ShardPolicy, t: Training,
+             base_dtype: str | None = None) -> tuple[Spec, str | None]:
+    """`policy` under `t` (and a 4-bit base: `base_dtype`, Workload's) as the Spec px.prepare
+    resolves (its row with offload's places), and the message of the first combination of its
+    table that refuses it (None: none does)."""
     # zero3's gathering options are given to zero3 alone (the other rows ask for none)
     gathering = t.gathering if policy.params is SHARD else Gathering(prefetch=None)
     spec = Spec(policy=policy, precision=t.precision, comm_dtype=t.comm, output_dtype=None,
                 bucket_mb=t.bucket_mb, gathering=gathering, shard_size=t.shard_size,
                 staleness=None, compression=None,
-                offload=None if t.offload is None else Offload(t.offload), diloco=None)
+                offload=None if t.offload is None else Offload(t.offload), diloco=None,
+                step_in_backward=t.step_in_backward)
+    if base_dtype is not None and _SPEC_HAS_BASE_DTYPE:
+        spec = replace(spec, base_dtype=base_dtype)
     refusal = first_refusal(spec, COMBINATIONS)
     return replace(spec, policy=placed(policy, t.offload)), refusal
 
@@ -337,15 +361,19 @@ def check_setting(hardware: Hardware, workload: Workload, training: Training,
                   report: Report) -> Setting:
     """The setting of checked groups: each strategy's row, those planned and shown, the shard
     groups and the peak; ValueError with one line for options that do not go together."""
-    planned = [_planned(POLICIES[name], training) for name in STRATEGIES]
+    planned = [_planned(POLICIES[name], training, workload.base_dtype) for name in STRATEGIES]
     rows = tuple(spec.policy if refusal is None else POLICIES[name]
                  for name, (spec, refusal) in zip(STRATEGIES, planned))
     candidates = tuple(spec.policy for spec, refusal in planned if refusal is None)
+    if not candidates:  # options that no strategy takes together (zero3's refusal: the least)
+        raise ValueError(planned[-1][1])
     if training.strategy == "all":
         shown = candidates
     else:
         spec, refusal = planned[STRATEGIES.index(training.strategy)]
-        if refusal is not None and training.offload is not None:
+        alone = _planned(POLICIES[training.strategy], replace(training, offload=None),
+                         workload.base_dtype)[1] if refusal is not None else None
+        if refusal is not None and training.offload is not None and alone is None:
             why = ("only zero3 keeps parameter shards between uses"
                    if Offload(training.offload).params else "ddp steps the whole optimizer on "
                    "every rank, so its state is not sharded to offload")
@@ -353,7 +381,7 @@ def check_setting(hardware: Hardware, workload: Workload, training: Training,
                              f"{', '.join(row.name for row in candidates)}: {why} "
                              f"(strategy {training.strategy!r})")
         if refusal is not None:
-            raise ValueError(refusal)
+            raise ValueError(alone or refusal)
         shown = (spec.policy,)
     # the rows planned in shard groups: the one asked for, or each of those that shard (ddp's
     # figures beside them are the flat layout's)

@@ -126,6 +126,20 @@ class TransformerShape:
                 + [i for i in range(self.layers) for _ in range(per_layer)]
                 + [None] * len(self._after_layers()))
 
+    def param_linear(self) -> list[bool]:
+        """Which of `param_shapes()` are nn.Linear weights (the blocks' matrices and an untied
+        head; not the embeddings): what a 4-bit base stores in NF4."""
+        before, after = self._before_layers(), self._after_layers()
+        head = [not self.tied_embeddings and i == len(after) - 1 for i in range(len(after))]
+        return ([False] * len(before)
+                + [len(s) == 2 for s in self.layer_param_shapes()] * self.layers + head)
+
+    def loss_bytes(self, batch: int, seq: int) -> int:
+        """The loss's memory at the start of backward: its fp32 log-softmax (4V per token) and
+        the gradients of the log-probabilities and of the logits (`loss_transient_bytes`), all
+        freed by the loss's backward, before the head has a gradient."""
+        return 4 * self.vocab * batch * seq + self.loss_transient_bytes(batch, seq)
+
     def layer_params(self) -> int:
         return sum(math.prod(s) for s in self.layer_param_shapes())
 

@@ -17,7 +17,7 @@ import torch
 from .model_desc import ModelDesc
 from .trace import trace_module
 
-__all__ = ["activations_and_flops"]
+__all__ = ["activations_and_flops", "loss_bytes"]
 
 
 def _frozen_note(desc: ModelDesc) -> list[str]:
@@ -75,3 +75,12 @@ def activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpo
     notes.extend(_frozen_note(desc))
     forward = traced.forward_flops
     return acts, training(forward, forward * desc.frozen_params / max(desc.params, 1), grad_accum)
+
+
+def loss_bytes(desc: ModelDesc, batch: int, seq: int) -> int:
+    """Of a micro-batch's activations, the loss's memory that its own backward frees before any
+    weight has a gradient (a config's log-softmax and its gradients: transformer.py's
+    `loss_bytes`); 0 where it is not known apart (a module's traced forward, a count)."""
+    if desc.transformer is None:
+        return 0
+    return desc.transformer.loss_bytes(batch, seq)
