@@ -68,7 +68,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     precision: "fp32" (the parameters' own dtype), or "bf16"/"fp16" compute with master
         weights in the parameters' dtype (fp16 with dynamic loss scaling), or "bf16-true":
         weights, gradients and optimizer state in bf16 with no master, each step in fp32
-        rounded back stochastically (engine/rounding.py).
+        rounded back stochastically, so small updates are kept on average.
     bucket_mb: cap of a unit (gradient bucket), in MiB; the first is at most 1 MiB.
     blocks: the repeated blocks, each a unit (split under bucket_mb) and, under zero3, gathered
         as one: a module class, its name, or a tuple of them (default: the children of the
@@ -108,7 +108,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         compression, DiLoCo and offload with it.
     base_dtype: "nf4" (zero3) stores every frozen nn.Linear weight in NF4, 4 bits an element
         and scales in blocks, each rank keeping 1/N of it, gathered and dequantized while its
-        layer computes (QLoRA's base: model/nf4_base.py); needs torchao. None: as held.
+        layer computes (QLoRA's base); needs torchao. None: as the model holds them.
     step_stats: time every optimizer step for `px.step_stats(model)`.
     init: fn(model) setting every parameter and buffer of a meta build (default: each module's
         reset_parameters(), in order; a PEFT model's adapters after its base, as
