@@ -141,3 +141,22 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
         for index, entry in saved[1]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(optimizer["state"][index][key], value), (index, key)
+
+
+def _capped(strategy):
+    """Pieces cut at 96 elements (flat.py's cap, set low): several pieces a parameter."""
+    from phalanx.engine import flat
+    flat.PIECE_CAP = 96
+    return train(strategy)
+
+
+def test_pieces_cut_at_the_cap_round_and_step_alike():
+    """bf16-true with every parameter cut into pieces of at most 96 elements, each stepped in
+    its own fp32 batch: the weights end where the uncut run ends, bit for bit (the rounding's
+    bits hang on the element, not the piece)."""
+    for strategy in ("zero2", "zero3"):
+        cut = run_ranks(_capped, 2, args=(strategy,), timeout=120)
+        whole = run_ranks(train, 2, args=(strategy,), timeout=120)
+        for (a, *_), (b, *_) in zip(cut, whole):
+            for k in b:
+                assert torch.equal(a[k], b[k]), (strategy, k)

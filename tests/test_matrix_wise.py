@@ -350,3 +350,22 @@ def test_shard_groups_step_their_matrices_on_owners_within_the_group():
         want = _weights(reference(kind, 4)[0])
         for rank, got in enumerate(results):
             assert _max_diff(got[kind], want) < 1e-10, f"{kind} rank {rank}"
+
+
+def _capped(kind, strategy):
+    from phalanx.engine import flat
+    flat.PIECE_CAP = 40  # every matrix in several pieces on each rank
+    model, opt = train_prepared(kind, strategy)
+    return _weights(model), opt.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["muon", "toy"])
+def test_pieces_cut_at_the_cap_gather_whole_on_the_owner(kind):
+    """flat.py's cap cuts a rank's slice of a matrix into several pieces: the owners' exchange
+    sends and receives them in order, and training is one process's."""
+    model, opt = reference(kind, 2)
+    want, want_state = _weights(model), opt.state_dict()
+    for strategy in ("zero2", "zero3"):
+        for weights, state in run_ranks(_capped, 2, args=(kind, strategy), timeout=120):
+            assert _max_diff(weights, want) < 1e-10, (kind, strategy)
+            assert _state_diff(state, want_state) < 1e-10, (kind, strategy)

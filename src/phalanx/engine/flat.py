@@ -54,7 +54,19 @@ from .buckets import BufferPool, GradBucket
 from .policy import ShardPolicy
 from .vote import FAILED_AT
 
-__all__ = ["FlatUnit", "Piece", "UnitContext"]
+__all__ = ["FlatUnit", "Piece", "UnitContext", "PIECE_CAP"]
+
+# [Note: a cap on a piece]
+# A piece longer than this many elements is cut into pieces of at most this many, each a
+# tensor the optimizer steps (and keys its state by) of its own. The optimizer's temporaries,
+# bf16-true's fp32 copy of what it steps (rounding.py) and torchao's dequantized low-bit state
+# are made per tensor, so a parameter as long as a large vocabulary's embedding or head (525M
+# elements at 128K x 4096: 262M on each of two ranks, 4 GiB in fp32 with two moments) costs a
+# cap's worth at a time instead of all of it. An element-wise optimizer steps each element
+# alike whatever tensor it sits in, so nothing else changes: checkpoints and the state_dict
+# go by element ranges. 2^22 elements: 64 MiB with an fp32 copy and two moments; a multiple
+# of every block a low-bit state uses.
+PIECE_CAP = 1 << 22
 
 
 @dataclass
@@ -229,7 +241,13 @@ class FlatUnit:
                 continue
             view = held[a - lo:b - lo]
             whole = (a, b) == (offset, offset + p.numel())
-            if i < len(self.params):
+            if i < len(self.params) and b - a > PIECE_CAP:  # see [Note: a cap on a piece]
+                for c in range(a, b, PIECE_CAP):
+                    d = min(c + PIECE_CAP, b)
+                    self.pieces.append(Piece(i, c - offset, d - offset,
+                                             torch.nn.Parameter(held[c - lo:d - lo]),
+                                             c - lo, d - lo))
+            elif i < len(self.params):
                 master = torch.nn.Parameter(view.view_as(p) if whole else view)
                 self.pieces.append(Piece(i, a - offset, b - offset, master, a - lo, b - lo))
             else:  # no gradient, no optimizer: a plain view

@@ -160,7 +160,8 @@ class FlatEngine:
                                step_chunk_bytes=self.step_chunk_bytes,
                                on_host=partial(step_on_host, self)
                                if self.host_link is not None else None,
-                               wholes=self.wholes)
+                               wholes=self.wholes,
+                               fp32_runs=self.precision.rounding is not None)
         self.optim = OptimizerAdapter(optimizer, self, module) if optimizer is not None else None
         if self.optim is not None:  # [Note: torch.amp's GradScaler on a prepared model] in amp.py
             route_grad_scaler()

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import flat as flat_layout
 from .optimizer_kinds import block_size, check_declared
 from .rounding import ROUNDINGS, Compensation, fp32_step
 
@@ -227,9 +228,29 @@ class OptimizerAdapter:
         fp32, rounded back ([Note: bf16-true's step] in rounding.py)."""
         if self.rounding is None:
             return self._user["step"]()
-        with fp32_step(self.holders(), self.optimizer, self.position_of,
-                       self.engine.steps.value, self.rounding, self.compensation):
-            return self._user["step"]()
+        active = [h for h in self.holders() if h.tensor.grad is not None]
+        # an fp32 copy of a cap's worth at a time ([Note: a cap on a piece] in flat.py)
+        for batch in _batches(active, flat_layout.PIECE_CAP):
+            with self._holding_only(batch), \
+                    fp32_step(batch, self.optimizer, self.position_of, self.engine.steps.value,
+                              self.rounding, self.compensation):
+                self._user["step"]()
+        return None
+
+    @contextmanager
+    def _holding_only(self, holders):
+        """The param groups hold only `holders`' tensors of what they hold now, for the
+        duration (one call of the optimizer's own step over them)."""
+        ids = {id(h.tensor) for h in holders}
+        groups = self.optimizer.param_groups
+        shown = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [t for t in group["params"] if id(t) in ids]
+        try:
+            yield
+        finally:
+            for group, params in zip(self.optimizer.param_groups, shown):
+                group["params"] = params
 
     def round_by(self, rounding: str) -> None:
         """bf16-true: how the fp32 step rounds back, one of rounding.py's ROUNDINGS (a
@@ -458,6 +479,19 @@ class OptimizerAdapter:
         with self.holding_masters():
             self._user["load_state_dict"]({"state": state, "param_groups": groups})
         self._requantize()
+
+
+def _batches(holders: list, cap: int) -> list[list]:
+    """`holders` in consecutive batches of at most `cap` elements (a longer one alone)."""
+    out, batch, size = [], [], 0
+    for h in holders:
+        n = h.end - h.start
+        if batch and size + n > cap:
+            out.append(batch)
+            batch, size = [], 0
+        batch.append(h)
+        size += n
+    return out + [batch] if batch else out
 
 
 def _watched(vote, user_step):

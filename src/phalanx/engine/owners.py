@@ -51,7 +51,7 @@ class Whole:
     param: torch.nn.Parameter
     spans: list[tuple[int, int]]  # rank r's elements of the flattened parameter: [a, b)
     owner: int
-    mine: Piece | None           # this rank's master piece of it, if any
+    mine: list[Piece]            # this rank's master pieces of it, in order (flat.py's cap)
     tensor: torch.nn.Parameter | None = None  # on the owner: what the optimizer steps
     # the elements sent with each gradient slice: the gradient's, then the master's
     numel: int = field(init=False)
@@ -83,7 +83,7 @@ class WholeParams:
                     continue
                 spans = [_clamped(r * shard - offset, (r + 1) * shard - offset, p.numel())
                          for r in range(world)]
-                mine = next((piece for piece in unit.pieces if piece.param_index == i), None)
+                mine = [piece for piece in unit.pieces if piece.param_index == i]
                 candidates.append((unit, i, p, spans, mine))
         load = [0] * world
         owners = {}
@@ -134,8 +134,9 @@ class WholeParams:
         sends = []
         for r in range(world):
             for w in wholes:
-                if w.owner == r and w.mine is not None:
-                    sends += [grad_of(w).reshape(-1), w.mine.master.reshape(-1)]
+                if w.owner == r and w.mine:
+                    sends += [grad_of(w).reshape(-1)] + [piece.master.reshape(-1)
+                                                         for piece in w.mine]
         input_splits = [2 * sum(w.span(me) for w in wholes if w.owner == r) for r in range(world)]
         output_splits = [2 * sum(w.span(r) for w in wholes if w.owner == me)
                          for r in range(world)]
@@ -170,10 +171,11 @@ class WholeParams:
         at = 0
         for r in range(world):
             for w in wholes:
-                if w.owner == r and w.mine is not None:
-                    n = w.span(me)
-                    w.mine.master.view(-1).copy_(got[at:at + n])
-                    at += n
+                if w.owner == r and w.mine:
+                    for piece in w.mine:
+                        n = piece.end - piece.start
+                        piece.master.view(-1).copy_(got[at:at + n])
+                        at += n
 
 
 class _Gathering:

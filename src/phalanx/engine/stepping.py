@@ -57,11 +57,12 @@ class Stepper:
         or None where the masters are on the device.
     wholes: a matrix-wise optimizer's parameters stepped whole on their owners (owners.py),
         or None.
+    fp32_runs: bf16-true: the step works in fp32 (rounding.py), so runs are sized by it.
     """
 
     def __init__(self, units: list[FlatUnit], params: list, masters: Masters, optimizer,
                  comm, policy: ShardPolicy, *, delayed, loss_scaler, step_chunk_bytes: int,
-                 on_host: Callable | None, wholes=None):
+                 on_host: Callable | None, wholes=None, fp32_runs: bool = False):
         self.units = units
         self.params = params
         self.masters = masters
@@ -73,6 +74,7 @@ class Stepper:
         self.step_chunk_bytes = step_chunk_bytes
         self.on_host = on_host
         self.wholes = wholes or None
+        self.fp32_runs = fp32_runs  # bf16-true: runs sized by their fp32 step (rounding.py)
         self.overflow: bool | None = None  # fp16: read at the end of the last backward
 
     def note_overflow(self, found: bool | None) -> None:
@@ -184,7 +186,9 @@ class Stepper:
                             grad.detach().reshape(-1)[piece.start:piece.end].to(
                                 piece.master.device, unit.master_dtype).view_as(piece.master)
                 if self.wholes is not None:
-                    pending = self.wholes.start_gather(self.units, lambda w: w.mine.master.grad)
+                    pending = self.wholes.start_gather(
+                        self.units, lambda w: torch.cat([p.master.grad.reshape(-1)
+                                                         for p in w.mine]))
                     if pending is not None:
                         pending.finish()
                 with host_kernels(self.optimizer) if self.on_host is not None \
@@ -257,7 +261,7 @@ class Stepper:
             return None
 
         def grad_of(w):  # this rank's slice of the reduced gradient, as the step gives it
-            grad = w.unit.reduced[w.mine.lo:w.mine.hi]
+            grad = w.unit.reduced[w.mine[0].lo:w.mine[-1].hi]
             if grad.dtype != w.unit.master_dtype or unscale != 1.0:
                 grad = grad.to(w.unit.master_dtype, copy=True).mul_(unscale)
             return grad
@@ -268,7 +272,8 @@ class Stepper:
         units.py); with whole parameters always a few units at a time, so that a run's
         owners' exchange overlaps the step of the run before."""
         if all(u.reduced.dtype == u.master_dtype for u in ready) and unscale == 1.0 \
-                and self.wholes is None:
+                and self.wholes is None and not self.fp32_runs:
             return [ready]
-        sizes = [u.reduced.numel() * torch.finfo(u.master_dtype).bits // 8 for u in ready]
+        bits = [32 if self.fp32_runs else torch.finfo(u.master_dtype).bits for u in ready]
+        sizes = [u.reduced.numel() * b // 8 for u, b in zip(ready, bits)]
         return [[ready[i] for i in run] for run in step_runs(sizes, self.step_chunk_bytes)]
