@@ -88,13 +88,13 @@ working memory is then the largest, over runs, of the run's fp32 gradients (4 by
 element) plus the optimizer's temporaries for the run's tensors (the single-tensor
 temporaries are modelled on each unit as one tensor, an upper bound, since a unit's pieces
 are stepped one parameter at a time).
-"bf16-true" keeps no master: the step upcasts, a run of units at a time, the run's parameters,
-gradients and optimizer state to fp32, steps them and rounds them back ([Note: bf16-true's step]
-in engine/rounding.py): 4 + 4 bytes per element and 4 per state element of the run, with the
-optimizer's temporaries in fp32. A low-bit optimizer's moments are dequantized to fp32 for the
-tensors it steps together (4 bytes per state element of the run; its own compiled update makes
-no temporaries beyond them; under fp32, where every unit is stepped in one call, torchao
-dequantizes one tensor at a time, the largest).
+"bf16-true" keeps no master: the step upcasts the parameters, gradients and optimizer state of
+a batch of pieces of at most 2^22 elements at a time to fp32 ([Note: a cap on a piece] in
+engine/flat.py), steps them and rounds them back ([Note: bf16-true's step] in
+engine/rounding.py): 4 + 4 bytes per element and 4 per state element of the batch, with the
+optimizer's temporaries in fp32. A low-bit optimizer's moments are dequantized to fp32 one
+tensor at a time, a piece of at most 2^22 elements (4 bytes per state element of the largest;
+its own compiled update makes no temporaries beyond them).
 With `step_in_backward=True` each unit is stepped alone, as soon as its gradient is reduced
 ([Note: the step in backward] in engine/stepping.py), so the runs are single units, and the
 step happens while backward runs (see [Note: Peak]).
@@ -121,6 +121,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..engine.flat import PIECE_CAP
 from ..engine.policy import SHARD, ShardPolicy
 from ..engine.units import step_runs
 from ..spec.precisions import PrecisionSpec
@@ -354,14 +355,29 @@ def step_working_bytes(optimizer: str, precision: PrecisionSpec, stepped: list[i
     def run_working(run: list[int]) -> int:
         elements = sum(run)
         made = 4 * elements * (2 if upcast else 1)  # the gradients (and parameters) in fp32
-        if quantized:
-            return made + 4 * states * elements  # the moments, dequantized
+        if quantized:  # the moments dequantized a tensor (a piece: at most a cap) at a time
+            return made + 4 * states * min(max(run), PIECE_CAP)
         if upcast:
             return made + 4 * states * elements + _temporaries(optimizer, 4, run, foreach, fused)
         return made + _temporaries(optimizer, precision.state_bytes, run, foreach, fused)
 
+    if upcast:  # bf16-true: the fp32 copies a batch of pieces of at most a cap at a time
+        pieces = [min(PIECE_CAP, n - i) for n in stepped for i in range(0, n, PIECE_CAP)]
+        return max(run_working(batch) for batch in _batches(pieces, PIECE_CAP))
     runs = step_runs([4 * u for u in stepped], run_bytes if run_bytes is not None else 0)
     return max(run_working([stepped[i] for i in run]) for run in runs)
+
+
+def _batches(sizes: list[int], cap: int) -> list[list[int]]:
+    """`sizes` in consecutive batches of at most `cap` (a larger one alone), as the engine's
+    bf16-true step takes its pieces (engine/optim.py)."""
+    out, batch = [], []
+    for n in sizes:
+        if batch and sum(batch) + n > cap:
+            out.append(batch)
+            batch = []
+        batch.append(n)
+    return out + [batch] if batch else out
 
 
 def peak_bytes(states_total: int, buffers: dict, activations: int, step_bytes: int,
