@@ -52,7 +52,7 @@ def _every_strategy():
             for b in (False, True)}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_strategy_ends_where_ddp_ends_in_bf16(world):
     for rank, got in enumerate(run_ranks(_every_strategy, world, timeout=180)):
         want = got["ddp", False][0]

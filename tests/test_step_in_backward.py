@@ -79,7 +79,8 @@ CASES = [(s, "fp32", accum) for s in STRATEGIES for accum in (1, 2)] + \
     [(s, "fp32", 1, True) for s in ("zero2", "zero3")]  # Muon: whole matrices on owners
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 3 ranks: slow (PHALANX_SLOW=1); 2 ranks cover every strategy and case in the suite
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_equals_the_ordinary_step(world):
     for rank, diffs in enumerate(run_ranks(_both, world, args=(CASES,), timeout=300)):
         for case, diff in diffs.items():
