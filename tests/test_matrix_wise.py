@@ -342,6 +342,7 @@ def _hybrid():
             for kind in ("muon", "adafactor")}
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores (PHALANX_SLOW=1)
 def test_shard_groups_step_their_matrices_on_owners_within_the_group():
     """shard_size=2 on 4 ranks: each group of two shards (and owns) the matrices apart, the
     gradients averaged across the groups first."""
