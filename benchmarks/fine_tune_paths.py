@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bf16_true
 from bf16_true import GPT, corpus
+from gpu_common import state_bytes
 
 import phalanx as px
 from phalanx.testing import engine_of, run_ranks
@@ -59,13 +60,7 @@ def held(model, opt) -> dict:
     weights = sum(u.master.numel() * u.master.element_size() for u in engine.units)
     weights += sum(u.flat.numel() * u.flat.element_size() for u in engine.units
                    if u.flat is not None and u.flat.untyped_storage().size())
-    state = 0
-    for s in opt.state.values():
-        for v in s.values():
-            if type(v) is torch.Tensor:
-                state += v.numel() * v.element_size()
-            elif isinstance(v, torch.Tensor):  # torchao's quantized state
-                state += sum(t.numel() * t.element_size() for t in (v.codes, v.scale))
+    state = state_bytes(opt)
     grads = sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in engine.units
                 if u.grad_shard is not None)
     host = sum(u.host_grad.numel() * u.host_grad.element_size() for u in engine.units

@@ -22,22 +22,11 @@ import torch
 CASES = ("bf16-true", "bf16-true+8bit", "bf16", "bf16+step_in_backward")
 
 
-def _state_bytes(opt) -> int:
-    total = 0
-    for state in opt.state.values():
-        for v in state.values():
-            if type(v) is torch.Tensor:
-                total += v.numel() * v.element_size()
-            elif isinstance(v, torch.Tensor):  # torchao's quantized state
-                total += sum(t.numel() * t.element_size() for t in (v.codes, v.scale))
-    return total
-
-
 def _recipes_rank(dry: bool) -> dict:
     """On each of 2 ranks: allocated between steps and the peak of a step, for each case (the
     model: GPT-2 124M, TINY on the CPU dry run)."""
     from gpt import n_params
-    from gpu_common import gpt, train
+    from gpu_common import gpt, state_bytes, train
 
     import phalanx as px
     from phalanx.testing import engine_of
@@ -67,7 +56,7 @@ def _recipes_rank(dry: bool) -> dict:
         else:  # the dry run: the engine's shards and the state, counted by hand
             engine = engine_of(model)
             allocated = sum(u.master.numel() * u.master.element_size()
-                            for u in engine.units) + _state_bytes(opt)
+                            for u in engine.units) + state_bytes(opt)
             peak = allocated
         out[case] = (allocated, peak, psi)
         del model, opt

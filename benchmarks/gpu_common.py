@@ -104,3 +104,15 @@ def _timed(step, n=20, warmup=5, cuda=True):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def state_bytes(opt) -> int:
+    """Bytes of an optimizer's state, a torchao quantized state by its codes and scales."""
+    total = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if type(v) is torch.Tensor:
+                total += v.numel() * v.element_size()
+            elif isinstance(v, torch.Tensor):  # torchao's quantized state
+                total += sum(t.numel() * t.element_size() for t in (v.codes, v.scale))
+    return total

@@ -35,7 +35,7 @@ import torch
 
 from ..planner.sizes import parse_bytes
 from .common import STATE_FILE
-from .files import DTYPE_NAMES, _bytes_of, fsync_dir
+from .files import DTYPE_NAMES, _bytes_of, fsync_dir, write_text
 from .removal import why_not_export_target
 
 __all__ = ["Entry", "check_options", "plan", "write_plan", "INDEX"]
@@ -247,18 +247,7 @@ def _write_index(directory: str, files: list[list[Entry]], names: list[str]) -> 
     """The index, written last; then the shards of an earlier export that it does not name."""
     index = {"metadata": {"total_size": sum(e.nbytes for f in files for e in f)},
              "weight_map": {e.name: name for name, f in zip(names, files) for e in f}}
-    path = os.path.join(directory, INDEX)
-    tmp = f"{path}.partial-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(index, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_text(os.path.join(directory, INDEX), json.dumps(index, indent=2) + "\n")
     for old in os.listdir(directory):
         if _SHARD.fullmatch(old) and old not in names:
             os.remove(os.path.join(directory, old))

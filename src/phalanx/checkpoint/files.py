@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import os
 import struct
+import uuid
 import zlib
 
 import torch
 
-__all__ = ["write_tensors", "fsync_dir", "file_digest", "DTYPE_NAMES"]
+__all__ = ["write_tensors", "write_text", "fsync_dir", "file_digest", "DTYPE_NAMES"]
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -84,6 +85,21 @@ def file_digest(path: str) -> int:
             if not n:
                 return crc
             crc = zlib.crc32(view[:n], crc)
+
+
+def write_text(path: str, text: str) -> None:
+    """`text` into `path` whole or not at all: written under a name of its own, made durable,
+    then renamed into place (a partial file is removed if anything fails)."""
+    tmp = f"{path}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def fsync_dir(path: str) -> None:

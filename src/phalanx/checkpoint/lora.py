@@ -48,7 +48,7 @@ from ..model.peft_names import (
     peft_prefix,
 )
 from .export import Entry, output_dtype
-from .files import fsync_dir
+from .files import fsync_dir, write_text
 
 __all__ = ["Merge", "merged_entries", "adapter_entries", "adapter_config", "merged",
            "write_config", "ADAPTER_FILE", "ADAPTER_CONFIG", "ROWS"]
@@ -362,17 +362,8 @@ def _plain(value):
 
 def write_config(directory: str, config: dict) -> None:
     """adapter_config.json in `directory`, as PEFT writes it (indent 2, keys sorted)."""
-    path = os.path.join(directory, ADAPTER_CONFIG)
-    tmp = f"{path}.partial"
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(config, indent=2, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_text(os.path.join(directory, ADAPTER_CONFIG), json.dumps(config, indent=2,
+                                                                   sort_keys=True))
     fsync_dir(directory)
 
 
