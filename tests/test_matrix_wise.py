@@ -59,6 +59,11 @@ def make_optimizer(kind: str, model: nn.Module):
         return torch.optim.Muon(model.parameters(), lr=0.05, weight_decay=0.1)
     if kind == "adafactor":
         return torch.optim.Adafactor(model.parameters(), lr=0.05, weight_decay=0.01)
+    if kind == "chain":  # torch's documented pair: Muon over the matrices, AdamW the rest
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        others = [p for p in model.parameters() if p.ndim != 2]
+        return px.chain_optimizers(torch.optim.Muon(matrices, lr=0.05, weight_decay=0.1),
+                                   torch.optim.AdamW(others, lr=0.01, weight_decay=0.1))
     matrices = [p for p in model.parameters() if p.ndim == 2]
     others = [p for p in model.parameters() if p.ndim != 2]
     return NormalizedMomentum([{"params": matrices, "whole": True}, {"params": others}])
@@ -133,7 +138,7 @@ def _state_diff(got: dict, want: dict) -> float:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_matrix_wise_optimizers_match_one_process(world):
-    kinds = ("muon", "adafactor", "toy")
+    kinds = ("muon", "adafactor", "toy", "chain")
     results = run_ranks(_trained_everywhere, world, args=(kinds,), timeout=300)
     for kind in kinds:
         model, opt = reference(kind, world)
@@ -208,6 +213,7 @@ def _save_then_resume(kind, path, phase, strategy):
     ("muon", (2, "zero2"), (3, "zero3")),
     ("adafactor", (3, "zero3"), (2, "zero1")),
     ("toy", (2, "zero1"), (1, "ddp")),
+    ("chain", (2, "zero2"), (3, "zero3")),
 ])
 def test_resumes_at_another_world_size_and_strategy(tmp_path, kind, before, after):
     """Three steps at one world size and strategy, saved; two more at another: the weights
@@ -258,7 +264,7 @@ def _refused(case):
                     "px.matrix_wise(cls", "Muon"]),
     ("offload", ["offload='optimizer' with Adafactor", "offload=None"]),
     ("muon without the biases", ["are not in the optimizer", "torch.optim.Muon takes matrices",
-                                 "px.matrix_wise(cls, whole="]),
+                                 "px.chain_optimizers(muon, adamw)", "px.matrix_wise(cls, "]),
 ])
 def test_what_cannot_shard_is_refused_on_every_rank(case, words):
     with pytest.raises(RanksFailed) as caught:
@@ -370,3 +376,40 @@ def test_pieces_cut_at_the_cap_gather_whole_on_the_owner(kind):
         for weights, state in run_ranks(_capped, 2, args=(kind, strategy), timeout=120):
             assert _max_diff(weights, want) < 1e-10, (kind, strategy)
             assert _state_diff(state, want_state) < 1e-10, (kind, strategy)
+
+
+def _scheduled(strategy):
+    model = make_model("chain")
+    opt = make_optimizer("chain", model)
+    if strategy is not None:
+        model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=0.0005)
+    muon = opt.optimizers[0]
+    schedule = torch.optim.lr_scheduler.StepLR(muon, step_size=1, gamma=0.5)
+    world, r = px.world_size(), px.rank()
+    for x, y in batches(world if strategy is not None else 2):
+        if strategy is not None:
+            x, y = x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    return _weights(model), muon.param_groups[0]["lr"]
+
+
+def test_a_scheduler_on_one_of_the_chained_optimizers():
+    """px.chain_optimizers(muon, adamw) under zero2, with a StepLR on the Muon alone: the
+    weights and the learning rate are one process's."""
+    want, want_lr = run_ranks(_scheduled, 1, args=(None,), timeout=60)[0]
+    for weights, lr in run_ranks(_scheduled, 2, args=("zero2",), timeout=120):
+        assert lr == want_lr == 0.05 * 0.5 ** STEPS
+        assert _max_diff(weights, want) < 1e-10
+
+
+@pytest.mark.one_process
+def test_chained_optimizers_are_checked():
+    model = make_model("chain")
+    with pytest.raises(TypeError, match="torch.optim.Optimizer instances"):
+        px.chain_optimizers()
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="held by two of the chained optimizers"):
+        px.chain_optimizers(adamw, torch.optim.SGD(model.parameters(), lr=0.1))

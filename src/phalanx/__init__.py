@@ -19,6 +19,7 @@ from .data import (
                       global_mean,
                       map_batches,
 )
+from .engine.chained import chain_optimizers
 from .engine.optimizer_kinds import element_wise, matrix_wise
 from .engine.powersgd_config import PowerSGD
 from .engine.remote import PeerError
@@ -48,7 +49,7 @@ __all__ = [
     "init", "rank", "world_size", "local_rank", "device", "is_main", "barrier", "shutdown",
     "prepare", "no_sync", "clip_grad_norm_", "unwrap", "optimizer_state_dict", "step_stats",
     "DiLoCo", "from_safetensors",
-    "PowerSGD", "element_wise", "matrix_wise",
+    "PowerSGD", "element_wise", "matrix_wise", "chain_optimizers",
     "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
     "global_mean",
     "plan",

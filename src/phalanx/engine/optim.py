@@ -134,10 +134,10 @@ class OptimizerAdapter:
             raise ValueError(
                 f"{len(missing)} trainable parameter(s) of the model are not in the optimizer; "
                 "add them, or set requires_grad=False on the ones you do not train"
-                + ("; torch.optim.Muon takes matrices only, and px.prepare takes one "
-                   "optimizer: step the others in an element-wise group of one optimizer "
-                   "class of your own beside a Muon group, declared with "
-                   "px.matrix_wise(cls, whole=lambda group, p: group['use_muon'])"
+                + ("; torch.optim.Muon takes matrices only: chain it with an optimizer over "
+                   "the rest, px.prepare(model, px.chain_optimizers(muon, adamw)), or declare "
+                   "one class of your own holding both groups with px.matrix_wise(cls, "
+                   "whole=lambda group, p: group['use_muon'])"
                    if muon else ""))
         # what the optimizer steps: the master pieces, but for a parameter stepped whole on
         # its owner (owners.py), the owner's whole tensor, and nothing on the other ranks
@@ -549,6 +549,11 @@ def _init_state_for_masters(optimizer) -> None:
     """Drop the state an optimizer made for the model's parameters at construction and make it
     for the masters instead (Adagrad creates its accumulators in __init__)."""
     optimizer.state.clear()
+    for own in getattr(optimizer, "optimizers", [optimizer]):  # a chain's: chained.py
+        _init_adagrad(own)
+
+
+def _init_adagrad(optimizer) -> None:
     if isinstance(optimizer, torch.optim.Adagrad):
         for group in optimizer.param_groups:
             for m in group["params"]:

@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from .chained import ChainedOptimizer
+
 __all__ = ["element_wise", "matrix_wise", "whole_rule", "check_declared", "declared_names",
            "block_size"]
 
@@ -76,7 +78,21 @@ def _check_class(cls) -> None:
 
 def _declaration(optimizer) -> tuple[bool, WholeRule | None]:
     """(declared, rule) for the nearest declared class in `optimizer`'s MRO; torchao's
-    low-bit optimizers are element-wise (their blocks: `block_size`)."""
+    low-bit optimizers are element-wise (their blocks: `block_size`); a chain of optimizers
+    (chained.py) is declared when each of its optimizers is, each group taking the rule of
+    the optimizer it belongs to."""
+    if isinstance(optimizer, ChainedOptimizer):
+        kinds = [_declaration(o) for o in optimizer.optimizers]
+        if not all(declared for declared, _ in kinds):
+            return False, None
+        if all(rule is None for _, rule in kinds):
+            return True, None
+        rules = {id(o): rule for o, (_, rule) in zip(optimizer.optimizers, kinds)}
+
+        def rule(group, param):
+            own = rules[id(optimizer.optimizer_of(group))]
+            return own is not None and own(group, param)
+        return True, rule
     for cls in type(optimizer).__mro__:
         if cls in _DECLARED:
             return True, _DECLARED[cls]
@@ -88,6 +104,9 @@ def _declaration(optimizer) -> tuple[bool, WholeRule | None]:
 def block_size(optimizer) -> int | None:
     """The block of a torchao low-bit optimizer's quantized state (elements of a parameter
     sharing one scale: 256 for AdamW8bit, 128 for AdamW4bit), None for any other."""
+    if isinstance(optimizer, ChainedOptimizer):
+        sizes = [b for b in map(block_size, optimizer.optimizers) if b is not None]
+        return max(sizes) if sizes else None
     if type(optimizer).__module__.startswith("torchao.optim") \
             and isinstance(getattr(optimizer, "block_size", None), int) \
             and hasattr(optimizer, "_new_buffer") and hasattr(optimizer, "_subclass_zeros"):
@@ -110,6 +129,9 @@ def check_declared(optimizer) -> None:
     """Refuse an optimizer of neither kind (see the Note), naming the way out."""
     if _declaration(optimizer)[0]:
         return
+    if isinstance(optimizer, ChainedOptimizer):  # the first undeclared one, by its own name
+        for o in optimizer.optimizers:
+            check_declared(o)
     if type(optimizer).__module__.startswith("bitsandbytes"):
         raise ValueError(
             f"bitsandbytes' {type(optimizer).__name__} keeps its 8-bit state in a layout of its "
