@@ -98,7 +98,6 @@ class WholeParams:
             if w.owner == rank:
                 w.tensor = torch.nn.Parameter(_empty(unit))
             self.wholes.append(w)
-        self.owned_numel = load  # per rank: the whole parameters' elements it steps
         self._of_param = {id(w.param): w for w in self.wholes}
 
     def __bool__(self) -> bool:
