@@ -6,7 +6,8 @@ Against one process whose base weights are torchao's `to_nf4` of the same weight
 with torchao's own `linear_nf4`: with the same batch on both ranks of a world of two (the
 average of equal gradients is each one, exactly), the trained adapters equal bit for bit. Each
 rank keeps half of the 4-bit bytes; the base is gone from the module's parameters; a checkpoint
-of the adapters resumes at another world size; what cannot take it is refused on every rank.
+of the adapters resumes at another world size; a meta build reading its files quantizes each
+base weight as it is read; what cannot take it is refused on every rank.
 """
 
 from __future__ import annotations
@@ -119,10 +120,16 @@ def test_an_adapter_checkpoint_resumes_at_another_world_size(tmp_path):
 
 
 def _refused(case):
-    model = make_model()
+    if case == "meta, drawn":
+        with torch.device("meta"):
+            model = make_model()
+    else:
+        model = make_model()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     if case == "zero2":
         px.prepare(model, opt, strategy="zero2", base_dtype="nf4")
+    elif case == "meta, drawn":
+        px.prepare(model, opt, strategy="zero3", base_dtype="nf4")
     else:
         px.prepare(model, opt, strategy="zero3", base_dtype="int4")
 
@@ -130,9 +137,37 @@ def _refused(case):
 @pytest.mark.parametrize("case,words", [
     ("zero2", "base_dtype='nf4' keeps the frozen base in 4-bit shards"),
     ("int4", "base_dtype='int4': 'nf4'"),
+    ("meta, drawn", "init=px.from_safetensors(path) (each weight read whole and quantized"),
 ])
 def test_what_cannot_take_it_is_refused_on_every_rank(case, words):
     with pytest.raises(RanksFailed) as caught:
         run_ranks(_refused, 2, args=(case,), timeout=60)
     assert "2 of 2 ranks failed" in str(caught.value)
     assert words in str(caught.value)
+
+
+def _from_files(path, steps=3):
+    with torch.device("meta"):
+        model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = px.prepare(model, opt, strategy="zero3", base_dtype="nf4", bucket_mb=0.01,
+                            init=px.from_safetensors(path))
+    for step in range(steps):
+        x, y = batch(step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return trainable(model)
+
+
+def test_a_meta_build_quantizes_each_base_weight_as_it_is_read(tmp_path):
+    """A zero3 model built on the meta device, its weights read from files: each base weight is
+    read whole from its file, quantized and let go, one at a time; the training that follows is
+    the one of the model built with its weights, bit for bit."""
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in make_model().state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    want = run_ranks(_sharded, 2, args=(3,), timeout=120)[0][0]
+    for got in run_ranks(_from_files, 2, args=(str(tmp_path),), timeout=120):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name

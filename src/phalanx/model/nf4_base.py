@@ -12,7 +12,10 @@ is and shards it:
   slice of the three arrays: the elements [r*S, (r+1)*S) of the flattened weight, S a whole
   number of scale blocks (64 x 256 elements), so a slice's codes, scales and scales' factors
   are its own (the last rank's slice padded). Quantizing reads the weight whole, one weight at
-  a time, on each rank; what stays is 1/N of the 4-bit bytes.
+  a time, on each rank; what stays is 1/N of the 4-bit bytes. A zero3 model built on the meta
+  device with `init=px.from_safetensors(path)` never holds a base weight otherwise: each is
+  read from its file whole, quantized, and let go, one at a time (pretrained.py's
+  `take_whole`).
 - The weight is no longer a parameter of its module (zero3's units never see it): the module's
   forward gathers the three arrays (about 0.52 bytes per element, a quarter of bf16's, on a
   group of their own), dequantizes the whole weight in the compute dtype for its matmul and
@@ -36,6 +39,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from .materialize import has_room
 
 __all__ = ["convert", "NF4Shard", "BLOCK", "SCALER_BLOCK"]
 
@@ -131,12 +136,14 @@ def _forward(self, x):
     return y + self.bias if self.bias is not None else y
 
 
-def convert(module: torch.nn.Module, comm) -> dict:
+def convert(module: torch.nn.Module, comm, read=None) -> dict:
     """Store every frozen nn.Linear weight of `module` that takes it as NF4 in shards (see the
-    Note): {"converted": names, "kept": {name: why}}."""
+    Note): {"converted": names, "kept": {name: why}}. `read(path, "weight")`: the whole value
+    of a weight that holds none yet (a zero3 meta build reading pretrained files:
+    pretrained.py's `take_whole`), read one weight at a time and quantized as it is read."""
     converted, kept = [], {}
     names = {id(p): n for n, p in module.named_parameters()}
-    for sub in module.modules():
+    for path, sub in module.named_modules():
         if not isinstance(sub, torch.nn.Linear):
             continue
         w = sub.weight
@@ -146,7 +153,11 @@ def convert(module: torch.nn.Module, comm) -> dict:
         if w.numel() % CHUNK:
             kept[name] = f"{w.numel()} elements, not a whole number of {CHUNK}"
             continue
-        shard = NF4Shard(w, comm)
+        value = w if has_room(w) else (read(path, "weight") if read is not None else None)
+        if value is None:
+            kept[name] = "no values to quantize (a meta build with no file holding it)"
+            continue
+        shard = NF4Shard(value.to(w.device), comm)
         shard.drop_template()
         del sub._parameters["weight"]
         sub._phalanx_nf4 = shard

@@ -212,13 +212,14 @@ def _wrap(model, optimizer, spec: Spec, comm, built: _Built, build: Build):
                                ranks=comm.world)
     steps = build.steps
     if spec.base_dtype is not None:  # [Note: an NF4 base in shards] in nf4_base.py
-        if built.shards_only:
+        if built.shards_only and built.reading is None:
             raise ValueError(
-                f"base_dtype={spec.base_dtype!r} quantizes each frozen weight from its whole "
-                "values, and this zero3 model on the meta device keeps only each rank's shards "
-                "of them (no rank ever holds a weight whole); build it with its weights "
-                "(from_pretrained, or a load) before px.prepare")
-        convert_to_nf4(uncompiled(model), comm.apart("nf4:gathers"))
+                f"base_dtype={spec.base_dtype!r} quantizes each frozen weight from its values, "
+                "and this zero3 model on the meta device draws them only as each rank's "
+                "shards; give it its weights: init=px.from_safetensors(path) (each weight read "
+                "whole and quantized as it is read), or build it with them before px.prepare")
+        convert_to_nf4(uncompiled(model), comm.apart("nf4:gathers"),
+                       read=built.reading.take_whole if built.shards_only else None)
     original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
     cast_model(model, precision)

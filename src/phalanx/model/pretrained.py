@@ -279,6 +279,20 @@ class Reading:
                 for piece in pieces[id(t)]:
                     piece.master.view(-1).copy_(self._read(f, e, piece.start, piece.end))
 
+    @torch.no_grad()
+    def take_whole(self, module: str, attr: str) -> torch.Tensor | None:
+        """The whole tensor `attr` of the module at path `module` that `load` left for the
+        shards, read from its file as stored (one tensor), and no longer left: what a caller
+        keeps in another form (model/nf4_base.py quantizes it). None if it is not left."""
+        for e in self.later or []:
+            if e.module == module and e.attr == attr:
+                self.later.remove(e)
+                with safe_open(e.file, framework="pt") as f:
+                    value = f.get_tensor(e.key)
+                self.weights.read_bytes += value.numel() * value.element_size()
+                return value
+        return None
+
     def share_kept(self, comm) -> None:
         """Rank 0's values of the adapters that were not on meta, on every rank."""
         self.adapters.share_kept(comm)
