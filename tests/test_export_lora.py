@@ -418,6 +418,7 @@ def test_a_refusal_is_raised_on_every_rank_before_any_collective(tmp_path):
 
 
 # -- the command line ---------------------------------------------------------------------------
+@pytest.mark.slow  # a checkpoint written by 2 ranks, then two commands (PHALANX_SLOW=1)
 def test_the_command_line_exports_the_adapter_and_refuses_to_merge(tmp_path):
     model = lora_model()
     with torch.no_grad():

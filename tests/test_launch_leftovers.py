@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 # A worker that says it started (its pid) and waits for its go.
 WAITER = """\
 import os, sys, time
@@ -63,6 +65,7 @@ def _scene(tmp_path, name: str, text: str):
     return tmp, where, script, env
 
 
+@pytest.mark.slow  # two launches of 2 workers (PHALANX_SLOW=1); the spawner's twin stays
 def test_the_next_run_removes_a_killed_launchers_directory_not_a_live_ones(tmp_path):
     tmp, where, script, env = _scene(tmp_path, "waiter.py", WAITER)
     env.update(PHALANX_RUN_DIR=str(tmp_path / "runs"))
