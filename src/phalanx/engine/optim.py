@@ -192,13 +192,18 @@ class OptimizerAdapter:
         if loaded is not None:
             self.load_state_dict(loaded)
 
-    @contextmanager
     def holding_masters(self):
         """The param groups hold the master pieces for the duration (see the Note)."""
+        return self._holding(self.held)
+
+    @contextmanager
+    def _holding(self, lists: list[list]):
+        """The param groups hold `lists` (one list of tensors per group) for the duration,
+        then what they held before."""
         groups = self.optimizer.param_groups
         shown = [group["params"] for group in groups]
-        for group, masters in zip(groups, self.held):
-            group["params"] = masters
+        for group, tensors in zip(groups, lists):
+            group["params"] = tensors
         try:
             yield
         finally:  # on the groups there now: torch's own load_state_dict makes new ones
@@ -213,15 +218,8 @@ class OptimizerAdapter:
             mine = {id(h.tensor) for p in unit.params for h in self.holders_of.get(id(p), [])}
             lists = self._unit_groups[unit.index] = [[t for t in held if id(t) in mine]
                                                      for held in self.held]
-        groups = self.optimizer.param_groups
-        shown = [group["params"] for group in groups]
-        for group, held in zip(groups, lists):
-            group["params"] = held
-        try:
+        with self._holding(lists):
             self._own_step()
-        finally:
-            for group, params in zip(self.optimizer.param_groups, shown):
-                group["params"] = params
 
     def _own_step(self):
         """The optimizer's own step, once (a run of units, or one unit); under bf16-true in
@@ -237,20 +235,12 @@ class OptimizerAdapter:
                 self._user["step"]()
         return None
 
-    @contextmanager
     def _holding_only(self, holders):
         """The param groups hold only `holders`' tensors of what they hold now, for the
         duration (one call of the optimizer's own step over them)."""
         ids = {id(h.tensor) for h in holders}
-        groups = self.optimizer.param_groups
-        shown = [group["params"] for group in groups]
-        for group in groups:
-            group["params"] = [t for t in group["params"] if id(t) in ids]
-        try:
-            yield
-        finally:
-            for group, params in zip(self.optimizer.param_groups, shown):
-                group["params"] = params
+        return self._holding([[t for t in group["params"] if id(t) in ids]
+                              for group in self.optimizer.param_groups])
 
     def round_by(self, rounding: str) -> None:
         """bf16-true: how the fp32 step rounds back, one of rounding.py's ROUNDINGS (a
