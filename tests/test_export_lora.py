@@ -29,7 +29,6 @@ replaced by its base layer, the norm by its trained copy):
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import math
 import os
@@ -41,7 +40,7 @@ import types
 import pytest
 import torch
 import torch.nn as nn
-from resident import reset_peak, status, trim
+from resident import peak_rise
 from safetensors.torch import load_file
 from test_from_safetensors import default_dtype
 from test_from_safetensors_peft import SMALL, CausalLM, loss_of, tokens
@@ -462,16 +461,9 @@ def _peak_rise(path, strategy):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     model = px.prepare(model, opt, strategy=strategy)[0]
     px.export(path + ".warm", model, merge_lora=True, max_shard_size="1GB")  # first use
-    rises = []
-    for kwargs in ({}, {"max_shard_size": "20MB"}):
-        gc.collect()
-        trim()
-        reset_peak()
-        before = status("VmHWM")
-        px.export(path + str(len(rises)) + ("" if kwargs else ".safetensors"), model,
-                  merge_lora=True, **kwargs)
-        rises.append(status("VmHWM") - before)
-    return rises
+    return [peak_rise(lambda i=i, kw=kw: px.export(
+        path + str(i) + ("" if kw else ".safetensors"), model, merge_lora=True, **kw))
+        for i, kw in enumerate(({}, {"max_shard_size": "20MB"}))]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's VmHWM reset")

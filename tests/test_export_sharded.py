@@ -12,7 +12,6 @@ LoRA layer (tests/test_export_lora.py exports LoRA models).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import sys
 import pytest
 import torch
 from checkpoint_runs import K, make_model, make_optimizer, state_of, train_steps
-from resident import reset_peak, status, trim
+from resident import peak_rise
 from torch import nn
 
 import phalanx as px
@@ -187,15 +186,9 @@ def _peak_rise(path, strategy):
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     model = px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)[0]
     px.export(path + ".warm", model, max_shard_size="1GB")  # first use: imports, buffers
-    rises = []
-    for kwargs in ({}, {"max_shard_size": "20MB"}):
-        gc.collect()
-        trim()
-        reset_peak()
-        before = status("VmHWM")
-        px.export(path + str(len(rises)) + ("" if kwargs else ".safetensors"), model, **kwargs)
-        rises.append(status("VmHWM") - before)
-    return rises
+    return [peak_rise(lambda i=i, kw=kw: px.export(
+        path + str(i) + ("" if kw else ".safetensors"), model, **kw))
+        for i, kw in enumerate(({}, {"max_shard_size": "20MB"}))]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's VmHWM reset")

@@ -52,6 +52,15 @@ def batch(step):
     return torch.randn(6, 128, generator=g), torch.randn(6, 4, generator=g)
 
 
+def train(model, opt, steps) -> None:
+    """The steps numbered `steps`, each on its batch: the same batch on every rank."""
+    for step in steps:
+        x, y = batch(step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def trainable(model) -> dict:
     """The trained parameters' values (a zero3 model's through its state_dict, which gathers
     them: between uses its parameters hold no values)."""
@@ -68,11 +77,7 @@ def _reference(steps):
         bias = layer.base.bias
         layer.base.forward = lambda x, w=weight, b=bias, f=linear_nf4: f(x, w) + b
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(steps):
-        x, y = batch(step)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(steps))
     return trainable(model)
 
 
@@ -87,11 +92,7 @@ def _sharded(steps, path=None, phase=None):
     if phase == "load":
         px.load(path, model=model, optimizer=opt)
         first = 2
-    for step in range(first, steps):
-        x, y = batch(step)  # the same batch on every rank
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(first, steps))
     if phase == "save":
         px.save(path, model=model, optimizer=opt)
     return trainable(model), kept, names
@@ -152,11 +153,7 @@ def _from_files(path, steps=3):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = px.prepare(model, opt, strategy="zero3", base_dtype="nf4", bucket_mb=0.01,
                             init=px.from_safetensors(path))
-    for step in range(steps):
-        x, y = batch(step)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(steps))
     return trainable(model)
 
 
