@@ -36,6 +36,7 @@ from .model.prepare import (
                       step_stats,
                       unwrap,
 )
+from .model.linear_loss import linear_cross_entropy
 from .model.pretrained import from_safetensors
 from .observe.metrics import log, progress
 from .planner import plan
@@ -51,7 +52,7 @@ __all__ = [
     "DiLoCo", "from_safetensors",
     "PowerSGD", "element_wise", "matrix_wise", "chain_optimizers",
     "DistributedSampler", "data_loader", "gather", "gather_for_metrics", "map_batches",
-    "global_mean",
+    "global_mean", "linear_cross_entropy",
     "plan",
     "save", "load", "latest_checkpoint", "export",
     "spawn",
