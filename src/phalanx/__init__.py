@@ -28,6 +28,7 @@ from .faults.nonfinite import NonFiniteError
 from .faults.replica_check import ReplicasDiffer
 from .launch.spawn import SpawnError, spawn
 from .model.diloco import DiLoCo
+from .model.linear_loss import linear_cross_entropy
 from .model.prepare import (
                       clip_grad_norm_,
                       no_sync,
@@ -36,7 +37,6 @@ from .model.prepare import (
                       step_stats,
                       unwrap,
 )
-from .model.linear_loss import linear_cross_entropy
 from .model.pretrained import from_safetensors
 from .observe.metrics import log, progress
 from .planner import plan

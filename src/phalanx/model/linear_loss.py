@@ -179,9 +179,9 @@ def linear_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *,
                 "the loss from its weight would leave out what its forward adds. Compute the "
                 "loss from its output with F.cross_entropy, or keep the head a plain nn.Linear "
                 "(a QLoRA base leaves the output layer in the compute dtype)")
-        weight, bias = head.weight, head.bias
+        weight = head.weight
     elif isinstance(head, torch.Tensor):
-        weight, bias = head, None
+        weight = head
     else:
         raise TypeError(f"linear_cross_entropy: head is a {type(head).__name__}; pass the "
                         "output nn.Linear or its (vocabulary, hidden) weight")
