@@ -338,3 +338,81 @@ def test_block_classes_that_name_nothing_are_refused(blocks, match):
     with pytest.raises(ValueError, match=match):
         px.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="zero3",
                    blocks=blocks)
+
+
+class _Decoder(nn.Module):
+    """Hugging Face's nesting: the embedding inside the decoder, beside its layers."""
+
+    def __init__(self, vocab=64, d=8):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(4))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, ids):
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.norm(h)
+
+
+class _CausalLM(nn.Module):
+    def __init__(self, vocab=64, d=8):
+        super().__init__()
+        self.model = _Decoder(vocab, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+# units of at most 196 float64 (393 fp32, as the planner counts) elements: the head and the
+# embedding (512) each alone, a layer (72) one unit
+HEAD_APART = 0.0015
+
+
+def _nested_embedding():
+    torch.manual_seed(0)
+    model = _CausalLM().double()
+    reference = _CausalLM().double()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    model, opt = px.prepare(model, opt, strategy="zero3", bucket_mb=HEAD_APART)
+    g = torch.Generator().manual_seed(1)
+    r, n = px.rank(), px.world_size()
+    diffs = []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2 * n, 6), generator=g)
+        loss = F.cross_entropy(model(ids[2 * r:2 * r + 2]).flatten(0, 1),
+                               ids[2 * r:2 * r + 2].flatten())
+        with torch.no_grad():
+            diffs.append(abs(loss.item() - F.cross_entropy(
+                reference(ids[2 * r:2 * r + 2]).flatten(0, 1), ids[2 * r:2 * r + 2].flatten())
+                .item()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(reference(ids).flatten(0, 1), ids.flatten()).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    gatherer = engine_of(model).gatherer
+    return [root.name for root in gatherer.roots], gatherer.peak_bytes, max(diffs)
+
+
+def test_an_embedding_inside_the_decoder_is_its_own_root():
+    """A Hugging Face causal LM's embedding sits in the decoder (`model.embed_tokens`), whose
+    forward brackets every layer: rooted there, it would stay gathered through the whole
+    decoder, forward and backward. It is its own root, gathered beside the first layer only:
+    the measured peak is the planner's (the embedding or the head beside the layer next to it,
+    never the two together), and training equals one process in float64."""
+    roots, peak, diff = run_ranks(_nested_embedding, 2, timeout=120)[0]
+    assert "model.embed_tokens" in roots and "lm_head" in roots, roots
+    assert diff < 1e-12, diff
+    # the embedding beside the first layer, inside the decoder, which holds the final norm
+    vocab, layer, norm = 64 * 8, 8 * 8 + 8, 2 * 8
+    assert peak == 8 * (vocab + layer + norm), (peak, roots)  # float64: 8 bytes an element
+    planned = px.plan(_CausalLM().double(), gpus=2, strategy="zero3", precision="fp32",
+                      backend="gloo", input_shape="6", input_dtype="int64",
+                      bucket_mb=HEAD_APART)["zero3"]
+    assert planned.buffers_detail["gathered_params"] == 4 * (vocab + layer + norm)  # fp32

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "resolve_block_classes", "plan_units", "module_units", "unit_caps",
+__all__ = ["find_blocks", "output_layer", "resolve_block_classes", "plan_units", "module_units",
+           "unit_caps",
            "unit_numels", "unit_roots", "step_runs", "step_run_bytes",
            "FIRST_UNIT_MIB", "borrows", "borrowing"]
 
@@ -46,6 +47,28 @@ def find_blocks(module: nn.Module, classes: tuple[type, ...] | None = None) -> l
             if n > best_params:
                 best, best_params = list(sub), n
     return best
+
+
+def output_layer(module: nn.Module, classes: tuple[type, ...] | None = None):
+    """The model's output layer: what `get_output_embeddings()` returns where the model has it
+    (Hugging Face's models, and PEFT's around them), else the last nn.Linear registered outside
+    the repeated blocks (`find_blocks`), None in a model without blocks. A 4-bit base leaves it
+    in the compute dtype (model/nf4_base.py), as bitsandbytes leaves Hugging Face's output
+    embeddings, and px.linear_cross_entropy computes the loss from its weight."""
+    named = getattr(module, "get_output_embeddings", None)
+    if callable(named):
+        try:
+            found = named()
+        except (AttributeError, NotImplementedError):
+            found = None
+        if isinstance(found, nn.Module):
+            return found
+    blocks = find_blocks(module, classes)
+    if not blocks:
+        return None
+    inside = {id(m) for block in blocks for m in block.modules()}
+    outside = [m for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+    return outside[-1] if outside else None
 
 
 def resolve_block_classes(model: nn.Module, blocks) -> tuple[type, ...] | None:
@@ -232,10 +255,17 @@ def _callable_root(common: str, blocks: list[str], modules: dict) -> str:
     MultiheadAttention reads `out_proj.weight` in its forward without calling `out_proj`. So
     the root is lifted to the repeated block the unit sits in (units.py never mixes blocks),
     else to the model's child that holds it (an element, for a child that is a container),
-    else the model itself."""
+    else the model itself. An embedding is the exception outside blocks: its forward is the
+    one use of its weight (a head tied to it registers the weight too, which lifts the common
+    ancestor above it), so it is its own root. Lifted to the model's child, a Hugging Face
+    causal LM's embedding (`model.embed_tokens`) would stay gathered through the whole
+    decoder's forward, and again through its whole backward: a 525M-element weight at Llama 3's
+    size, beside every layer gathered."""
     for block in blocks:
         if common == block or common.startswith(block + "."):
             return block
+    if common and isinstance(modules[common], nn.Embedding):
+        return common
     parts = common.split(".") if common else []
     if not parts:
         return ""

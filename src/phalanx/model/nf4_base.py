@@ -25,10 +25,15 @@ is and shards it:
   always, in the precision asked for.
 
 What is not converted stays as it was (and says so in `convert`'s return): frozen weights whose
-size is not a whole number of scale blocks (64 x 256 elements), and any frozen parameter that is
-not an nn.Linear's weight (embeddings, norms, biases). The base weights converted are not in
-the model's state_dict (a QLoRA checkpoint holds the adapters; `px.export(..., adapter=True)`
-writes them as PEFT does); a merged export of an NF4 base is refused (checkpoint/lora.py).
+size is not a whole number of scale blocks (64 x 256 elements), any frozen parameter that is
+not an nn.Linear's weight (embeddings, norms, biases), and the output layer (engine/units.py's
+`output_layer`: Hugging Face's `get_output_embeddings()`, else the last nn.Linear outside the
+repeated blocks), which bitsandbytes leaves in the compute dtype too: quantizing the logits'
+weights costs the most accuracy for the least memory (a twentieth of an 8B model), and a loss
+computed from the head's weight a slice at a time (px.linear_cross_entropy) needs it plain.
+The base weights converted are not in the model's state_dict (a QLoRA checkpoint holds the
+adapters; `px.export(..., adapter=True)` writes them as PEFT does); a merged export of an NF4
+base is refused (checkpoint/lora.py).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from ..engine.units import output_layer
 from .materialize import has_room
 
 __all__ = ["convert", "NF4Shard", "BLOCK", "SCALER_BLOCK"]
@@ -143,12 +149,16 @@ def convert(module: torch.nn.Module, comm, read=None) -> dict:
     pretrained.py's `take_whole`), read one weight at a time and quantized as it is read."""
     converted, kept = [], {}
     names = {id(p): n for n, p in module.named_parameters()}
+    output = output_layer(module)
     for path, sub in module.named_modules():
         if not isinstance(sub, torch.nn.Linear):
             continue
         w = sub.weight
         name = names.get(id(w), "weight")
         if w.requires_grad:
+            continue
+        if sub is output:
+            kept[name] = "the output layer, kept in the compute dtype"
             continue
         if w.numel() % CHUNK:
             kept[name] = f"{w.numel()} elements, not a whole number of {CHUNK}"

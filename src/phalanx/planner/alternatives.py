@@ -6,7 +6,9 @@ place of a full fine-tune, a 4-bit base under the adapters, and offload:
 - for a full fine-tune planned without offload, the same fine-tune with everything in bf16
   (precision="bf16-true": no fp32 master), AdamW's moments 8-bit (optimizer="adamw8bit") and
   each unit stepped as soon as its gradient is reduced (step_in_backward=True, so zero2/zero3
-  hold two units' gradient shards, not all of them): no host memory, no change to what learns;
+  hold two units' gradient shards, not all of them) and, for a transformer from a config, the
+  loss computed a slice of the vocabulary at a time (sliced_loss=True: px.linear_cross_entropy,
+  no fp32 logits of every token): no host memory, no change to what learns;
 - LoRA of rank 8 (PEFT's default `r`) on the default targets (finetune.py), when the plan
   was of a full fine-tune;
 - QLoRA: the same adapters over a base stored 4-bit (base_dtype="nf4"), when LoRA does not fit
@@ -57,9 +59,12 @@ def alternatives(desc, setting, result, plan_described) -> list[Alternative]:
     out, offload, work = [], setting.training.offload, setting.workload
     full = work.lora_rank is None and work.trainable is None
     given = {"precision": setting.training.precision.name, "optimizer": work.optimizer,
-             "step_in_backward": setting.training.step_in_backward}
-    # the moments 8-bit where they are Adam's (another optimizer is the user's choice)
-    lean = {k: v for k, v in LEAN_FULL.items() if given[k] != v
+             "step_in_backward": setting.training.step_in_backward,
+             "sliced_loss": work.sliced_loss}
+    # the moments 8-bit where they are Adam's (another optimizer is the user's choice); the
+    # sliced loss where the plan knows the vocabulary (a config's transformer)
+    wanted = {**LEAN_FULL, **({"sliced_loss": True} if desc.transformer is not None else {})}
+    lean = {k: v for k, v in wanted.items() if given[k] != v
             and (k != "optimizer" or work.optimizer in ("adam", "adamw"))}
     if full and offload is None and lean:
         out.append(_try(desc, setting, plan_described, **lean))

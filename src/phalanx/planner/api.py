@@ -30,6 +30,7 @@ from .hybrid import across_groups
 from .layout import (
     alike,
     engine_units,
+    in_flight,
     lending,
     owned_elements,
     shard_elements,
@@ -93,8 +94,10 @@ def plan(model=None, *, params=None, config=None, blocks=None, hardware: Hardwar
     the inner steps at that `sync_every` (`result.link.streaming`). `backend`: "nccl" or "gloo".
     Workload: `batch` is the micro-batch per device, `seq` its sequence length, `grad_accum` the
     micro-steps per optimizer step; `activation_checkpointing`, `attention` ("eager" or
-    "flash"), `optimizer` ("adamw8bit" and "adamw4bit": AdamW's moments block-wise quantized, as
-    torchao's low-bit optimizers keep them); `input_shape` and `input_dtype` a factory's input
+    "flash"), `sliced_loss` (the loss is px.linear_cross_entropy's: one slice of the vocabulary's
+    logits at a time, not every token's; from a config), `optimizer` ("adamw8bit" and
+    "adamw4bit": AdamW's moments block-wise quantized, as torchao's low-bit optimizers keep
+    them); `input_shape` and `input_dtype` a factory's input
     per sample.
     Training: `strategy` ("all", or one: "ddp", "zero1", "zero2", "zero3", alias "fsdp").
     `precision` is px.prepare's: "fp32", "bf16" or "fp16" ("bf16" and "fp16" are mixed: fp32
@@ -158,7 +161,7 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     seq = _seq(desc, work.seq)
     activations, flops = activations_and_flops(desc, prec, work.batch, seq, work.grad_accum,
                                                work.activation_checkpointing, work.attention,
-                                               notes)
+                                               notes, work.sliced_loss)
     compute_s = flops / (s.peak * 1e12 * hw.mfu)
     nominal = nominal_shape(desc.trainable_params) if desc.trainable_shapes is None else None
     state_elements = optimizer_state_elements(work.optimizer, desc.trainable_params,
@@ -179,7 +182,8 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
     # the step in backward: each unit stepped alone as backward reduces it ([Note: the step in
     # backward] in engine/stepping.py), while the activations, less the loss's, are held
     in_backward = train.step_in_backward
-    kept_activations = max(0, activations - loss_bytes(desc, work.batch, seq)) \
+    kept_activations = max(0, activations - loss_bytes(desc, work.batch, seq, work.sliced_loss,
+                                                       prec.activation_bytes)) \
         if in_backward else None
     reduce_scatter = hw.backend == "nccl"
     # the engine's units: of the trainable parameters, and under zero3 on more than one rank of
@@ -227,7 +231,8 @@ def plan_described(desc: ModelDesc, s: Setting) -> PlanResult:
         buffers = buffer_bytes(policy, prec, desc.trainable_params, n, reduce_scatter,
                                train.comm_bytes, max(sizes), largest_param,
                                gathered_numel=gathering[0], borrowing=lending(grouped[laid], n),
-                               dequantized=dequantized)
+                               dequantized=dequantized,
+                               in_flight=in_flight(trained, n) if laid else None)
         # what the optimizer steps on a rank: fp32 ddp the model's own parameters, otherwise
         # one flat master per unit, of the unit's padded shard (ceil(unit / n) elements)
         own = policy.optimizer is FULL and replicated
@@ -368,6 +373,7 @@ def _setting_dict(desc, s: Setting, seq, flops, state_elements) -> dict:
         "mfu": hw.mfu, "precision": prec.name, "optimizer": work.optimizer,
         "batch": work.batch, "seq": seq, "grad_accum": work.grad_accum,
         "activation_checkpointing": work.activation_checkpointing,
+        "sliced_loss": work.sliced_loss,
         "attention": work.attention, "intra_node_GBps": hw.intra, "inter_node_GBps": hw.inter,
         "bandwidth_GBps": hw.bandwidth, "backend": hw.backend, "bucket_mb": train.bucket_mb,
         "comm_dtype": None if train.comm_bytes is None

@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="count the activations of a model that recomputes its blocks")
     run.add_argument("--attention", default="eager", choices=("eager", "flash"),
                      help="attention kernel for the activation formula (default eager)")
+    run.add_argument("--sliced-loss", action="store_true",
+                     help="the loss is px.linear_cross_entropy's: one slice of the "
+                          "vocabulary's logits at a time, not every token's (from a config)")
     run.add_argument("--bucket-mb", type=float, default=25.0,
                      help="px.prepare's bucket_mb: the cap of a unit (gradient bucket), MiB "
                           "(default 25)")
@@ -183,7 +186,8 @@ def main(args: argparse.Namespace) -> int:
             peak_tflops=args.peak_tflops, mfu=args.mfu, strategy=args.strategy,
             precision=args.precision, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
             grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
-            intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
+            sliced_loss=args.sliced_loss, intra_node_bw=args.intra_node_bw,
+            inter_node_bw=args.inter_node_bw,
             bucket_mb=args.bucket_mb, comm_dtype=args.comm_dtype, attention=args.attention,
             backend=args.backend, headroom=args.headroom, units=args.units,
             prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,
@@ -210,7 +214,8 @@ def _plan_options(args) -> dict:
                 strategy=args.strategy, precision=args.precision, optimizer=args.optimizer,
                 batch=args.batch, seq=args.seq, grad_accum=args.grad_accum,
                 activation_checkpointing=args.activation_checkpointing,
-                intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
+                sliced_loss=args.sliced_loss, intra_node_bw=args.intra_node_bw,
+                inter_node_bw=args.inter_node_bw,
                 bucket_mb=args.bucket_mb, comm_dtype=args.comm_dtype, attention=args.attention,
                 backend=args.backend, headroom=args.headroom, units=args.units,
                 prefetch=args.prefetch, max_gathered_mb=args.max_gathered_mb,

@@ -30,6 +30,7 @@ from ..engine.units import (
     FIRST_UNIT_MIB,
     borrows,
     module_units,
+    output_layer,
     plan_units,
     unit_caps,
     unit_numels,
@@ -38,7 +39,8 @@ from ..engine.units import (
 from .reference_model import on_meta
 
 __all__ = ["Unit", "engine_units", "alike", "owned_elements", "shard_elements", "lending",
-           "unit_sizes", "zero3_gathering", "zero3_roots", "module_roots", "config_roots",
+           "unit_sizes", "zero3_gathering", "window", "in_flight", "zero3_roots", "module_roots",
+           "config_roots",
            "FIRST_UNIT_MIB"]
 
 
@@ -142,6 +144,19 @@ def lending(grouped: list[tuple[Unit, int]], world: int) -> tuple[int, int]:
                  if u.known and not borrows(list(u.trained), world)), default=0))
 
 
+def in_flight(trained: list[Unit], world: int) -> tuple[int, int]:
+    """zero3 on `world` ranks, the units with trainable parameters in backward's order:
+    (elements of the gradients of two consecutive units that do not borrow, the most at once;
+    elements of the largest parameter of a unit that does, whose gradient is made and then
+    copied into the pool), memory.py's `in_flight` (see [Note: Engine buffers] there). A unit
+    laid out as a count is taken to borrow, as one parameter as large as itself."""
+    pooled = [not u.known or borrows(list(u.trained), world) for u in trained]
+    lone = [0 if p else u.trainable for u, p in zip(trained, pooled)]
+    staged = max((max(u.trained) if u.known else u.trainable
+                  for u, p in zip(trained, pooled) if p), default=0)
+    return window(lone, 2), staged
+
+
 def unit_sizes(shapes, count: int, compute_bytes: int, bucket_mb: float = 25.0,
                blocks=None) -> list[int]:
     """Elements per unit. `shapes` are the trainable parameters' shapes in module order (and
@@ -163,8 +178,9 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     a root that backward never reaches (frozen, before every trainable parameter: a LoRA model's
     embedding) is not gathered there; of the other roots, the one computing and up to `prefetch`
     ahead are gathered at once, as many as fit in `max_gathered_bytes` (one at least: a root needed
-    now is gathered whatever its size); `reshard_after_forward=False` keeps every root from its
-    forward to its backward, so all are gathered at the end of the forward. The roots are those
+    now is gathered whatever its size), the ones beside it in the order they run (`window`);
+    `reshard_after_forward=False` keeps every root from its forward to its backward, so all are
+    gathered at the end of the forward. The roots are those
     `zero3_roots` gives; where none are known (a bare count) each unit stands for a root and none is
     kept. `ratio`: what a frozen nn.Linear weight's element weighs against the compute dtype's
     (a 4-bit base's NF4 bytes over the compute dtype's; 1: stored as the others), so that the
@@ -186,7 +202,37 @@ def zero3_gathering(desc, compute_bytes: int, bucket_mb: float = 25.0, prefetch:
     if max_gathered_bytes is not None and largest:
         room = max_gathered_bytes // compute_bytes - model_rooted
         at_once = max(1, min(at_once, room // largest))
-    return model_rooted + at_once * largest, model_rooted + last + unreached
+    return model_rooted + window(sizes, at_once), model_rooted + last + unreached
+
+
+def window(sizes, width: int):
+    """The most `width` consecutive entries of `sizes` add up to: what is gathered (or in
+    flight) at once when each is taken with the ones beside it, in the order they run (zero3
+    prefetches the root that ran after this one last time: the head with the last block, the
+    embedding with the first, never the head with the embedding). `sizes`: a list, or a dict
+    {root's qualified name: elements}, where a root whose forward brackets others' (a Hugging
+    Face decoder holding the final norm, around its layers) is counted with each window of
+    theirs: it stays gathered while they run."""
+    named = sizes if isinstance(sizes, dict) else {}
+    names = list(named) if named else [None] * len(sizes)
+    values = list(named.values()) if named else list(sizes)
+    if not values or width <= 0:
+        return 0
+    width = min(width, len(values))
+
+    def around(name) -> set:  # the roots among `sizes` whose forward brackets this one's
+        if not isinstance(name, str):
+            return set()
+        parts = name.split(".")
+        return {a for a in (".".join(parts[:k]) for k in range(1, len(parts))) if a in named}
+
+    outer = [around(n) for n in names]
+    best = 0
+    for i in range(len(values) - width + 1):
+        here = set(names[i:i + width])
+        enclosing = set().union(*outer[i:i + width]) - here
+        best = max(best, sum(values[i:i + width]) + sum(named[a] for a in enclosing))
+    return best
 
 
 def zero3_roots(desc, compute_bytes: int, bucket_mb: float = 25.0,
@@ -241,8 +287,9 @@ def module_roots(module, compute_bytes: int, bucket_mb: float = 25.0,
     frozen nn.Linear weight's elements counted at that weight (a 4-bit base: zero3_gathering)."""
     params = list(module.parameters())  # frozen ones too: zero3 gathers them
     runs = module_units(module, params, compute_bytes, bucket_mb, block_classes)
-    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)} \
-        if ratio != 1 else set()
+    output = output_layer(module, block_classes)  # a 4-bit base leaves it (nf4_base.py)
+    linear = {id(m.weight) for m in module.modules()
+              if isinstance(m, nn.Linear) and m is not output} if ratio != 1 else set()
 
     def weight(p):  # an NF4 weight: a frozen Linear's of whole 64 x 256 blocks (nf4_base.py)
         stored = not p.requires_grad and id(p) in linear and p.numel() % (64 * 256) == 0

@@ -68,9 +68,13 @@ separate fp32 gradient between steps.
   4-bit weight's elements), alive in forward and backward.
 - gathered_params (zero3): the full parameters gathered at once (planner/layout.py's
   `zero3_gathering`): the units rooted at the model itself (tied embeddings and head), which
-  stay gathered through the forward and into backward, plus two of the largest root (a block:
-  the one computing and the one prefetched); unit_grads: the full gradients of two units in
-  flight.
+  stay gathered through the forward and into backward, plus the root computing and the one
+  prefetched beside it, the most two consecutive roots hold in the order they run (a block
+  with the head or the embedding, never those two together); unit_grads: the full gradients
+  of two consecutive units in flight, in backward's order (the one reduced and the one being
+  made), of units that do not borrow (a borrowing unit's are in the pool); under zero3 the
+  gradient autograd makes of a lone parameter is that unit's, so grad_staging there is the
+  largest parameter of a unit that borrows (copied into the pool).
 
 [Note: Optimizer step working memory]
 Adam's update makes temporaries (the square root of the second moment, then its quotient).
@@ -274,13 +278,17 @@ def model_states(policy: ShardPolicy, precision: PrecisionSpec, params: int, tra
 def buffer_bytes(policy: ShardPolicy, precision: PrecisionSpec, trainable: int, world: int,
                  reduce_scatter: bool, comm_bytes: int | None, largest_unit: int,
                  largest_param: int = 0, gathered_numel: int | None = None,
-                 borrowing: tuple[int, int] | None = None, dequantized: int = 0) -> dict:
-    """The engine's working memory by kind under the residency row `policy` (see [Note:
-    Engine buffers]); values in bytes. `borrowing`: (largest unit that borrows from the pool,
+                 borrowing: tuple[int, int] | None = None, dequantized: int = 0,
+                 in_flight: tuple[int, int] | None = None) -> dict:
+    """The engine's working memory by kind under the residency row `policy` (see [Note: Engine
+    buffers]); values in bytes. `borrowing`: (largest unit that borrows from the pool,
     largest that does not), in elements (engine/units.py); None: every unit borrows, the
     largest being `largest_unit`. `gathered_numel`: zero3's elements gathered at once (with a
     4-bit base, in elements of the compute dtype that weigh as much); `dequantized`: bytes of
-    the compute-dtype copy of a 4-bit unit computing."""
+    the compute-dtype copy of a 4-bit unit computing. `in_flight` (zero3, from the units in
+    backward's order): (elements of the gradients of two consecutive units that do not
+    borrow, the most at once; of the largest parameter of a unit that does), else None: two
+    of the largest unit's and the largest parameter's."""
     # Only strategies that shard gradients reduce-scatter (zero1 keeps full gradients, so it
     # all-reduces whatever the backend: engine/policy.py).
     sharded_grads = policy.shards_grads(world)
@@ -295,7 +303,11 @@ def buffer_bytes(policy: ShardPolicy, precision: PrecisionSpec, trainable: int, 
     pooled, lone = (largest_unit, 0) if borrowing is None else borrowing
     if sharded_grads and pooled:
         out["grad_pool"] = 2 * g * (pooled + world)
-    if policy.reshards(world):
+    if policy.reshards(world) and in_flight is not None:
+        out["unit_grads"], out["grad_staging"] = g * in_flight[0], g * in_flight[1]
+        out["gathered_params"] = math.ceil(precision.weight_bytes * (
+            2 * largest_unit if gathered_numel is None else gathered_numel))
+    elif policy.reshards(world):
         out["unit_grads"] = min(g_full, 2 * g * largest_unit)
         out["gathered_params"] = math.ceil(precision.weight_bytes * (
             2 * largest_unit if gathered_numel is None else gathered_numel))

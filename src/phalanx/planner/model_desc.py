@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..engine.units import find_blocks, resolve_block_classes
+from ..engine.units import find_blocks, output_layer, resolve_block_classes
 from .sizes import format_count, parse_count
 from .transformer import TransformerShape, shape_from_config
 
@@ -44,7 +44,8 @@ class ModelDesc:
     param_shapes: list[tuple[int, ...]] | None = None
     param_blocks: list | None = None
     param_trainable: list[bool] | None = None  # which of param_shapes learn, where known
-    param_linear: list[bool] | None = None  # which of param_shapes are nn.Linear weights
+    param_linear: list[bool] | None = None  # which of param_shapes a 4-bit base may store:
+    # nn.Linear weights, the output layer's excepted
     transformer: TransformerShape | None = None
     module: nn.Module | None = None
     block_classes: tuple | None = None  # px.plan's `blocks=`, resolved (engine/units.py)
@@ -163,7 +164,9 @@ def from_module(module: nn.Module, name: str | None = None,
     classes = resolve_block_classes(module, blocks)
     params = list(module.parameters())  # unique: tied weights appear once
     trainable = [p for p in params if p.requires_grad]
-    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    output = output_layer(module, classes)  # a 4-bit base leaves it (model/nf4_base.py)
+    linear = {id(m.weight) for m in module.modules()
+              if isinstance(m, nn.Linear) and m is not output}
     desc = ModelDesc(name=name or type(module).__name__, source="module",
                      params=sum(p.numel() for p in params),
                      trainable_params=sum(p.numel() for p in trainable),

@@ -63,14 +63,22 @@ class Block(nn.Module):
     def __init__(self, s: TransformerShape, attn_dropout: float, hidden_dropout: float,
                  attention: str = "eager"):
         super().__init__()
-        self.norm1 = nn.LayerNorm(s.hidden, bias=s.bias)
-        self.attn = Attention(s, attn_dropout, attention)
-        self.norm2 = nn.LayerNorm(s.hidden, bias=s.bias)
+        # registered in the order Hugging Face's layers register theirs (it decides the
+        # engine's units, so a config is planned as its model is trained): GPT-2's each norm
+        # before what it feeds, Llama's (gated) attention, then MLP, then both norms
         self.gated = s.gated_mlp
-        self.up = nn.Linear(s.hidden, s.intermediate, bias=s.bias)
+        if not self.gated:
+            self.norm1 = nn.LayerNorm(s.hidden, bias=s.bias)
+        self.attn = Attention(s, attn_dropout, attention)
+        if not self.gated:
+            self.norm2 = nn.LayerNorm(s.hidden, bias=s.bias)
         if self.gated:
             self.gate = nn.Linear(s.hidden, s.intermediate, bias=s.bias)
+        self.up = nn.Linear(s.hidden, s.intermediate, bias=s.bias)
         self.down = nn.Linear(s.intermediate, s.hidden, bias=s.bias)
+        if self.gated:
+            self.norm1 = nn.LayerNorm(s.hidden, bias=s.bias)
+            self.norm2 = nn.LayerNorm(s.hidden, bias=s.bias)
         self.hidden_dropout = hidden_dropout
 
     def mlp(self, x):

@@ -151,7 +151,8 @@ class Workload:
     factory, its input's per-sample shape and dtype ("3x224x224", "seq"); fine-tuning, LoRA
     adapters of `lora_rank` beside the `lora_targets` projections, or a `trainable` fraction
     (finetune.py), and the frozen base's storage: `base_dtype="nf4"` (QLoRA: its nn.Linear
-    weights 4-bit; None: the compute dtype)."""
+    weights 4-bit; None: the compute dtype); `sliced_loss`: the loss is
+    px.linear_cross_entropy's, a slice of the vocabulary at a time (from a config)."""
 
     batch: int = 1
     seq: int | None = None
@@ -165,6 +166,7 @@ class Workload:
     lora_targets: object = None
     trainable: float | None = None
     base_dtype: str | None = None
+    sliced_loss: bool = False
     targets: tuple = _resolved()  # LoRA's projections, the default filled in
 
     def __post_init__(self):
@@ -175,6 +177,7 @@ class Workload:
         _set(self, "optimizer", _choice(self.optimizer, OPTIMIZERS, "optimizer"))
         _set(self, "attention", _choice(self.attention, ("eager", "flash"), "attention"))
         _set(self, "activation_checkpointing", bool(self.activation_checkpointing))
+        _set(self, "sliced_loss", bool(self.sliced_loss))
         _, targets, trainable = check_finetune(self.lora_rank, self.lora_targets,
                                                self.trainable)
         _set(self, "trainable", trainable)

@@ -22,8 +22,11 @@ h + 2h_kv (the kernel takes grouped k/v as they are). The kernel's output is the
 projection's input: kernels return it in (batch, seq, heads, dim) layout, so merging heads is a
 view.
 Outside the layers: token ids, final norm input h, LM-head input h and the fp32 log-softmax of
-the loss, 4*V bytes per token. With full activation checkpointing each layer keeps only its
-input (e*h per token) and one layer at a time is recomputed in full during backward.
+the loss, 4*V bytes per token (with `px.linear_cross_entropy`, a loss computed a slice of the
+vocabulary at a time, one fp32 log-sum-exp per token, 4 bytes, and at the start of backward one
+slice's working memory instead of the whole vocabulary's: `loss_transient_bytes`). With full
+activation checkpointing each layer keeps only its input (e*h per token) and one layer at a
+time is recomputed in full during backward.
 The planner adds the loss's working memory at the start of backward (`loss_transient_bytes`):
 the peak comes then, with every activation still saved.
 `tests/test_plan_activations.py` checks all of this against a measured forward/backward of the
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+from ..model.linear_loss import chunk_rows
 
 __all__ = ["TransformerShape", "shape_from_config", "nominal_shape"]
 
@@ -94,8 +99,10 @@ class TransformerShape:
 
         norm = [(h,), (h,)] if self.bias else [(h,)]
         mlp = linear(i, h) + (linear(i, h) if self.gated_mlp else []) + linear(h, i)
-        return (norm + linear(h, h) + linear(hk, h) + linear(hk, h) + linear(h, h)
-                + norm + mlp)
+        attention = linear(h, h) + linear(hk, h) + linear(hk, h) + linear(h, h)
+        if self.gated_mlp:  # Llama's order: attention, MLP, the two norms
+            return attention + mlp + norm + norm
+        return norm + attention + norm + mlp
 
     def outer_param_shapes(self) -> list[tuple[int, ...]]:
         """Embeddings, final norm and (when untied) the LM head."""
@@ -127,18 +134,26 @@ class TransformerShape:
                 + [None] * len(self._after_layers()))
 
     def param_linear(self) -> list[bool]:
-        """Which of `param_shapes()` are nn.Linear weights (the blocks' matrices and an untied
-        head; not the embeddings): what a 4-bit base stores in NF4."""
+        """Which of `param_shapes()` a 4-bit base stores in NF4: the nn.Linear weights of the
+        blocks (not the embeddings, and not the head, the output layer, which it leaves in the
+        compute dtype: model/nf4_base.py)."""
         before, after = self._before_layers(), self._after_layers()
-        head = [not self.tied_embeddings and i == len(after) - 1 for i in range(len(after))]
         return ([False] * len(before)
-                + [len(s) == 2 for s in self.layer_param_shapes()] * self.layers + head)
+                + [len(s) == 2 for s in self.layer_param_shapes()] * self.layers
+                + [False] * len(after))
 
-    def loss_bytes(self, batch: int, seq: int) -> int:
-        """The loss's memory at the start of backward: its fp32 log-softmax (4V per token) and
-        the gradients of the log-probabilities and of the logits (`loss_transient_bytes`), all
-        freed by the loss's backward, before the head has a gradient."""
-        return 4 * self.vocab * batch * seq + self.loss_transient_bytes(batch, seq)
+    def loss_bytes(self, batch: int, seq: int, sliced: bool = False, elem: int = 2) -> int:
+        """The loss's memory at the start of backward: what it saved (`loss_saved_bytes`) and
+        its working memory then (`loss_transient_bytes`), all freed by the loss's backward,
+        before the head has a gradient."""
+        return (self.loss_saved_bytes(batch, seq, sliced)
+                + self.loss_transient_bytes(batch, seq, sliced, elem))
+
+    def loss_saved_bytes(self, batch: int, seq: int, sliced: bool = False) -> int:
+        """What the loss keeps for backward: F.cross_entropy its fp32 log-softmax, 4V bytes per
+        token; px.linear_cross_entropy one fp32 log-sum-exp per token (see [Note: Activation
+        formula])."""
+        return 4 * (1 if sliced else self.vocab) * batch * seq
 
     def layer_params(self) -> int:
         return sum(math.prod(s) for s in self.layer_param_shapes())
@@ -167,30 +182,40 @@ class TransformerShape:
             per_token += 2 * mask_bytes * h                # after attention and after MLP
         return batch * seq * per_token
 
-    def outer_activation_bytes(self, batch: int, seq: int, elem: int, mask_bytes: int = 1) -> int:
+    def outer_activation_bytes(self, batch: int, seq: int, elem: int, mask_bytes: int = 1,
+                               sliced: bool = False) -> int:
         h = self.hidden
         per_token = 8 + 8                        # token ids and targets (int64)
         per_token += elem * h + 8 + elem * h     # final norm input and stats, LM-head input
-        per_token += 4 * self.vocab              # fp32 log-softmax output of the loss
         if self.hidden_dropout:
             per_token += mask_bytes * h          # embedding dropout mask
-        return batch * seq * per_token
+        return batch * seq * per_token + self.loss_saved_bytes(batch, seq, sliced)
 
     def activation_bytes(self, batch: int, seq: int, elem: int, checkpointing: bool = False,
-                         attention: str = "eager", mask_bytes: int = 1) -> int:
+                         attention: str = "eager", mask_bytes: int = 1,
+                         sliced: bool = False) -> int:
         """Saved-for-backward bytes of one micro-batch. `mask_bytes` is the size of a dropout
         mask element: 1 on GPU (a bool mask), the activation's own size on CPU, where PyTorch
-        keeps the scaled noise tensor instead."""
+        keeps the scaled noise tensor instead. `sliced`: the loss is px.linear_cross_entropy's
+        (`loss_saved_bytes`)."""
         layer = self.layer_activation_bytes(batch, seq, elem, attention, mask_bytes)
-        outer = self.outer_activation_bytes(batch, seq, elem, mask_bytes)
+        outer = self.outer_activation_bytes(batch, seq, elem, mask_bytes, sliced)
         if checkpointing:
             return outer + self.layers * batch * seq * elem * self.hidden + layer
         return outer + self.layers * layer
 
-    def loss_transient_bytes(self, batch: int, seq: int) -> int:
+    def loss_transient_bytes(self, batch: int, seq: int, sliced: bool = False,
+                             elem: int = 2) -> int:
         """Working memory at the start of backward, on top of what is saved: the fp32 gradients
-        of the log-probabilities and of the logits, 2 x 4 x V bytes per token."""
-        return 8 * self.vocab * batch * seq
+        of the log-probabilities and of the logits, 2 x 4 x V bytes per token; sliced
+        (px.linear_cross_entropy), one slice's fp32 logits, their difference from the
+        log-sum-exp and their softmax, 12 bytes per element of tokens x the slice's rows
+        (model/linear_loss.py's `chunk_rows`), and the hidden states' gradient, added up in
+        fp32 beside each slice's in the compute dtype, (4 + elem) x hidden per token."""
+        tokens = batch * seq
+        if not sliced:
+            return 8 * self.vocab * tokens
+        return 12 * tokens * chunk_rows(tokens, self.vocab) + (4 + elem) * self.hidden * tokens
 
     # ---- compute ----------------------------------------------------------------------------
     def flops_per_token(self, seq: int) -> float:

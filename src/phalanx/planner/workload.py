@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.linear_loss import chunk_rows
 from .model_desc import ModelDesc
 from .trace import trace_module
 
@@ -28,10 +29,11 @@ def _frozen_note(desc: ModelDesc) -> list[str]:
 
 
 def activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpointing,
-                          attention, notes):
+                          attention, notes, sliced: bool = False):
     """Activation bytes of one micro-batch (saved tensors plus the loss's gradients at the start
     of backward, when memory peaks) and training FLOPs of one step on one device (see
-    [Note: FLOPs of frozen weights])."""
+    [Note: FLOPs of frozen weights]). `sliced`: the loss is px.linear_cross_entropy's (from a
+    config; a module's traced forward computes whichever loss it computes)."""
     def training(forward, skipped, per):
         """Training FLOPs of a step, from the forward's and the skipped weight gradients'
         FLOPs per `per` (a token, or a micro-batch)."""
@@ -39,14 +41,22 @@ def activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpo
 
     if desc.transformer is not None:
         shape = desc.transformer
-        acts = shape.activation_bytes(batch, seq, prec.activation_bytes, checkpointing, attention)
-        acts += shape.loss_transient_bytes(batch, seq)
+        elem = prec.activation_bytes
+        acts = shape.activation_bytes(batch, seq, elem, checkpointing, attention, sliced=sliced)
+        acts += shape.loss_transient_bytes(batch, seq, sliced, elem)
         adapters = (desc.finetune or {}).get("adapter_params", 0)
-        per_token = shape.flops_per_token(seq) + 6 * adapters
+        # the sliced loss makes the head's logits again in backward: one more head forward
+        per_token = shape.flops_per_token(seq) + 6 * adapters \
+            + (2 * shape.vocab * shape.hidden if sliced else 0)
         skipped = 2 * desc.frozen_share * shape.matmul_params()
         notes.append("compute is 6 x matmul weights x tokens + 12 x layers x seq x hidden per "
                      "token for attention (PaLM, Chowdhery et al. 2022, App. B)"
                      + (", x 4/3 for recomputation" if checkpointing else ""))
+        if sliced:
+            notes.append("sliced_loss: px.linear_cross_entropy keeps one fp32 log-sum-exp per "
+                         f"token and works on {chunk_rows(batch * seq, shape.vocab):,} rows of "
+                         "the head at a time; backward makes the logits again (one more head "
+                         "forward)")
         notes.extend(_frozen_note(desc))
         return acts, training(per_token / 3, skipped, batch * seq * grad_accum)
     fallback = training(2.0 * desc.params, 2.0 * desc.frozen_params, batch * seq * grad_accum)
@@ -68,6 +78,9 @@ def activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpo
     if checkpointing and not traced.blocks:
         notes.append("no repeated blocks (nn.ModuleList) found: activation checkpointing is "
                      "not modelled")
+    if sliced:
+        notes.append("sliced_loss is planned from a config; a module's traced forward "
+                     "computes the loss it computes")
     acts = traced.checkpointed_bytes if checkpointing else traced.activation_bytes
     acts += traced.loss_transient_bytes
     notes.append("compute is 3 x the forward FLOPs counted on the meta device"
@@ -77,10 +90,12 @@ def activations_and_flops(desc: ModelDesc, prec, batch, seq, grad_accum, checkpo
     return acts, training(forward, forward * desc.frozen_params / max(desc.params, 1), grad_accum)
 
 
-def loss_bytes(desc: ModelDesc, batch: int, seq: int) -> int:
+def loss_bytes(desc: ModelDesc, batch: int, seq: int, sliced: bool = False,
+               elem: int = 2) -> int:
     """Of a micro-batch's activations, the loss's memory that its own backward frees before any
-    weight has a gradient (a config's log-softmax and its gradients: transformer.py's
-    `loss_bytes`); 0 where it is not known apart (a module's traced forward, a count)."""
+    weight has a gradient (a config's log-softmax and its gradients, or the sliced loss's:
+    transformer.py's `loss_bytes`); 0 where it is not known apart (a module's traced forward,
+    a count)."""
     if desc.transformer is None:
         return 0
-    return desc.transformer.loss_bytes(batch, seq)
+    return desc.transformer.loss_bytes(batch, seq, sliced, elem)
