@@ -208,14 +208,15 @@ class TransformerShape:
                              elem: int = 2) -> int:
         """Working memory at the start of backward, on top of what is saved: the fp32 gradients
         of the log-probabilities and of the logits, 2 x 4 x V bytes per token; sliced
-        (px.linear_cross_entropy), one slice's fp32 logits, their difference from the
-        log-sum-exp and their softmax, 12 bytes per element of tokens x the slice's rows
-        (model/linear_loss.py's `chunk_rows`), and the hidden states' gradient, added up in
-        fp32 beside each slice's in the compute dtype, (4 + elem) x hidden per token."""
+        (px.linear_cross_entropy), one slice's fp32 logits, turned into their softmax in place, beside the logits in the compute dtype
+        (made by the matmul, then the softmax's gradient cast back for the next two), 4 + elem
+        bytes per element of tokens x the slice's rows (model/linear_loss.py's `chunk_rows`),
+        and the hidden states' gradient, added up in fp32 beside each slice's in the compute
+        dtype, (4 + elem) x hidden per token (benchmarks/sliced_loss.py measures it)."""
         tokens = batch * seq
         if not sliced:
             return 8 * self.vocab * tokens
-        return 12 * tokens * chunk_rows(tokens, self.vocab) + (4 + elem) * self.hidden * tokens
+        return (4 + elem) * tokens * (chunk_rows(tokens, self.vocab) + self.hidden)
 
     # ---- compute ----------------------------------------------------------------------------
     def flops_per_token(self, seq: int) -> float:
