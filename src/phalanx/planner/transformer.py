@@ -208,9 +208,10 @@ class TransformerShape:
                              elem: int = 2) -> int:
         """Working memory at the start of backward, on top of what is saved: the fp32 gradients
         of the log-probabilities and of the logits, 2 x 4 x V bytes per token; sliced
-        (px.linear_cross_entropy), one slice's fp32 logits, turned into their softmax in place, beside the logits in the compute dtype
-        (made by the matmul, then the softmax's gradient cast back for the next two), 4 + elem
-        bytes per element of tokens x the slice's rows (model/linear_loss.py's `chunk_rows`),
+        (px.linear_cross_entropy), one slice's fp32 logits, turned into their softmax in
+        place, beside the logits in the compute dtype (made by the matmul, then the softmax's
+        gradient cast back for the next two), 4 + elem bytes per element of tokens x the
+        slice's rows (model/linear_loss.py's `chunk_rows`),
         and the hidden states' gradient, added up in fp32 beside each slice's in the compute
         dtype, (4 + elem) x hidden per token (benchmarks/sliced_loss.py measures it)."""
         tokens = batch * seq
