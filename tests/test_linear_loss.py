@@ -188,3 +188,12 @@ def test_what_it_cannot_compute_is_refused():
         px.linear_cross_entropy(hidden, head, labels, reduction="avg")
     with pytest.raises(TypeError, match="not nn.Linear's"):
         px.linear_cross_entropy(hidden, nn.Sequential(head), labels)
+
+
+@pytest.mark.one_process
+def test_the_planner_traces_a_model_that_computes_it():
+    """The shapes it makes do not depend on the labels' values (no `nonzero`: no device waits
+    for them), so a model whose forward returns it is traced on the meta device like any."""
+    plan = px.plan(TinyLM(), gpus=2, strategy="zero3", input_shape="9", input_dtype="long")
+    assert not any("not traced" in note for note in plan.notes), plan.notes
+    assert plan["zero3"].activations_bytes > 0

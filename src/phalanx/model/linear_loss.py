@@ -70,6 +70,14 @@ def _logits(hidden, weight, bias, lo, hi):
     return out.to(_wide(out.dtype))
 
 
+def _in_slice(labels, lo: int, hi: int):
+    """(which labels fall in rows [lo, hi), each label's column in the slice, clamped where it
+    does not): shapes that do not depend on the values, so no device waits for them to be
+    read (a `nonzero` would wait, slice after slice) and a meta-device trace runs it."""
+    here = (labels >= lo) & (labels < hi)
+    return here, (labels - lo).clamp(0, hi - lo - 1)[:, None]
+
+
 class _SlicedCrossEntropy(torch.autograd.Function):
     """Per-token losses of (N, H) hidden states, a (V, H) weight and (N,) labels; 0 where a
     label is `ignore_index`. See [Note: a loss a vocabulary chunk at a time]."""
@@ -84,8 +92,8 @@ class _SlicedCrossEntropy(torch.autograd.Function):
         for lo in range(0, vocab, rows):
             hi = min(vocab, lo + rows)
             logits = _logits(hidden, weight, bias, lo, hi)  # a fresh tensor: changed in place
-            rows_here = ((labels >= lo) & (labels < hi)).nonzero().squeeze(1)
-            target[rows_here] = logits[rows_here, labels[rows_here] - lo]
+            here, at = _in_slice(labels, lo, hi)
+            target = torch.where(here, logits.gather(1, at).squeeze(1), target)
             peak = torch.maximum(running_max, logits.amax(dim=1))
             running_sum = (running_sum * torch.exp(running_max - peak)
                            + logits.sub_(peak[:, None]).exp_().sum(dim=1))
@@ -113,8 +121,8 @@ class _SlicedCrossEntropy(torch.autograd.Function):
         for lo in range(0, vocab, rows):
             hi = min(vocab, lo + rows)
             d = _logits(hidden, weight, bias, lo, hi).sub_(lse[:, None]).exp_()  # its softmax
-            here = ((labels >= lo) & (labels < hi)).nonzero().squeeze(1)
-            d[here, labels[here] - lo] -= 1
+            here, at = _in_slice(labels, lo, hi)
+            d.scatter_add_(1, at, -here.to(d.dtype)[:, None])  # softmax minus the one-hot
             d *= per_token[:, None]
             if want_bias:
                 grad_bias[lo:hi] = d.sum(dim=0)
