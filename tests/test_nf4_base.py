@@ -107,8 +107,36 @@ def test_the_adapters_train_as_over_torchaos_nf4_in_one_process():
         # each rank keeps half of each weight's NF4 bytes: codes (2 a byte), an int8 scale
         # a block of 64, an fp32 factor a block of 64 x 256: 0.516 bytes an element
         full = 32768 // 2 + 32768 // 64 + 32768 // (64 * 256) * 4
-        assert kept == [full // 2, full // 2], kept
+        assert kept == [full // 2, full // 2], kept  # one block of 64 x 256 (padded: none)
         assert "0.base.weight" not in names and "0.base.bias" in names
+
+
+def _quantized_slices():
+    model = make_model()
+    weights = [model[i].base.weight.detach().clone() for i in (0, 2)]
+    model, _ = px.prepare(model, torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2), strategy="zero3",
+        base_dtype="nf4")
+    out = []
+    for i, weight in zip((0, 2), weights):
+        shard = px.unwrap(model)[i].base._phalanx_nf4
+        whole = torchao_quantization.to_nf4(weight, 64, 256)
+        gathered = shard.weight(torch.float32)
+        out.append((torch.equal(gathered, whole.get_original_weight()),
+                    torch.equal(shard.scaler_mean, whole.scaler_mean), shard.nbytes()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_quantizes_its_slice_as_torchao_quantizes_the_whole(world):
+    """Each rank codes only its own elements and gathers every block's absmax for the scales'
+    mean ([Note: quantizing a slice] in model/nf4_base.py): the weight gathered from the slices
+    is torchao's to_nf4 of the whole weight, bit for bit, mean included; at 3 ranks the third
+    holds none of a weight's two blocks of 64 x 256 (only padding)."""
+    for rank, found in enumerate(run_ranks(_quantized_slices, world, timeout=120)):
+        for same, same_mean, kept in found:
+            assert same and same_mean, (world, rank)
+            assert kept == (32768 // 2 + 32768 // 64 + 32768 // (64 * 256) * 4) // 2
 
 
 def test_an_adapter_checkpoint_resumes_at_another_world_size(tmp_path):

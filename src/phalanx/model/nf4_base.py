@@ -7,12 +7,13 @@ scales themselves quantized to int8 in blocks of 256 around their mean ("double 
 torchao's `NF4Tensor` (pure PyTorch: it runs on a CPU) holds that layout; phalanx uses it as it
 is and shards it:
 
-- Each frozen 2-D weight of an nn.Linear is quantized by torchao's `to_nf4` (the same codes,
-  scales and mean as in one process: tests/test_nf4_base.py), and each rank keeps only its
-  slice of the three arrays: the elements [r*S, (r+1)*S) of the flattened weight, S a whole
-  number of scale blocks (64 x 256 elements), so a slice's codes, scales and scales' factors
-  are its own (the last rank's slice padded). Quantizing reads the weight whole, one weight at
-  a time, on each rank; what stays is 1/N of the 4-bit bytes. A zero3 model built on the meta
+- Each frozen 2-D weight of an nn.Linear is quantized as torchao's `to_nf4` quantizes it (the
+  same codes, scales and mean as in one process: tests/test_nf4_base.py), each rank quantizing
+  only its slice: the elements [r*S, (r+1)*S) of the flattened weight, S a whole number of
+  scale blocks (64 x 256 elements), so a slice's codes, scales and scales' factors are its own
+  (the last rank's slice padded); the scales' mean, the one value that reads the whole weight,
+  comes from every block's absmax, gathered ([Note: quantizing a slice]). What stays is 1/N of
+  the 4-bit bytes. A zero3 model built on the meta
   device with `init=px.from_safetensors(path)` never holds a base weight otherwise: each is
   read from its file whole, quantized, and let go, one at a time (pretrained.py's
   `take_whole`).
@@ -54,32 +55,57 @@ BLOCK, SCALER_BLOCK = 64, 256
 CHUNK = BLOCK * SCALER_BLOCK  # the elements of one scales' block: a slice is a number of them
 
 
-def _to_nf4():
+def _nf4_module():
+    """torchao's NF4 module (its NF4Tensor class, the quantization's static steps, the tensor
+    metadata it is built from), found through its public `to_nf4`."""
     try:
         from torchao.quantization import to_nf4
     except ImportError:
         raise ImportError("base_dtype='nf4' stores the frozen base with torchao's NF4Tensor: "
                           "pip install torchao (or phalanx[lowbit])") from None
-    return to_nf4
+    return sys.modules[to_nf4.__module__]
 
 
 class NF4Shard:
-    """This rank's slice of one weight's NF4 arrays (see the Note), and how to gather it."""
+    """This rank's slice of one weight's NF4 arrays (see the Note), and how to gather it.
+
+    [Note: quantizing a slice]
+    torchao's NF4 (`NF4Tensor.from_tensor`) codes each element against its block of 64's
+    absmax, which the slice holds whole; only the scales' second quantization reads every
+    block: their mean, and each block of 256 scales' absmax around it. So each rank codes its own
+    elements with torchao's own step (`convert_to_norm_float_weight`), gathers every block's
+    absmax (1/64 of the weight's elements) and runs torchao's double quantization of the scales
+    over all of them, exactly as over the whole weight (a block of one element's absmax is the
+    value itself): the codes, scales, factors and mean are bit for bit the whole weight's
+    (tests/test_nf4_base.py trains against torchao's own `to_nf4` at 2 and 3 ranks)."""
 
     def __init__(self, weight: torch.Tensor, comm):
-        full = _to_nf4()(weight.detach().contiguous(), BLOCK, SCALER_BLOCK)
-        self.comm = comm
-        self.shape, self.dtype = weight.shape, weight.dtype
-        self.nf4, self.scaler_mean = full.nf4, full.scaler_mean
-        chunks = weight.numel() // CHUNK
-        self.per = math.ceil(chunks / comm.world)  # scale blocks' blocks per rank
-        lo, hi = comm.rank * self.per * CHUNK, (comm.rank + 1) * self.per * CHUNK
+        nf4 = _nf4_module()
+        cls = nf4.NF4Tensor
+        flat = weight.detach().contiguous().flatten()
+        self.comm, self.cls = comm, cls
+        self.shape, self.dtype, self.numel = weight.shape, weight.dtype, flat.numel()
+        self.meta = nf4.SubclassTensorArgs(weight.size(), weight.stride(),
+                                           weight.storage_offset(), weight.dtype, weight.device,
+                                           False)
+        self.per = math.ceil(self.numel // CHUNK / comm.world)  # scale blocks' blocks per rank
+        lo = min(comm.rank * self.per * CHUNK, self.numel)
+        mine = flat[lo:min(lo + self.per * CHUNK, self.numel)]
+        self.nf4 = nf4.to_nf4(torch.zeros(CHUNK, dtype=weight.dtype, device=weight.device),
+                              BLOCK, SCALER_BLOCK).nf4  # the 16 code values, as torchao makes them
+        codes = cls.convert_to_norm_float_weight(mine, mine.numel() // BLOCK, BLOCK, self.nf4) \
+            if mine.numel() else torch.empty(0, dtype=torch.uint8, device=weight.device)
+        absmax = torch.zeros(self.per * CHUNK // BLOCK, dtype=weight.dtype, device=weight.device)
+        if mine.numel():
+            absmax[:mine.numel() // BLOCK] = nf4.get_block_absmax(mine, BLOCK)
+        every = torch.empty(absmax.numel() * comm.world, dtype=weight.dtype, device=weight.device)
+        comm.all_gather_into(every.view(torch.uint8), absmax.view(torch.uint8), tag="nf4:scales")
+        scales, factors, self.scaler_mean = cls.double_quantize_scalers(
+            every[:self.numel // BLOCK], 1, SCALER_BLOCK)
         # (codes: 2 a byte; scales: 1 a block of 64; factors: 1 a block of 64 x 256)
-        self.parts = [_padded(full.quantized_data, lo // 2, hi // 2),
-                      _padded(full.quantized_scalers, lo // BLOCK, hi // BLOCK),
-                      _padded(full.quantization_factor, lo // CHUNK, hi // CHUNK)]
-        self.numel = weight.numel()
-        self.template = full
+        self.parts = [_padded(codes, 0, self.per * CHUNK // 2),
+                      _padded(scales, lo // BLOCK, (lo + self.per * CHUNK) // BLOCK),
+                      _padded(factors, lo // CHUNK, lo // CHUNK + self.per)]
 
     def nbytes(self) -> int:
         """What this rank keeps of the weight."""
@@ -95,24 +121,9 @@ class NF4Shard:
                               device=part.device)
             self.comm.all_gather_into(out, part, tag="nf4:gather")
             whole.append(out[:keep])
-        t = self.template
-        nf4 = type(t)(_meta(t), BLOCK, t.n_blocks, SCALER_BLOCK, whole[1], whole[2],
-                      self.scaler_mean, whole[0], self.nf4)
+        nf4 = self.cls(self.meta, BLOCK, self.numel // BLOCK, SCALER_BLOCK, whole[1], whole[2],
+                       self.scaler_mean, whole[0], self.nf4)
         return nf4.get_original_weight().to(dtype)
-
-    def drop_template(self) -> None:
-        """Let the whole quantized weight go once the slices are kept (a template of the
-        layout only: its arrays are replaced by the gathered ones at each use)."""
-        t = self.template
-        empty8 = torch.empty(0, dtype=torch.uint8)
-        t.quantized_data, t.quantized_scalers = empty8, empty8.to(torch.int8)
-        t.quantization_factor = t.quantization_factor[:0]
-
-
-def _meta(t):
-    """The tensor metadata torchao's NF4Tensor is built from (its module's own class)."""
-    args = sys.modules[type(t).__module__].SubclassTensorArgs
-    return args(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, False)
 
 
 def _padded(values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -168,7 +179,6 @@ def convert(module: torch.nn.Module, comm, read=None) -> dict:
             kept[name] = "no values to quantize (a meta build with no file holding it)"
             continue
         shard = NF4Shard(value.to(w.device), comm)
-        shard.drop_template()
         del sub._parameters["weight"]
         sub._phalanx_nf4 = shard
         sub.weight = None  # F.linear's argument goes through the shard
