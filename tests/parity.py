@@ -186,6 +186,16 @@ def _reference_backward(name, model, x, y, world, b, accum, order):
 _references: dict = {}
 
 
+def with_reference(make, lr: float = 0.01):
+    """(model, reference, optimizer, reference's optimizer): `make()` twice with the same
+    weights, each with its AdamW, the model's to be prepared and the reference trained in one
+    process beside it."""
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    return (model, reference, torch.optim.AdamW(model.parameters(), lr=lr),
+            torch.optim.AdamW(reference.parameters(), lr=lr))
+
+
 @contextlib.contextmanager
 def one_thread():
     """Run the single-process reference on one intra-op thread. These models are far too small

@@ -7,6 +7,9 @@ head for it) as one process with the plain loss does; what it cannot compute is 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -16,6 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import phalanx as px
 from phalanx.model.linear_loss import CHUNK_ELEMENTS, chunk_rows
 from phalanx.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import with_reference
 
 V, H = 37, 16
 
@@ -123,11 +129,7 @@ class TinyLM(nn.Module):
 
 def _train(strategy, steps=3, step_in_backward=False):
     torch.manual_seed(0)
-    model = TinyLM().double()
-    reference = TinyLM().double()
-    reference.load_state_dict(model.state_dict())
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, reference, opt, ref_opt = with_reference(lambda: TinyLM().double())
     model, opt = px.prepare(model, opt, strategy=strategy, bucket_mb=0.001,
                             step_in_backward=step_in_backward)
     world, r = px.world_size(), px.rank()

@@ -31,7 +31,7 @@ import phalanx as px
 from phalanx.testing import engine_of, run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import CNN, Chain, one_thread
+from parity import CNN, Chain, one_thread, with_reference
 from test_parity64 import make_optimizer
 
 DTYPE = torch.float64
@@ -373,11 +373,7 @@ HEAD_APART = 0.0015
 
 def _nested_embedding():
     torch.manual_seed(0)
-    model = _CausalLM().double()
-    reference = _CausalLM().double()
-    reference.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    model, reference, opt, ref_opt = with_reference(lambda: _CausalLM().double())
     model, opt = px.prepare(model, opt, strategy="zero3", bucket_mb=HEAD_APART)
     g = torch.Generator().manual_seed(1)
     r, n = px.rank(), px.world_size()
