@@ -166,6 +166,26 @@ def test_trains_as_one_process_with_the_plain_loss(strategy, in_backward):
         assert loss < 1e-12 and probe < 1e-12 and weights < 1e-12, (rank, loss, probe, weights)
 
 
+@pytest.mark.one_process
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
+def test_under_autocast_backward_computes_what_forward_did(head_dtype):
+    """Under autocast (as a prepared model's bf16 forward runs) the head's matmul is in bf16
+    whatever the head's and the states' dtypes; backward, which runs without autocast, computes
+    in the same dtype (fp32 states with a bf16 head once failed there): the loss and gradients
+    are the plain loss's under autocast, to bf16's round-off."""
+    torch.manual_seed(0)
+    head = nn.Linear(H, V).to(head_dtype)
+    hidden = torch.randn(10, H, requires_grad=True)
+    labels = torch.randint(0, V, (10,))
+    tensors = [hidden, *head.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sliced = px.linear_cross_entropy(hidden, head, labels, chunk=5)
+        plain = F.cross_entropy(head(hidden).float(), labels)
+    assert abs(sliced.item() - plain.item()) < 1e-2 * abs(plain.item())
+    for a, b in zip(torch.autograd.grad(sliced, tensors), torch.autograd.grad(plain, tensors)):
+        assert a.dtype == b.dtype and (a - b).abs().max().item() < 1e-2, (a - b).abs().max()
+
+
 class _Adapted(nn.Linear):
     """A head whose forward adds something to the linear map, as an adapter's does."""
 
@@ -190,6 +210,10 @@ def test_what_it_cannot_compute_is_refused():
         px.linear_cross_entropy(hidden, head, labels, reduction="avg")
     with pytest.raises(TypeError, match="not nn.Linear's"):
         px.linear_cross_entropy(hidden, nn.Sequential(head), labels)
+    wrapped = nn.Linear(H, V).double()  # a hook library's wrapper set on the instance
+    wrapped.forward = lambda x: nn.Linear.forward(wrapped, x) + 1.0
+    with pytest.raises(TypeError, match="not nn.Linear's"):
+        px.linear_cross_entropy(hidden, wrapped, labels)
 
 
 @pytest.mark.one_process

@@ -125,6 +125,9 @@ class _LlamaForCausalLM(nn.Module):
     def forward(self, ids):
         return self.lm_head(self.model(ids))
 
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
 
 def _described(config):
     """The three descriptions of `config`'s model: px.plan's arguments for each."""

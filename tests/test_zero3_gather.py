@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import phalanx as px
+from phalanx.planner.layout import window
 from phalanx.testing import engine_of, run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -365,6 +366,9 @@ class _CausalLM(nn.Module):
     def forward(self, ids):
         return self.lm_head(self.model(ids))
 
+    def get_input_embeddings(self):  # as every Hugging Face model says which it is
+        return self.model.embed_tokens
+
 
 # units of at most 196 float64 (393 fp32, as the planner counts) elements: the head and the
 # embedding (512) each alone, a layer (72) one unit
@@ -396,10 +400,11 @@ def _nested_embedding():
     return [root.name for root in gatherer.roots], gatherer.peak_bytes, max(diffs)
 
 
-def test_an_embedding_inside_the_decoder_is_its_own_root():
+def test_the_input_embedding_inside_the_decoder_is_its_own_root():
     """A Hugging Face causal LM's embedding sits in the decoder (`model.embed_tokens`), whose
     forward brackets every layer: rooted there, it would stay gathered through the whole
-    decoder, forward and backward. It is its own root, gathered beside the first layer only:
+    decoder, forward and backward. The model's `get_input_embeddings()` is its own root,
+    gathered beside the first layer only:
     the measured peak is the planner's (the embedding or the head beside the layer next to it,
     never the two together), and training equals one process in float64."""
     roots, peak, diff = run_ranks(_nested_embedding, 2, timeout=120)[0]
@@ -412,3 +417,16 @@ def test_an_embedding_inside_the_decoder_is_its_own_root():
                       backend="gloo", input_shape="6", input_dtype="int64",
                       bucket_mb=HEAD_APART)["zero3"]
     assert planned.buffers_detail["gathered_params"] == 4 * (vocab + layer + norm)  # fp32
+
+
+@pytest.mark.one_process
+def test_a_root_that_brackets_others_is_counted_with_them():
+    """In backward's order of units a decoder holding the final norm comes between the head
+    and the last layer, which are gathered together at the end of the forward (the head
+    prefetched while the last layer computes, inside the decoder): the planner's window counts
+    the decoder with every root inside it and never as a neighbour of its own."""
+    sizes = {"lm_head": 32000, "model": 16, "model.layers.1": 72, "model.layers.0": 72,
+             "model.embed_tokens": 8000}
+    assert window(sizes, 2) == 32000 + 72 + 16
+    assert window(sizes, 1) == 32000  # the head alone: the decoder is not running then
+    assert window([5, 1, 7, 2], 2) == 9 and window([], 2) == 0

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "output_layer", "resolve_block_classes", "plan_units", "module_units",
+__all__ = ["find_blocks", "output_layer", "input_embedding", "resolve_block_classes",
+           "plan_units", "module_units",
            "unit_caps",
            "unit_numels", "unit_roots", "step_runs", "step_run_bytes",
            "FIRST_UNIT_MIB", "borrows", "borrowing"]
@@ -248,30 +249,45 @@ def _common_prefix(names: list[str]) -> str:
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def _callable_root(common: str, blocks: list[str], modules: dict) -> str:
+def _callable_root(common: str, blocks: list[str], modules: dict, embedding: str | None) -> str:
     """The module whose forward brackets every use of a unit's parameters.
 
     The common ancestor of the registering modules is not always called: torch's own
     MultiheadAttention reads `out_proj.weight` in its forward without calling `out_proj`. So
     the root is lifted to the repeated block the unit sits in (units.py never mixes blocks),
-    else to the model's child that holds it (an element, for a child that is a container),
-    else the model itself. An embedding is the exception outside blocks: its forward is the
-    one use of its weight (a head tied to it registers the weight too, which lifts the common
-    ancestor above it), so it is its own root. Lifted to the model's child, a Hugging Face
-    causal LM's embedding (`model.embed_tokens`) would stay gathered through the whole
-    decoder's forward, and again through its whole backward: a 525M-element weight at Llama 3's
-    size, beside every layer gathered."""
-    for block in blocks:
-        if common == block or common.startswith(block + "."):
-            return block
-    if common and isinstance(modules[common], nn.Embedding):
-        return common
+    else to the model's input embedding when the unit sits in it (`input_embedding`), else to
+    the model's child that holds it (an element, for a child that is a container), else the
+    model itself."""
+    for outer in blocks + ([embedding] if embedding else []):
+        if common == outer or common.startswith(outer + "."):
+            return outer
     parts = common.split(".") if common else []
     if not parts:
         return ""
     if isinstance(modules[parts[0]], _CONTAINERS):
         return ".".join(parts[:2]) if len(parts) >= 2 else ""
     return parts[0]
+
+
+def input_embedding(module: nn.Module) -> str | None:
+    """The qualified name of the model's token embedding, a root of its own: what
+    `get_input_embeddings()` returns (Hugging Face's models, and PEFT's around them, where it
+    is the adapter's wrapper, whose forward brackets its reads of the base weight). Every such
+    model calls it once, at the start of its forward, and nothing else reads it (a head tied
+    to it registers the weight too, which lifts the unit above it). Lifted to the model's child,
+    a causal LM's embedding (`model.embed_tokens`, inside the decoder) would stay gathered
+    through the decoder's whole forward and again its whole backward: 525M elements at Llama
+    3's size, beside every layer gathered. None for a model without the method (its embedding
+    is rooted by the rules of `_callable_root`: a child of the model, or an element of a
+    container, is its own root already)."""
+    named = getattr(module, "get_input_embeddings", None)
+    if not callable(named):
+        return None
+    try:
+        found = named()
+    except (AttributeError, NotImplementedError):
+        return None
+    return next((n for n, m in module.named_modules() if m is found and n), None)
 
 
 def unit_roots(module: nn.Module, runs, block_classes=None) -> list[str]:
@@ -282,5 +298,6 @@ def unit_roots(module: nn.Module, runs, block_classes=None) -> list[str]:
     modules = dict(module.named_modules(remove_duplicate=False))
     names_of = {id(m): n for n, m in modules.items()}
     blocks = [names_of[id(b)] for b in find_blocks(module, block_classes)]
+    embedding = input_embedding(module)
     return [_callable_root(_common_prefix([n for p in run for n in owners.get(id(p), [""])]),
-                           blocks, modules) for run in runs]
+                           blocks, modules, embedding) for run in runs]

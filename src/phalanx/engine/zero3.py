@@ -3,10 +3,12 @@
 [Note: zero3's gather and free]
 Between steps each rank holds only its shard of every unit (the master, and the optimizer
 state of it). A unit's *root* is the module whose forward brackets every use of its parameters:
-the repeated block it belongs to (units.py), else the model's child that contains every
-module registering one of its parameters, else the model (a parameter registered in two
-modules, such as tied input and output embeddings, lifts the root to their common ancestor, so
-it stays whole while both use it; see `_callable_root`). Hooks on each root:
+the repeated block it belongs to (units.py), else the model's input embedding when it sits in
+it (`get_input_embeddings()`: units.py's `input_embedding`), else the model's child that
+contains every module registering one of its parameters, else the model (a parameter
+registered in two modules, such as tied input and output embeddings, lifts the root to their
+common ancestor, so it stays whole while both use it; see `_callable_root`). Hooks on each
+root:
 
 - before its forward: every unit rooted there is gathered (`unit.unshard`, an all-gather of the
   shards into the full buffer the parameters are views of);

@@ -41,6 +41,8 @@ weight) is refused: computing around its forward would drop what that forward ad
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -138,7 +140,10 @@ class _SlicedCrossEntropy(torch.autograd.Function):
 
 
 def _plain_linear(head) -> bool:
+    """nn.Linear's own forward, on a plain weight: none of a subclass, none set on the instance
+    (a hook library's wrapper), no 4-bit weight."""
     return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward \
+        and "forward" not in head.__dict__ \
         and type(head.weight) in (torch.Tensor, nn.Parameter)
 
 
@@ -171,7 +176,8 @@ def linear_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *,
     head: the output layer, an `nn.Linear` (V, H) whose forward is nn.Linear's (it is called
         once, so a zero3 model gathers it as usual), or its weight, a (V, H) tensor (a head tied
         to the embedding: `model.embed.weight`, inside the model's forward).
-    labels: (...) integer targets, `ignore_index` where no loss is taken.
+    labels: (...) integer targets, `ignore_index` where no loss is taken (others outside
+        [0, vocabulary) are not checked: a GPU would wait for their values, slice after slice).
     reduction: "mean" over the labels that count (as F.cross_entropy: NaN when none does),
         "sum", or "none" (a loss per label, in fp32, in labels' shape).
     chunk: vocabulary rows per slice; None: as many as keep a slice's fp32 logits within 2^24
@@ -209,9 +215,23 @@ def linear_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *,
     flat_labels = labels.reshape(-1)
     rows = chunk_rows(flat_labels.numel(), weight.shape[0], chunk)
 
+    device = hidden.device.type
+    try:
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else None
+        outside = torch.autocast(device, enabled=False)
+    except RuntimeError:  # a device autocast does not know (the meta device of a trace)
+        autocast, outside = None, contextlib.nullcontext()
+
     def compute(h, w, b):
-        return _SlicedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), w, b, flat_labels,
-                                         ignore_index, rows)
+        # under autocast the head's matmul would run in its dtype; made explicit here, with
+        # autocast off inside, so that backward (which runs without it) computes the same
+        if autocast is not None:
+            h, w = h.to(autocast), w.to(autocast)
+            b = b.to(autocast) if b is not None else None
+        with outside:
+            return _SlicedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), w, b, flat_labels,
+                                             ignore_index, rows)
 
     if isinstance(head, nn.Module):
         losses = _called_as(head, lambda h: compute(h, head.weight, head.bias), hidden)

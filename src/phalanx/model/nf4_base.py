@@ -153,14 +153,16 @@ def _forward(self, x):
     return y + self.bias if self.bias is not None else y
 
 
-def convert(module: torch.nn.Module, comm, read=None) -> dict:
+def convert(module: torch.nn.Module, comm, read=None, block_classes=None) -> dict:
     """Store every frozen nn.Linear weight of `module` that takes it as NF4 in shards (see the
     Note): {"converted": names, "kept": {name: why}}. `read(path, "weight")`: the whole value
     of a weight that holds none yet (a zero3 meta build reading pretrained files:
-    pretrained.py's `take_whole`), read one weight at a time and quantized as it is read."""
+    pretrained.py's `take_whole`), read one weight at a time and quantized as it is read.
+    `block_classes`: px.prepare's `blocks=`, which decides the output layer of a model without
+    `get_output_embeddings()` (engine/units.py's `output_layer`) as the planner decides it."""
     converted, kept = [], {}
     names = {id(p): n for n, p in module.named_parameters()}
-    output = output_layer(module)
+    output = output_layer(module, block_classes)  # px.prepare's blocks=, as the planner's
     for path, sub in module.named_modules():
         if not isinstance(sub, torch.nn.Linear):
             continue

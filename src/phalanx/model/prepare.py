@@ -219,7 +219,8 @@ def _wrap(model, optimizer, spec: Spec, comm, built: _Built, build: Build):
                 "shards; give it its weights: init=px.from_safetensors(path) (each weight read "
                 "whole and quantized as it is read), or build it with them before px.prepare")
         convert_to_nf4(uncompiled(model), comm.apart("nf4:gathers"),
-                       read=built.reading.take_whole if built.shards_only else None)
+                       read=built.reading.take_whole if built.shards_only else None,
+                       block_classes=build.block_classes)
     original_dtypes = {k: v.dtype for k, v in uncompiled(model).state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor)}
     cast_model(model, precision)

@@ -214,11 +214,6 @@ def window(sizes, width: int):
     Face decoder holding the final norm, around its layers) is counted with each window of
     theirs: it stays gathered while they run."""
     named = sizes if isinstance(sizes, dict) else {}
-    names = list(named) if named else [None] * len(sizes)
-    values = list(named.values()) if named else list(sizes)
-    if not values or width <= 0:
-        return 0
-    width = min(width, len(values))
 
     def around(name) -> set:  # the roots among `sizes` whose forward brackets this one's
         if not isinstance(name, str):
@@ -226,12 +221,20 @@ def window(sizes, width: int):
         parts = name.split(".")
         return {a for a in (".".join(parts[:k]) for k in range(1, len(parts))) if a in named}
 
+    # an enclosing root is counted with the roots inside it, and is no neighbour of its own (a
+    # decoder holding the final norm comes between the head and the last block in backward's
+    # order of units, where those two are gathered together)
+    enclosing = set().union(*(around(n) for n in named)) if named else set()
+    names = [n for n in named if n not in enclosing] if named else [None] * len(sizes)
+    values = [named[n] for n in names] if named else list(sizes)
+    if not values or width <= 0:
+        return 0
+    width = min(width, len(values))
     outer = [around(n) for n in names]
     best = 0
     for i in range(len(values) - width + 1):
-        here = set(names[i:i + width])
-        enclosing = set().union(*outer[i:i + width]) - here
-        best = max(best, sum(values[i:i + width]) + sum(named[a] for a in enclosing))
+        brackets = set().union(*outer[i:i + width])
+        best = max(best, sum(values[i:i + width]) + sum(named[a] for a in brackets))
     return best
 
 
