@@ -128,6 +128,9 @@ class _LlamaForCausalLM(nn.Module):
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
+    def get_output_embeddings(self):
+        return self.lm_head
+
 
 def _described(config):
     """The three descriptions of `config`'s model: px.plan's arguments for each."""

@@ -366,8 +366,11 @@ class _CausalLM(nn.Module):
     def forward(self, ids):
         return self.lm_head(self.model(ids))
 
-    def get_input_embeddings(self):  # as every Hugging Face model says which it is
+    def get_input_embeddings(self):  # as every Hugging Face model says which they are
         return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
 
 
 # units of at most 196 float64 (393 fp32, as the planner counts) elements: the head and the
@@ -375,9 +378,22 @@ class _CausalLM(nn.Module):
 HEAD_APART = 0.0015
 
 
-def _nested_embedding():
+class _WithLoss(nn.Module):
+    """A module of the user's around the causal LM, its forward the logits (as one computing
+    the loss from the decoder's states would be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = _CausalLM()
+
+    def forward(self, ids):
+        return self.lm(ids)
+
+
+def _nested_embedding(wrapped=False):
     torch.manual_seed(0)
-    model, reference, opt, ref_opt = with_reference(lambda: _CausalLM().double())
+    model, reference, opt, ref_opt = with_reference(
+        lambda: (_WithLoss() if wrapped else _CausalLM()).double())
     model, opt = px.prepare(model, opt, strategy="zero3", bucket_mb=HEAD_APART)
     g = torch.Generator().manual_seed(1)
     r, n = px.rank(), px.world_size()
@@ -400,20 +416,25 @@ def _nested_embedding():
     return [root.name for root in gatherer.roots], gatherer.peak_bytes, max(diffs)
 
 
-def test_the_input_embedding_inside_the_decoder_is_its_own_root():
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_input_embedding_inside_the_decoder_is_its_own_root(wrapped):
     """A Hugging Face causal LM's embedding sits in the decoder (`model.embed_tokens`), whose
     forward brackets every layer: rooted there, it would stay gathered through the whole
-    decoder, forward and backward. The model's `get_input_embeddings()` is its own root,
-    gathered beside the first layer only:
+    decoder, forward and backward (and in a module of the user's around the LM, the head too,
+    rooted at the whole LM). The model's `get_input_embeddings()` and
+    `get_output_embeddings()` are roots of their own, the embedding gathered beside the first
+    layer only:
     the measured peak is the planner's (the embedding or the head beside the layer next to it,
     never the two together), and training equals one process in float64."""
-    roots, peak, diff = run_ranks(_nested_embedding, 2, timeout=120)[0]
-    assert "model.embed_tokens" in roots and "lm_head" in roots, roots
+    roots, peak, diff = run_ranks(_nested_embedding, 2, args=(wrapped,), timeout=120)[0]
+    prefix = "lm." if wrapped else ""  # the model inside a module of the user's: found there
+    assert f"{prefix}model.embed_tokens" in roots and f"{prefix}lm_head" in roots, roots
     assert diff < 1e-12, diff
     # the embedding beside the first layer, inside the decoder, which holds the final norm
     vocab, layer, norm = 64 * 8, 8 * 8 + 8, 2 * 8
     assert peak == 8 * (vocab + layer + norm), (peak, roots)  # float64: 8 bytes an element
-    planned = px.plan(_CausalLM().double(), gpus=2, strategy="zero3", precision="fp32",
+    planned = px.plan((_WithLoss() if wrapped else _CausalLM()).double(), gpus=2,
+                      strategy="zero3", precision="fp32",
                       backend="gloo", input_shape="6", input_dtype="int64",
                       bucket_mb=HEAD_APART)["zero3"]
     assert planned.buffers_detail["gathered_params"] == 4 * (vocab + layer + norm)  # fp32

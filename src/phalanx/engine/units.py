@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "output_layer", "input_embedding", "resolve_block_classes",
+__all__ = ["find_blocks", "output_layer", "own_roots", "resolve_block_classes",
            "plan_units", "module_units",
            "unit_caps",
            "unit_numels", "unit_roots", "step_runs", "step_run_bytes",
@@ -51,19 +51,15 @@ def find_blocks(module: nn.Module, classes: tuple[type, ...] | None = None) -> l
 
 
 def output_layer(module: nn.Module, classes: tuple[type, ...] | None = None):
-    """The model's output layer: what `get_output_embeddings()` returns where the model has it
-    (Hugging Face's models, and PEFT's around them), else the last nn.Linear registered outside
-    the repeated blocks (`find_blocks`), None in a model without blocks. A 4-bit base leaves it
+    """The model's output layer: what `get_output_embeddings()` returns where the model, or a
+    model it holds, has it (Hugging Face's models, and PEFT's around them), else the last
+    nn.Linear registered outside the repeated blocks (`find_blocks`), None in a model without
+    blocks. A 4-bit base leaves it
     in the compute dtype (model/nf4_base.py), as bitsandbytes leaves Hugging Face's output
     embeddings, and px.linear_cross_entropy computes the loss from its weight."""
-    named = getattr(module, "get_output_embeddings", None)
-    if callable(named):
-        try:
-            found = named()
-        except (AttributeError, NotImplementedError):
-            found = None
-        if isinstance(found, nn.Module):
-            return found
+    found = _named_by(module, "get_output_embeddings")
+    if found is not None:
+        return found
     blocks = find_blocks(module, classes)
     if not blocks:
         return None
@@ -249,16 +245,16 @@ def _common_prefix(names: list[str]) -> str:
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def _callable_root(common: str, blocks: list[str], modules: dict, embedding: str | None) -> str:
+def _callable_root(common: str, blocks: list[str], modules: dict, own: list[str]) -> str:
     """The module whose forward brackets every use of a unit's parameters.
 
     The common ancestor of the registering modules is not always called: torch's own
     MultiheadAttention reads `out_proj.weight` in its forward without calling `out_proj`. So
     the root is lifted to the repeated block the unit sits in (units.py never mixes blocks),
-    else to the model's input embedding when the unit sits in it (`input_embedding`), else to
-    the model's child that holds it (an element, for a child that is a container), else the
-    model itself."""
-    for outer in blocks + ([embedding] if embedding else []):
+    else to the model's token embedding or output layer when the unit sits in one
+    (`own_roots`), else to the model's child that holds it (an element, for a child that is a
+    container), else the model itself."""
+    for outer in blocks + own:
         if common == outer or common.startswith(outer + "."):
             return outer
     parts = common.split(".") if common else []
@@ -269,25 +265,40 @@ def _callable_root(common: str, blocks: list[str], modules: dict, embedding: str
     return parts[0]
 
 
-def input_embedding(module: nn.Module) -> str | None:
-    """The qualified name of the model's token embedding, a root of its own: what
-    `get_input_embeddings()` returns (Hugging Face's models, and PEFT's around them, where it
-    is the adapter's wrapper, whose forward brackets its reads of the base weight). Every such
-    model calls it once, at the start of its forward, and nothing else reads it (a head tied
-    to it registers the weight too, which lifts the unit above it). Lifted to the model's child,
-    a causal LM's embedding (`model.embed_tokens`, inside the decoder) would stay gathered
-    through the decoder's whole forward and again its whole backward: 525M elements at Llama
-    3's size, beside every layer gathered. None for a model without the method (its embedding
-    is rooted by the rules of `_callable_root`: a child of the model, or an element of a
+def own_roots(module: nn.Module) -> list[str]:
+    """The qualified names of the model's token embedding and output layer, each a root of its
+    own wherever it sits: what `get_input_embeddings()` and `get_output_embeddings()` return
+    (Hugging Face's models, and PEFT's around them, where it is the adapter's wrapper, whose
+    forward brackets its reads of the base weight), asked of the model itself or of one it
+    holds (a module of the user's around it, computing its loss). Every such model calls each
+    once a forward, and nothing else reads them (a head tied to the embedding registers the
+    weight twice, which lifts the unit above both). Lifted to the model's child, a causal LM's
+    embedding (`model.embed_tokens`, inside the decoder) would stay gathered through the
+    decoder's whole forward and again its whole backward, and inside a module of the user's
+    the head too (the whole LM is that module's child): 525M elements each at Llama 3's size,
+    beside every layer gathered. Empty for a model without the methods: its embedding and head
+    are rooted by the rules of `_callable_root` (a child of the model, or an element of a
     container, is its own root already)."""
-    named = getattr(module, "get_input_embeddings", None)
-    if not callable(named):
-        return None
-    try:
-        found = named()
-    except (AttributeError, NotImplementedError):
-        return None
-    return next((n for n, m in module.named_modules() if m is found and n), None)
+    found = [_named_by(module, m) for m in ("get_input_embeddings", "get_output_embeddings")]
+    names = {id(m): n for n, m in module.named_modules() if n}
+    return [names[id(m)] for m in found if m is not None and id(m) in names]
+
+
+def _named_by(module: nn.Module, method: str):
+    """The submodule that the outermost module holding `method` (Hugging Face's
+    `get_input_embeddings`, `get_output_embeddings`) names: the model itself, or a model
+    wrapped in a module of the user's (one whose forward computes its loss), else None."""
+    for sub in module.modules():
+        named = getattr(sub, method, None)
+        if not callable(named):
+            continue
+        try:
+            found = named()
+        except (AttributeError, NotImplementedError):
+            continue
+        if isinstance(found, nn.Module):
+            return found
+    return None
 
 
 def unit_roots(module: nn.Module, runs, block_classes=None) -> list[str]:
@@ -298,6 +309,6 @@ def unit_roots(module: nn.Module, runs, block_classes=None) -> list[str]:
     modules = dict(module.named_modules(remove_duplicate=False))
     names_of = {id(m): n for n, m in modules.items()}
     blocks = [names_of[id(b)] for b in find_blocks(module, block_classes)]
-    embedding = input_embedding(module)
+    own = own_roots(module)
     return [_callable_root(_common_prefix([n for p in run for n in owners.get(id(p), [""])]),
-                           blocks, modules, embedding) for run in runs]
+                           blocks, modules, own) for run in runs]

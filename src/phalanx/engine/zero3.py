@@ -3,8 +3,9 @@
 [Note: zero3's gather and free]
 Between steps each rank holds only its shard of every unit (the master, and the optimizer
 state of it). A unit's *root* is the module whose forward brackets every use of its parameters:
-the repeated block it belongs to (units.py), else the model's input embedding when it sits in
-it (`get_input_embeddings()`: units.py's `input_embedding`), else the model's child that
+the repeated block it belongs to (units.py), else the model's token embedding or output layer
+when it sits in one (`get_input_embeddings()`, `get_output_embeddings()`: units.py's
+`own_roots`), else the model's child that
 contains every module registering one of its parameters, else the model (a parameter
 registered in two modules, such as tied input and output embeddings, lifts the root to their
 common ancestor, so it stays whole while both use it; see `_callable_root`). Hooks on each
