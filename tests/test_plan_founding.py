@@ -230,7 +230,7 @@ def test_the_step_in_backward_is_px_prepares_and_refused_where_it_is():
         px.plan(params=1e9, gpus=2, lora_rank=8, base_dtype="int3")
 
 
-def test_the_command_line_takes_the_recipes(capsys):
+def test_the_command_line_takes_the_recipes(capsys, tmp_path):
     argv = ["plan", "--params", "8e9", "--gpus", "2", "--gpu", "rtx3090", "--strategy", "zero3",
             "--precision", "bf16-true", "--optimizer", "adamw8bit", "--step-in-backward",
             "--json"]
@@ -242,6 +242,15 @@ def test_the_command_line_takes_the_recipes(capsys):
                          "--lora-rank", "8", "--base-dtype", "nf4", "--strategy", "zero3"]) == 0
     text = capsys.readouterr().out
     assert "bf16, adamw, nf4 base;" in text and "nf4 base: frozen nn.Linear weights 4-bit" in text
+    config = tmp_path / "llama-3.1-8b.json"
+    config.write_text(json.dumps(LLAMA_3_1_8B))
+    assert phalanx_main(["plan", "--config", str(config), "--gpus", "2", "--gpu", "rtx3090",
+                         "--strategy", "zero3", "--activation-checkpointing", "--attention",
+                         "flash", "--precision", "bf16-true", "--optimizer", "adamw8bit",
+                         "--step-in-backward", "--sliced-loss", "--units", "GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "activation checkpointing on, sliced loss" in text and "19.01" in text, text
+    assert "sliced_loss: px.linear_cross_entropy keeps one fp32 log-sum-exp" in text
 
 
 # docs/guides/planner.md's table: GiB per card, host GiB per node (0: none)

@@ -112,7 +112,8 @@ def format_table(r: PlanResult) -> str:
         f"{', nf4 base' if s.get('base_dtype') == 'nf4' else ''}"
         f"{f', offload={offload!r}' if offload else ''}; micro-batch {s['batch']} x "
         f"{s['seq']} tokens, grad-accum {s['grad_accum']}, activation checkpointing "
-        f"{'on' if s['activation_checkpointing'] else 'off'}",
+        f"{'on' if s['activation_checkpointing'] else 'off'}"
+        f"{', sliced loss' if s.get('sliced_loss') else ''}",
         "",
     ]
     width = 34
