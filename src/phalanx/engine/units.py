@@ -18,11 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "output_layer", "own_roots", "resolve_block_classes",
-           "plan_units", "module_units",
-           "unit_caps",
-           "unit_numels", "unit_roots", "step_runs", "step_run_bytes",
-           "FIRST_UNIT_MIB", "borrows", "borrowing"]
+__all__ = ["find_blocks", "output_layer", "own_roots", "resolve_block_classes", "plan_units",
+           "module_units", "unit_caps", "unit_numels", "unit_roots", "step_runs",
+           "step_run_bytes", "FIRST_UNIT_MIB", "borrows", "borrowing"]
 
 FIRST_UNIT_MIB = 1.0
 
@@ -54,9 +52,9 @@ def output_layer(module: nn.Module, classes: tuple[type, ...] | None = None):
     """The model's output layer: what `get_output_embeddings()` returns where the model, or a
     model it holds, has it (Hugging Face's models, and PEFT's around them), else the last
     nn.Linear registered outside the repeated blocks (`find_blocks`), None in a model without
-    blocks. A 4-bit base leaves it
-    in the compute dtype (model/nf4_base.py), as bitsandbytes leaves Hugging Face's output
-    embeddings, and px.linear_cross_entropy computes the loss from its weight."""
+    blocks. A 4-bit base leaves it in the compute dtype (model/nf4_base.py), as bitsandbytes
+    leaves Hugging Face's output embeddings, and px.linear_cross_entropy computes the loss
+    from its weight."""
     found = _named_by(module, "get_output_embeddings")
     if found is not None:
         return found

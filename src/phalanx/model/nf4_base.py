@@ -77,7 +77,8 @@ class NF4Shard:
     absmax (1/64 of the weight's elements) and runs torchao's double quantization of the scales
     over all of them, exactly as over the whole weight (a block of one element's absmax is the
     value itself): the codes, scales, factors and mean are bit for bit the whole weight's
-    (tests/test_nf4_base.py trains against torchao's own `to_nf4` at 2 and 3 ranks)."""
+    (tests/test_nf4_base.py compares the gathered weight and mean with torchao's own `to_nf4`
+    at 2 and 3 ranks, and trains against it at 2)."""
 
     def __init__(self, weight: torch.Tensor, comm):
         nf4 = _nf4_module()

@@ -303,12 +303,11 @@ def buffer_bytes(policy: ShardPolicy, precision: PrecisionSpec, trainable: int, 
     pooled, lone = (largest_unit, 0) if borrowing is None else borrowing
     if sharded_grads and pooled:
         out["grad_pool"] = 2 * g * (pooled + world)
-    if policy.reshards(world) and in_flight is not None:
-        out["unit_grads"], out["grad_staging"] = g * in_flight[0], g * in_flight[1]
-        out["gathered_params"] = math.ceil(precision.weight_bytes * (
-            2 * largest_unit if gathered_numel is None else gathered_numel))
-    elif policy.reshards(world):
-        out["unit_grads"] = min(g_full, 2 * g * largest_unit)
+    if policy.reshards(world):
+        if in_flight is None:
+            out["unit_grads"] = min(g_full, 2 * g * largest_unit)
+        else:
+            out["unit_grads"], out["grad_staging"] = g * in_flight[0], g * in_flight[1]
         out["gathered_params"] = math.ceil(precision.weight_bytes * (
             2 * largest_unit if gathered_numel is None else gathered_numel))
     elif sharded_grads:
