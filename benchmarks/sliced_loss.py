@@ -27,15 +27,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from peak_rss import _reset_peak, _status
 
 import phalanx as px
 
 VOCAB, HIDDEN = 128256, 256
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(key + ":")).split()[1]) * 1024
 
 
 def _measure(kind: str, dtype: str, tokens: int, out) -> None:
@@ -59,8 +55,7 @@ def _measure(kind: str, dtype: str, tokens: int, out) -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_peak()
     before = _status("VmHWM")
     start = time.perf_counter()
     loss = step()

@@ -224,13 +224,14 @@ def window(sizes, width: int):
     # an enclosing root is counted with the roots inside it, and is no neighbour of its own (a
     # decoder holding the final norm comes between the head and the last block in backward's
     # order of units, where those two are gathered together)
-    enclosing = set().union(*(around(n) for n in named)) if named else set()
+    brackets_of = {n: around(n) for n in named}
+    enclosing = set().union(*brackets_of.values())
     names = [n for n in named if n not in enclosing] if named else [None] * len(sizes)
     values = [named[n] for n in names] if named else list(sizes)
     if not values or width <= 0:
         return 0
     width = min(width, len(values))
-    outer = [around(n) for n in names]
+    outer = [brackets_of.get(n, set()) for n in names]
     best = 0
     for i in range(len(values) - width + 1):
         brackets = set().union(*outer[i:i + width])
